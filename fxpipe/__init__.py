@@ -1,0 +1,1 @@
+"""fxpipe: pipeline-parallel training for ordinary PyTorch models."""

@@ -1,0 +1,1 @@
+"""Triton kernels over flat parameter/gradient buffers (imported as ``fxpipe.kernels``)."""
