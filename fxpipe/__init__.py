@@ -1,1 +1,22 @@
-"""fxpipe: pipeline-parallel training for ordinary PyTorch models."""
+"""fxpipe: pipeline-parallel training for ordinary PyTorch models.
+
+    pipe = fxpipe.compile(model, example_inputs, loss_fn=..., optimizer=..., microbatches=8)
+    loss = pipe.step(inputs, target)
+
+Phases, one module each: ``trace`` -> ``cost`` -> ``partition`` (a :class:`Plan`) ->
+``codegen`` -> ``schedule`` -> ``runtime``; ``inspect`` dumps any of them.
+"""
+
+from .errors import FxpipeError, PlanError, RuntimeMismatchError, ScheduleError, TraceError
+from .trace import trace
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "trace",
+    "FxpipeError",
+    "TraceError",
+    "PlanError",
+    "ScheduleError",
+    "RuntimeMismatchError",
+]

@@ -1,0 +1,522 @@
+"""trace: capture an ``nn.Module`` as a flat ``torch.fx.GraphModule`` annotated for the later phases.
+
+The main path is ``torch.export.export(model, args, kwargs, strict=False).module()``: the only
+tracer that takes today's Hugging Face models. ``torch.fx.symbolic_trace`` (with user leaf
+modules) is the fallback for models export rejects. Either way the result is normalised to one
+shape, so no later phase needs to know which tracer ran:
+
+* placeholders are the *flattened* example inputs, in pytree order, and the output node returns
+  a flat tuple; ``gm(*args, **kwargs)`` still takes and returns the model's own structures
+  through pytree specs (``TraceInfo.in_spec`` / ``out_spec``);
+* parameters and buffers are the SAME objects as the model's (no copies), each under ONE name:
+  the first name ``model.named_parameters()`` gives it. Tied weights (GPT-2's ``lm_head`` and
+  ``wte``) become one parameter read by every node that uses it;
+* export's ``_guards_fn`` node and dead ``get_attr`` reads are removed. Nothing else is removed:
+  a dead dropout still draws random numbers in eager mode, and in-place buffer updates
+  (``num_batches_tracked.add_``) have no users by nature;
+* ``node.meta["fxpipe"]`` is a :class:`NodeInfo` (output shapes, dtypes, bytes, parameters and
+  buffers read, owning module path) and ``gm.meta["fxpipe"]`` a :class:`TraceInfo`.
+
+Example::
+
+    >>> gm = fxpipe.trace(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), (torch.randn(2, 4),))
+    >>> gm.meta["fxpipe"].path
+    'export'
+    >>> [(n.name, n.meta["fxpipe"].shapes) for n in gm.graph.nodes if n.op == "call_function"]
+    [('linear', ((2, 8),)), ('relu', ((2, 8),))]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import io
+import operator
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .errors import TraceError
+
+__all__ = ["trace", "NodeInfo", "TraceInfo", "TensorSpec", "normalize_inputs", "module_path"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and dtype of one tensor value (``dtype`` as its short name, e.g. ``"float32"``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= int(s)
+        return numel * _dtype(self.dtype).itemsize
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _dtype(self.dtype)
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorSpec":
+        return cls(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def _dtype(name: str) -> torch.dtype:
+    d = getattr(torch, name, None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype name {name!r}: expected a torch dtype such as 'float32'")
+    return d
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the later phases need to know of one node (``node.meta["fxpipe"]``).
+
+    ``outputs`` lists every tensor the node produces (a tuple-returning op has several);
+    ``params``/``buffers`` are the canonical names of the parameters/buffers it reads directly
+    (through ``get_attr`` inputs, or owned by a ``call_module`` leaf); ``module_path`` is the
+    innermost module the op came from (``"transformer.h.3.attn"``; ``""`` at top level).
+    """
+
+    outputs: tuple[TensorSpec, ...]
+    params: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+    module_path: str = ""
+    param_bytes: int = 0
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(s.nbytes for s in self.outputs)
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(s.shape for s in self.outputs)
+
+
+@dataclass
+class TraceInfo:
+    """Facts about the whole capture (``gm.meta["fxpipe"]``)."""
+
+    path: str  # "export" or "symbolic_trace"
+    model_class: str
+    input_names: tuple[str, ...]  # placeholder names, in flat (pytree) order
+    in_spec: Any  # pytree spec of (args, kwargs)
+    out_spec: Any  # pytree spec of the model's output
+    training: bool
+    batch_size: int | None  # size of dim 0 of the first tensor input
+    export_error: str | None = None  # why export failed, when the fallback ran
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # canonical -> aliases
+
+    def flatten_inputs(self, args: Sequence, kwargs: Mapping) -> list:
+        """The flat list of input values for the placeholders, from model-style args/kwargs."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        if spec != self.in_spec:
+            raise TraceError(
+                f"inputs do not have the structure the model was traced with: expected "
+                f"{self.in_spec}, found {spec}. Pass the same positional/keyword inputs "
+                f"(same names, same nesting) as the example inputs."
+            )
+        return leaves
+
+    def unflatten_output(self, flat: Sequence) -> Any:
+        return pytree.tree_unflatten(list(flat), self.out_spec)
+
+
+def normalize_inputs(example_inputs) -> tuple[tuple, dict]:
+    """``example_inputs`` as ``(args, kwargs)``: a tuple/list is positional, a dict keyword,
+    a single tensor one positional argument."""
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    raise TypeError(
+        f"example_inputs must be a tuple (positional arguments) or a dict (keyword arguments) of "
+        f"ONE micro-batch; found {type(example_inputs).__name__}. Wrap a single tensor as (x,)."
+    )
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost owning module of a node, from ``nn_module_stack`` (``""`` if none)."""
+    if node.op == "call_module":
+        return str(node.target)
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    # export records paths like "L['self'].transformer.h[0]" in some versions; normalise.
+    return _clean_path(path)
+
+
+def _clean_path(path: str) -> str:
+    path = path.replace("L['self']", "").replace("L__self__", "")
+    out = path.replace("[", ".").replace("]", "").replace("'", "")
+    return out.strip(".")
+
+
+# --------------------------------------------------------------------------------------------
+# main entry point
+
+
+def trace(
+    model: nn.Module,
+    example_inputs,
+    *,
+    leaf_modules: Iterable[type | str] = (),
+    prefer: str = "export",
+) -> fx.GraphModule:
+    """Capture ``model`` as a GraphModule that computes what ``model`` computes.
+
+    ``example_inputs`` is one micro-batch: a tuple (positional) or a dict (keyword). The
+    graph is specialised to those shapes (trace at the micro-batch size). ``leaf_modules``
+    (classes or qualified names) are kept as opaque calls by the ``symbolic_trace`` fallback.
+    ``prefer="symbolic_trace"`` skips export. The path taken is ``gm.meta["fxpipe"].path``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fxpipe.trace expects an nn.Module, found {type(model).__name__}")
+    if prefer not in ("export", "symbolic_trace"):
+        raise ValueError(f"prefer must be 'export' or 'symbolic_trace', found {prefer!r}")
+    args, kwargs = normalize_inputs(example_inputs)
+    leaf_modules = tuple(leaf_modules)
+
+    export_exc: BaseException | None = None
+    gm = None
+    if prefer == "export" and not leaf_modules:
+        try:
+            with _no_kv_cache(model):
+                gm = _export(model, args, kwargs)
+            path = "export"
+        except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
+            export_exc = e
+    if gm is None:
+        try:
+            with _no_kv_cache(model):
+                gm = _symbolic_trace(model, args, kwargs, leaf_modules)
+            path = "symbolic_trace"
+        except Exception as e:  # noqa: BLE001
+            raise _trace_error(model, export_exc, e) from (export_exc or e)
+
+    tied = _dedup_parameters(model, gm)
+    _clean(gm)
+    _annotate(gm, model, args, kwargs, path)
+    leaves = pytree.tree_leaves((args, kwargs))
+    first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    gm.meta["fxpipe"] = TraceInfo(
+        path=path,
+        model_class=type(model).__qualname__,
+        input_names=tuple(n.name for n in gm.graph.nodes if n.op == "placeholder"),
+        in_spec=gm._in_spec,
+        out_spec=gm._out_spec,
+        training=model.training,
+        batch_size=int(first.shape[0]) if first is not None else None,
+        export_error=None if export_exc is None else f"{type(export_exc).__name__}: {export_exc}"[:2000],
+        tied=tied,
+    )
+    return gm
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module):
+    """Hugging Face decoders return a KV cache unless ``config.use_cache`` is False; a cache
+    object cannot cross pipeline stages and training never reads it, so trace without one."""
+    config = getattr(model, "config", None)
+    old = getattr(config, "use_cache", None)
+    if old:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if old:
+            config.use_cache = old
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    ep = torch.export.export(model, args, kwargs, strict=False)
+    return ep.module()
+
+
+class _LeafTracer(fx.Tracer):
+    def __init__(self, leaves: tuple):
+        super().__init__()
+        self.leaf_types = tuple(x for x in leaves if isinstance(x, type))
+        self.leaf_names = {x for x in leaves if isinstance(x, str)}
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if qualname in self.leaf_names or (self.leaf_types and isinstance(m, self.leaf_types)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+def _symbolic_trace(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple) -> fx.GraphModule:
+    """fx.symbolic_trace, then rewritten to export's shape: flat placeholders and a flat output
+    tuple behind pytree specs."""
+    sig = inspect.signature(model.forward)
+    bound = sig.bind(*args, **kwargs)
+    given = set(bound.arguments)
+    concrete = {
+        name: p.default
+        for name, p in sig.parameters.items()
+        if name not in given and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    }
+    for name, value in bound.arguments.items():
+        if not isinstance(value, torch.Tensor):
+            raise TraceError(
+                f"symbolic_trace fallback: input {name!r} of {type(model).__name__} is a "
+                f"{type(value).__name__}, expected a tensor. Pass only tensors as example inputs."
+            )
+    tracer = _LeafTracer(leaves)
+    graph = tracer.trace(model, concrete_args=concrete or None)
+    gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+
+    # fx makes one placeholder per forward parameter, in signature order; a specialised
+    # (concrete) one keeps a placeholder with a default plus asserts: fold those away.
+    params = [p.name for p in sig.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    placeholders = dict(zip(params, [n for n in gm.graph.nodes if n.op == "placeholder"]))
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (fx._symbolic_trace._assert_is_none, torch._assert):
+            gm.graph.erase_node(node)
+    for name, value in concrete.items():
+        ph = placeholders.pop(name)
+        for user in list(ph.users):
+            if not user.users and user.op == "call_function" and user.target is operator.eq:
+                gm.graph.erase_node(user)
+        for user in list(ph.users):
+            swap = lambda a: value if a is ph else a  # noqa: E731
+            user.args = fx.node.map_arg(user.args, swap)
+            user.kwargs = fx.node.map_arg(user.kwargs, swap)
+        gm.graph.erase_node(ph)
+    # Order placeholders like the flattened (args, kwargs), so pytree flattening feeds them.
+    names = pytree.tree_leaves((tuple(params[: len(args)]), {k: k for k in kwargs}))
+    _, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    first = next(iter(gm.graph.nodes))
+    for name in names:
+        first.prepend(placeholders[name])
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves_out, out_spec = pytree.tree_flatten(output.args[0])
+    output.args = (tuple(leaves_out),)
+    names = [placeholders[n].name for n in names]
+    gm.graph._codegen = fx.graph._PyTreeCodeGen(fx.graph._PyTreeInfo(names, in_spec, out_spec))
+    gm.recompile()
+    return gm
+
+
+# --------------------------------------------------------------------------------------------
+# clean-up passes
+
+
+def _dedup_parameters(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[str, ...]]:
+    """Give every parameter/buffer object ONE name, the model's first name for it.
+
+    Export registers a tied tensor under its last alias (GPT-2: ``lm_head.weight``) and may
+    read it under several; rewriting every ``get_attr`` to the canonical name makes the tie
+    visible to the partitioner (one tensor, several readers). Returns canonical -> aliases.
+    """
+    canonical: dict[int, str] = {}
+    aliases: dict[str, list[str]] = {}
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+        model.named_buffers(remove_duplicate=False)
+    ):
+        if id(t) in canonical:
+            aliases[canonical[id(t)]].append(name)
+        else:
+            canonical[id(t)] = name
+            aliases[name] = []
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        obj = _get_attr(gm, node.target)
+        if isinstance(obj, torch.Tensor) and id(obj) in canonical:
+            name = canonical[id(obj)]
+            if name != node.target:
+                _set_attr(gm, name, obj)
+                node.target = name
+    # Drop attributes that are now unreferenced aliases (keep everything still read).
+    used = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    for name, obj in list(gm.named_parameters(remove_duplicate=False)) + list(
+        gm.named_buffers(remove_duplicate=False)
+    ):
+        if name not in used and id(obj) in canonical and canonical[id(obj)] != name:
+            _del_attr(gm, name)
+    return {k: tuple(v) for k, v in aliases.items() if v}
+
+
+def _clean(gm: fx.GraphModule) -> None:
+    g = gm.graph
+    for node in list(g.nodes):
+        if node.op == "call_module" and str(node.target) == "_guards_fn":
+            g.erase_node(node)
+    if hasattr(gm, "_guards_fn"):
+        delattr(gm, "_guards_fn")
+    for node in list(g.nodes):
+        if node.op == "get_attr" and not node.users:
+            g.erase_node(node)
+    g.lint()
+    gm.recompile()
+
+
+def _get_attr(gm: nn.Module, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set_attr(gm: nn.Module, target: str, value: torch.Tensor) -> None:
+    *prefix, last = target.split(".")
+    mod = gm
+    for part in prefix:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if isinstance(value, nn.Parameter):
+        mod.register_parameter(last, value)
+    else:
+        mod.register_buffer(last, value)
+
+
+def _del_attr(gm: nn.Module, target: str) -> None:
+    *prefix, last = target.split(".")
+    mod = gm
+    for part in prefix:
+        mod = getattr(mod, part)
+    delattr(mod, last)
+
+
+# --------------------------------------------------------------------------------------------
+# metadata
+
+
+def _annotate(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, path: str) -> None:
+    params = dict(gm.named_parameters())
+    buffers = dict(gm.named_buffers())
+    if path != "export" or any("val" not in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
+        _fake_shape_prop(gm, args, kwargs)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        val = node.meta.get("val", node.meta.get("tensor_meta"))
+        outs = tuple(TensorSpec.of(t) for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor))
+        if node.op == "get_attr":
+            obj = _get_attr(gm, node.target)
+            outs = (TensorSpec.of(obj),) if isinstance(obj, torch.Tensor) else ()
+        p_names: list[str] = []
+        b_names: list[str] = []
+        if node.op == "call_module":
+            sub = gm.get_submodule(node.target)
+            p_names = [f"{node.target}.{n}" for n, _ in sub.named_parameters()]
+            b_names = [f"{node.target}.{n}" for n, _ in sub.named_buffers()]
+        for inp in node.all_input_nodes:
+            if inp.op == "get_attr":
+                if inp.target in params:
+                    p_names.append(inp.target)
+                elif inp.target in buffers:
+                    b_names.append(inp.target)
+        p_bytes = sum(_get_attr(gm, p).nbytes for p in p_names)
+        node.meta["fxpipe"] = NodeInfo(
+            outputs=outs,
+            params=tuple(dict.fromkeys(p_names)),
+            buffers=tuple(dict.fromkeys(b_names)),
+            module_path=module_path(node),
+            param_bytes=p_bytes,
+        )
+
+
+def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
+    """Shapes for the fallback path, computed on fake tensors: running the real model would
+    advance the RNG and update BatchNorm statistics. A leaf module with data-dependent control
+    flow cannot run on fake tensors; then a copy of the graph runs on the real inputs with the
+    RNG state restored afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    flat = pytree.tree_leaves((args, kwargs))
+    try:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        # ShapeProp prints a traceback before re-raising; the fallback below handles it.
+        with mode, contextlib.redirect_stderr(io.StringIO()):
+            ShapeProp(gm).run(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat])
+        source = gm
+    except Exception:  # noqa: BLE001 - data-dependent leaf: measure on a real copy
+        source = copy.deepcopy(gm)
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            ShapeProp(source).run(*flat)
+    metas = {n.name: n.meta.get("tensor_meta") for n in source.graph.nodes}
+    for node in gm.graph.nodes:
+        tm = metas.get(node.name)
+        if tm is not None and "val" not in node.meta:
+            node.meta["val"] = pytree.tree_map(
+                lambda m: torch.empty(m.shape, dtype=m.dtype, device="meta"),
+                tm,
+                is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# errors
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost traceback frame in user/model code (not torch/fxpipe internals)."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    frames = []
+    e: BaseException | None = exc
+    while e is not None:
+        frames.extend(traceback.extract_tb(e.__traceback__))
+        e = e.__cause__ or e.__context__
+    user = [f for f in frames if not f.filename.startswith((torch_dir, here)) and "site-packages/torch" not in f.filename]
+    return user[-1] if user else None
+
+
+def _trace_error(model: nn.Module, export_exc: BaseException | None, fx_exc: BaseException) -> TraceError:
+    cls = type(model).__name__
+    where = ""
+    mod_path = ""
+    for exc in (export_exc, fx_exc):
+        if exc is None:
+            continue
+        frame = _user_frame(exc)
+        if frame is not None:
+            where = f"{frame.filename}:{frame.lineno} in {frame.name}: {frame.line}"
+            mod_path = _module_of_frame(model, frame)
+            break
+    lines = [f"fxpipe could not trace {cls}."]
+    if where:
+        lines.append(f"  failed at {where}" + (f" (module {mod_path!r})" if mod_path else ""))
+    if export_exc is not None:
+        lines.append(f"  torch.export: {type(export_exc).__name__}: {str(export_exc).splitlines()[0][:300] if str(export_exc) else ''}")
+    lines.append(f"  torch.fx.symbolic_trace: {type(fx_exc).__name__}: {str(fx_exc).splitlines()[0][:300] if str(fx_exc) else ''}")
+    lines.append(
+        "  What to try: make the failing module a leaf (fxpipe.trace(..., leaf_modules=[ThatModule])); "
+        "replace data-dependent Python control flow (if/for on tensor values) with torch ops "
+        "(torch.where, masking); for Hugging Face decoders build the config with use_cache=False."
+    )
+    return TraceError("\n".join(lines))
+
+
+def _module_of_frame(model: nn.Module, frame: traceback.FrameSummary) -> str:
+    """Best guess at the module whose forward holds the failing line."""
+    for name, mod in model.named_modules():
+        fwd = type(mod).forward
+        code = getattr(fwd, "__code__", None)
+        if code is None:
+            continue
+        if code.co_filename == frame.filename and frame.name == code.co_name:
+            try:
+                lines, start = inspect.getsourcelines(fwd)
+            except (OSError, TypeError):
+                continue
+            if start <= (frame.lineno or 0) < start + len(lines):
+                return name or "<root>"
+    return ""
