@@ -1,0 +1,179 @@
+"""Plain-torch references of every kernel, and the argument checks both paths share.
+
+These are what the CPU runtime runs (``backend(...) == "torch"``) and what the kernel tests
+compare against. They import no Triton, so the CPU path never pays for it and never fixes
+Triton's interpreter mode before a test has set ``TRITON_INTERPRET``. All math is float32
+whatever the buffers' dtype, rounded once on store, like the kernels.
+
+The update references follow ``torch.optim``'s single-tensor code op for op (``lerp_`` for
+Adam's first moment, ``addcmul_``, ``(sqrt(v) / sqrt(bias_correction2)) + eps``, ``addcdiv``),
+so for float32 buffers they give torch.optim's numbers; the kernels agree to float32 rounding.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import KernelError, check_flat, check_no_partial_overlap, check_scalar
+from .optim import OptimizerSpec, adam_scalars, check_state, check_step
+
+# ---------------------------------------------------------------------------------------------
+# argument checks (shared with the Triton launch wrappers)
+# ---------------------------------------------------------------------------------------------
+
+
+def check_accumulate_args(acc, grad, scale):
+    op = "accumulate"
+    check_flat(op, "grad", grad)
+    check_flat(op, "acc", acc, numel=grad.numel(), device=grad.device)
+    check_no_partial_overlap(op, "acc", acc, "grad", grad)
+    return check_scalar(op, "scale", scale, grad.device)
+
+
+def check_update_args(spec, step, grad, weights, out, state, clip, lr):
+    op = "update"
+    if not isinstance(spec, OptimizerSpec):
+        raise KernelError(f"{op}: expected spec to be an OptimizerSpec, found {type(spec).__name__}; "
+                          f"build it with OptimizerSpec.from_torch(functools.partial(torch.optim.AdamW, ...))")
+    check_step(op, step)
+    check_flat(op, "grad", grad)
+    n, device = grad.numel(), grad.device
+    check_flat(op, "weights", weights, numel=n, device=device)
+    check_flat(op, "out", out, numel=n, device=device)
+    if out.dtype != weights.dtype:
+        raise KernelError(f"{op}: expected out (the next version's buffer) to have the weights' dtype "
+                          f"{weights.dtype}, found {out.dtype}; pass the other buffer of the same dtype group")
+    check_no_partial_overlap(op, "out", out, "weights", weights)
+    check_state(op, spec, state, n, device)
+    for k in spec.state_names:
+        for name, t in (("grad", grad), ("weights", weights), ("out", out)):
+            check_no_partial_overlap(op, f"state[{k!r}]", state[k], name, t)
+    clip = None if clip is None else check_scalar(op, "clip", clip, device)
+    lr = spec.lr if lr is None else float(lr)
+    if not lr >= 0:
+        raise KernelError(f"{op}: expected lr >= 0, found {lr}")
+    return clip, lr
+
+
+def check_adama_spec(op: str, spec) -> None:
+    if not isinstance(spec, OptimizerSpec) or spec.kind not in ("adam", "adamw"):
+        found = spec.kind if isinstance(spec, OptimizerSpec) else type(spec).__name__
+        raise KernelError(f"{op}: expected an Adam or AdamW OptimizerSpec for AdamA, found {found}; "
+                          f"AdamA accumulates into Adam's moments, use accumulate + update for SGD")
+    if spec.kind == "adam" and spec.weight_decay != 0:
+        raise KernelError(f"{op}: AdamA with Adam's coupled weight decay (weight_decay={spec.weight_decay}) is not "
+                          f"supported: the L2 term would have to enter every micro-batch fold; use AdamW "
+                          f"(decoupled decay) or weight_decay=0")
+
+
+def check_adama_accumulate_args(spec, grad, state, scale):
+    op = "adama_accumulate"
+    check_adama_spec(op, spec)
+    check_flat(op, "grad", grad)
+    check_state(op, spec, state, grad.numel(), grad.device)
+    return check_scalar(op, "scale", scale, grad.device)
+
+
+def check_adama_update_args(spec, step, weights, out, state, lr):
+    op = "adama_update"
+    check_adama_spec(op, spec)
+    check_step(op, step)
+    check_flat(op, "weights", weights)
+    n, device = weights.numel(), weights.device
+    check_flat(op, "out", out, numel=n, device=device, dtypes=(weights.dtype,))
+    check_no_partial_overlap(op, "out", out, "weights", weights)
+    check_state(op, spec, state, n, device)
+    lr = spec.lr if lr is None else float(lr)
+    if not lr >= 0:
+        raise KernelError(f"{op}: expected lr >= 0, found {lr}")
+    return lr
+
+
+# ---------------------------------------------------------------------------------------------
+# references
+# ---------------------------------------------------------------------------------------------
+
+
+def accumulate_reference(acc: torch.Tensor, grad: torch.Tensor, scale: float | torch.Tensor = 1.0,
+                         *, overwrite: bool = False) -> torch.Tensor:
+    """``acc = scale * grad`` (``overwrite=True``, first micro-batch) or ``acc += scale * grad``."""
+    scale = check_accumulate_args(acc, grad, scale)
+    # Two separately rounded float32 ops, like the kernel (torch's add_(alpha=) may fuse them).
+    total = grad.float() * scale
+    if not overwrite:
+        total = acc.float() + total
+    acc.copy_(total)
+    return acc
+
+
+def update_reference(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights: torch.Tensor,
+                     out: torch.Tensor, state: dict[str, torch.Tensor], *,
+                     clip: float | torch.Tensor | None = None, lr: float | None = None) -> torch.Tensor:
+    """One ``torch.optim`` step on flat buffers: ``out = step(weights, clip * grad)``; state in place."""
+    clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr)
+    g = grad.float()
+    if clip is not None:
+        g = g * clip  # clipping scales the gradient before weight decay, as clip_grad_norm_ + step does
+    w = weights.float()
+    if spec.kind == "sgd":
+        if spec.weight_decay != 0:
+            g = g.add(w, alpha=spec.weight_decay)
+        if spec.momentum != 0:
+            buf = state["momentum_buffer"]
+            if step == 1:
+                buf.copy_(g)  # torch.optim.SGD: the first buffer is the gradient, undampened
+            else:
+                buf.mul_(spec.momentum).add_(g, alpha=1 - spec.dampening)
+            g = g.add(buf, alpha=spec.momentum) if spec.nesterov else buf
+        out.copy_(w.add(g, alpha=-lr))
+        return out
+    b1, b2 = spec.betas
+    if spec.weight_decay != 0:
+        if spec.kind == "adamw":
+            w = w.mul(1 - lr * spec.weight_decay)
+        else:
+            g = g.add(w, alpha=spec.weight_decay)
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
+    denom = (v.sqrt() / bias_correction2_sqrt).add_(spec.eps)
+    out.copy_(w.addcdiv(m, denom, value=-step_size))
+    return out
+
+
+def adama_accumulate_reference(spec: OptimizerSpec, grad: torch.Tensor, state: dict[str, torch.Tensor], *,
+                               scale: float | torch.Tensor = 1.0, first: bool) -> None:
+    """Fold one micro-batch gradient into Adam's moments (AdamA, Zhang et al.).
+
+    With ``g_i = scale * grad`` (``scale = 1/M`` for M micro-batches of a mean loss):
+    at the first micro-batch of a step ``m = beta1*m``, ``v = beta2*v``; then for every micro-batch
+    ``m += (1-beta1) * g_i`` and ``v += (1-beta2) * g_i**2``. So ``m`` ends as Adam's
+    ``beta1*m + (1-beta1)*sum_i g_i`` but ``v`` as ``beta2*v + (1-beta2)*sum_i g_i**2``, not Adam's
+    ``(sum_i g_i)**2``: the sum of squares is what lets each ``g_i`` be freed at once.
+    """
+    scale = check_adama_accumulate_args(spec, grad, state, scale)
+    b1, b2 = spec.betas
+    m, v = state["exp_avg"], state["exp_avg_sq"]
+    g = grad.float() * scale
+    if first:
+        m.mul_(b1)
+        v.mul_(b2)
+    m.add_(g * (1 - b1))
+    v.add_(g * (1 - b2) * g)
+
+
+def adama_update_reference(spec: OptimizerSpec, step: int, weights: torch.Tensor, out: torch.Tensor,
+                           state: dict[str, torch.Tensor], *, lr: float | None = None) -> torch.Tensor:
+    """AdamA's weight update from the folded moments, with Adam's bias corrections for ``step``.
+
+    ``out = w*(1 - lr*wd) - lr/(1-beta1**t) * m / (sqrt(v)/sqrt(1-beta2**t) + eps)``
+    (the decay factor only for AdamW). The moments are not touched.
+    """
+    lr = check_adama_update_args(spec, step, weights, out, state, lr)
+    w = weights.float()
+    if spec.kind == "adamw" and spec.weight_decay != 0:
+        w = w.mul(1 - lr * spec.weight_decay)
+    step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
+    denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(spec.eps)
+    out.copy_(w.addcdiv(state["exp_avg"], denom, value=-step_size))
+    return out
