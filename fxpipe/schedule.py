@@ -650,6 +650,13 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
         if a.kind in WAITS and (_START_OF[a.kind], t) not in started:
             ck.fail(s, pos, f"waits for {_START_OF[a.kind]}{t}, which was not issued before", f"Insert {s}{_START_OF[a.kind]}{t} after the last backward of batch {t}")
         if a.kind is Kind.UPDATE:
+            alive = {t} | set(in_flight.values())
+            if len(alive) > max_versions:
+                ck.fail(
+                    s, pos, f"{len(alive)} weight versions alive after it ({', '.join(f'W({v})' for v in sorted(alive))}), "
+                    f"expected at most {max_versions} for {schedule}",
+                    "Run the UPDATE after the backwards of the micro-batches that use the oldest version",
+                )
             if not 1 <= t <= steps:
                 ck.fail(s, pos, f"batch {t} is outside 1..{steps}", "Fix the index")
             if t != newest + 1:

@@ -1,0 +1,485 @@
+"""Schedules as data: literal gpipe/1f1b/2bw lists, the validator's planted errors, stream lowering."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import defaultdict
+
+import pytest
+
+from fxpipe.errors import ScheduleError
+from fxpipe.schedule import (
+    SCHEDULES,
+    Action,
+    Kind,
+    actions_by_rank,
+    batch_of,
+    compute_only,
+    generate,
+    lower_to_streams,
+    rank_of,
+    stage_and_replica,
+    validate,
+    version_of,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Action strings
+
+
+@pytest.mark.parametrize(
+    "text", ["1F3", "1F3v0", "0B12v4", "2R7v1", "0SEND_ACT3", "1RECV_ACT3", "1SEND_GRAD9", "0RECV_GRAD9",
+             "0UPDATE2", "3DP_START1", "3DP_WAIT1", "0TIED_START5", "0TIED_WAIT5", "2NORM_START1", "2NORM_WAIT1"],
+)
+def test_action_round_trip(text):
+    a = Action.parse(text)
+    assert str(a) == text
+    assert Action.parse(str(a)) == a
+
+
+def test_action_fields():
+    a = Action.parse("1F3v0")
+    assert (a.stage, a.kind, a.index, a.version) == (1, Kind.F, 3, 0)
+    assert a.microbatch == 3 and a.batch is None
+    assert Action.parse("0UPDATE2").produces == 2 and Action.parse("0UPDATE2").batch == 2
+    assert Action.parse("0SEND_ACT3").peer == 1 and Action.parse("1SEND_GRAD3").peer == 0
+    assert Action.parse("0SEND_ACT3").counterpart() == Action.parse("1RECV_ACT3")
+    assert Action.parse("0RECV_GRAD3").counterpart() == Action.parse("1SEND_GRAD3")
+    assert repr([Action(0, Kind.B, 2, 1)]) == "[0B2v1]"
+
+
+@pytest.mark.parametrize("text", ["F3", "1X3", "1F", "1f3", "1F3v", "1F3 v0"])
+def test_action_parse_rejects(text):
+    with pytest.raises(ScheduleError, match="cannot parse action .*expected '<stage><KIND><index>"):
+        Action.parse(text)
+
+
+def test_every_generated_action_round_trips():
+    for a in itertools.chain.from_iterable(
+        generate("2bw", 3, 4, 3, width=2, tied=True, clip=True, recompute=True).values()
+    ):
+        assert Action.parse(str(a)) == a
+
+
+# ---------------------------------------------------------------------------------------------
+# Literal schedules (F/R/B/UPDATE skeleton per stage), as torchgpipe tests its clock cycles
+
+LITERAL = {
+    ("gpipe", 2, 2, 1): [
+        "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1",
+        "1F1v0 1F2v0 1B1v0 1B2v0 1UPDATE1",
+    ],
+    ("gpipe", 2, 4, 1): [
+        "0F1v0 0F2v0 0F3v0 0F4v0 0B1v0 0B2v0 0B3v0 0B4v0 0UPDATE1",
+        "1F1v0 1F2v0 1F3v0 1F4v0 1B1v0 1B2v0 1B3v0 1B4v0 1UPDATE1",
+    ],
+    ("gpipe", 4, 8, 1): [
+        f"{s}F1v0 {s}F2v0 {s}F3v0 {s}F4v0 {s}F5v0 {s}F6v0 {s}F7v0 {s}F8v0 "
+        f"{s}B1v0 {s}B2v0 {s}B3v0 {s}B4v0 {s}B5v0 {s}B6v0 {s}B7v0 {s}B8v0 {s}UPDATE1"
+        for s in range(4)
+    ],
+    ("gpipe", 2, 2, 2): [
+        "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1 0F3v1 0F4v1 0B3v1 0B4v1 0UPDATE2",
+        "1F1v0 1F2v0 1B1v0 1B2v0 1UPDATE1 1F3v1 1F4v1 1B3v1 1B4v1 1UPDATE2",
+    ],
+    ("1f1b", 2, 2, 1): [
+        "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1",
+        "1F1v0 1B1v0 1F2v0 1B2v0 1UPDATE1",
+    ],
+    ("1f1b", 2, 4, 1): [
+        "0F1v0 0F2v0 0B1v0 0F3v0 0B2v0 0F4v0 0B3v0 0B4v0 0UPDATE1",
+        "1F1v0 1B1v0 1F2v0 1B2v0 1F3v0 1B3v0 1F4v0 1B4v0 1UPDATE1",
+    ],
+    ("1f1b", 4, 8, 1): [
+        "0F1v0 0F2v0 0F3v0 0F4v0 0B1v0 0F5v0 0B2v0 0F6v0 0B3v0 0F7v0 0B4v0 0F8v0 0B5v0 0B6v0 0B7v0 0B8v0 0UPDATE1",
+        "1F1v0 1F2v0 1F3v0 1B1v0 1F4v0 1B2v0 1F5v0 1B3v0 1F6v0 1B4v0 1F7v0 1B5v0 1F8v0 1B6v0 1B7v0 1B8v0 1UPDATE1",
+        "2F1v0 2F2v0 2B1v0 2F3v0 2B2v0 2F4v0 2B3v0 2F5v0 2B4v0 2F6v0 2B5v0 2F7v0 2B6v0 2F8v0 2B7v0 2B8v0 2UPDATE1",
+        "3F1v0 3B1v0 3F2v0 3B2v0 3F3v0 3B3v0 3F4v0 3B4v0 3F5v0 3B5v0 3F6v0 3B6v0 3F7v0 3B7v0 3F8v0 3B8v0 3UPDATE1",
+    ],
+    ("1f1b", 2, 2, 2): [  # flush: the second step starts over with the warm-up
+        "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1 0F3v1 0F4v1 0B3v1 0B4v1 0UPDATE2",
+        "1F1v0 1B1v0 1F2v0 1B2v0 1UPDATE1 1F3v1 1B3v1 1F4v1 1B4v1 1UPDATE2",
+    ],
+    ("2bw", 2, 2, 3): [  # DESIGN.md: F1[0] F2[0] B1[0] F3[0] B2[0] → W1 | F4[0] B3[0] F5[1] B4[0] → W2 | …
+        "0F1v0 0F2v0 0B1v0 0F3v0 0B2v0 0UPDATE1 0F4v0 0B3v0 0F5v1 0B4v0 0UPDATE2 0F6v1 0B5v1 0B6v1 0UPDATE3",
+        "1F1v0 1B1v0 1F2v0 1B2v0 1UPDATE1 1F3v0 1B3v0 1F4v0 1B4v0 1UPDATE2 1F5v1 1B5v1 1F6v1 1B6v1 1UPDATE3",
+    ],
+    ("2bw", 2, 4, 3): [
+        "0F1v0 0F2v0 0B1v0 0F3v0 0B2v0 0F4v0 0B3v0 0F5v0 0B4v0 0UPDATE1 0F6v0 0B5v0 0F7v0 0B6v0 0F8v0 0B7v0 "
+        "0F9v1 0B8v0 0UPDATE2 0F10v1 0B9v1 0F11v1 0B10v1 0F12v1 0B11v1 0B12v1 0UPDATE3",
+        "1F1v0 1B1v0 1F2v0 1B2v0 1F3v0 1B3v0 1F4v0 1B4v0 1UPDATE1 1F5v0 1B5v0 1F6v0 1B6v0 1F7v0 1B7v0 1F8v0 "
+        "1B8v0 1UPDATE2 1F9v1 1B9v1 1F10v1 1B10v1 1F11v1 1B11v1 1F12v1 1B12v1 1UPDATE3",
+    ],
+    ("2bw", 4, 8, 2): [
+        "0F1v0 0F2v0 0F3v0 0F4v0 0B1v0 0F5v0 0B2v0 0F6v0 0B3v0 0F7v0 0B4v0 0F8v0 0B5v0 0F9v0 0B6v0 0F10v0 0B7v0 "
+        "0F11v0 0B8v0 0UPDATE1 0F12v0 0B9v0 0F13v0 0B10v0 0F14v0 0B11v0 0F15v0 0B12v0 0F16v0 0B13v0 0B14v0 "
+        "0B15v0 0B16v0 0UPDATE2",
+        "1F1v0 1F2v0 1F3v0 1B1v0 1F4v0 1B2v0 1F5v0 1B3v0 1F6v0 1B4v0 1F7v0 1B5v0 1F8v0 1B6v0 1F9v0 1B7v0 1F10v0 "
+        "1B8v0 1UPDATE1 1F11v0 1B9v0 1F12v0 1B10v0 1F13v0 1B11v0 1F14v0 1B12v0 1F15v0 1B13v0 1F16v0 1B14v0 "
+        "1B15v0 1B16v0 1UPDATE2",
+        "2F1v0 2F2v0 2B1v0 2F3v0 2B2v0 2F4v0 2B3v0 2F5v0 2B4v0 2F6v0 2B5v0 2F7v0 2B6v0 2F8v0 2B7v0 2F9v0 2B8v0 "
+        "2UPDATE1 2F10v0 2B9v0 2F11v0 2B10v0 2F12v0 2B11v0 2F13v0 2B12v0 2F14v0 2B13v0 2F15v0 2B14v0 2F16v0 "
+        "2B15v0 2B16v0 2UPDATE2",
+        "3F1v0 3B1v0 3F2v0 3B2v0 3F3v0 3B3v0 3F4v0 3B4v0 3F5v0 3B5v0 3F6v0 3B6v0 3F7v0 3B7v0 3F8v0 3B8v0 "
+        "3UPDATE1 3F9v0 3B9v0 3F10v0 3B10v0 3F11v0 3B11v0 3F12v0 3B12v0 3F13v0 3B13v0 3F14v0 3B14v0 3F15v0 "
+        "3B15v0 3F16v0 3B16v0 3UPDATE2",
+    ],
+}
+
+
+@pytest.mark.parametrize("key", sorted(LITERAL), ids=lambda k: "-".join(map(str, k)))
+def test_literal_compute_order(key):
+    schedule, d, m, steps = key
+    lists = generate(schedule, d, m, steps)
+    assert [compute_only(lists[s]) for s in range(d)] == LITERAL[key]
+    validate(lists, schedule, d, m, steps)
+
+
+def _design_notation(actions):
+    """Render a list the way DESIGN.md writes it: ``F1[0] ... → W1 | ...``."""
+    out = []
+    for a in actions:
+        if a.kind in (Kind.F, Kind.B):
+            out.append(f"{a.kind.value}{a.index}[{a.version}]")
+        elif a.kind is Kind.UPDATE:
+            out.append(f"→ W{a.index} |")
+    return " ".join(out)
+
+
+def test_design_md_2bw_example_literally():
+    lists = generate("2bw", 2, 2, 3)
+    assert _design_notation(lists[0]).startswith(
+        "F1[0] F2[0] B1[0] F3[0] B2[0] → W1 | F4[0] B3[0] F5[1] B4[0] → W2 |"
+    )
+    assert _design_notation(lists[1]).startswith(
+        "F1[0] B1[0] F2[0] B2[0] → W1 | F3[0] B3[0] F4[0] B4[0] → W2 | F5[1] B5[1] F6[1] B6[1] → W3 |"
+    )
+
+
+def test_full_lists_with_p2p_2bw():
+    lists = generate("2bw", 2, 2, 2)
+    assert " ".join(map(str, lists[0])) == (
+        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0B1v0 0F3v0 0SEND_ACT3 0RECV_GRAD2 0B2v0 0UPDATE1 "
+        "0F4v0 0SEND_ACT4 0RECV_GRAD3 0RECV_GRAD4 0B3v0 0B4v0 0UPDATE2"
+    )
+    assert " ".join(map(str, lists[1])) == (
+        "1RECV_ACT1 1RECV_ACT2 1F1v0 1B1v0 1SEND_GRAD1 1RECV_ACT3 1F2v0 1B2v0 1SEND_GRAD2 1RECV_ACT4 1UPDATE1 "
+        "1F3v0 1B3v0 1SEND_GRAD3 1F4v0 1B4v0 1SEND_GRAD4 1UPDATE2"
+    )
+
+
+def test_full_lists_with_p2p_gpipe():
+    lists = generate("gpipe", 2, 2, 1)
+    assert " ".join(map(str, lists[0])) == (
+        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0RECV_GRAD2 0B1v0 0B2v0 0UPDATE1"
+    )
+    assert " ".join(map(str, lists[1])) == (
+        "1RECV_ACT1 1RECV_ACT2 1F1v0 1F2v0 1B1v0 1SEND_GRAD1 1B2v0 1SEND_GRAD2 1UPDATE1"
+    )
+
+
+def test_reductions_recompute_and_their_window_2bw():
+    lists = generate("2bw", 2, 2, 2, width=2, tied=True, clip=True, recompute=[False, True])
+    assert " ".join(map(str, lists[0])) == (
+        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0B1v0 0F3v0 0SEND_ACT3 0RECV_GRAD2 0B2v0 "
+        "0DP_START1 0TIED_START1 0F4v0 0SEND_ACT4 0RECV_GRAD3 0RECV_GRAD4 0B3v0 0B4v0 "
+        "0DP_WAIT1 0TIED_WAIT1 0NORM_START1 0NORM_WAIT1 0UPDATE1 "
+        "0DP_START2 0TIED_START2 0DP_WAIT2 0TIED_WAIT2 0NORM_START2 0NORM_WAIT2 0UPDATE2"
+    )
+    # The recomputing stage runs R k right before B k; batch 1's reductions overlap F3/B3/F4/B4.
+    assert compute_only(lists[1]) == (
+        "1F1v0 1R1v0 1B1v0 1F2v0 1R2v0 1B2v0 1F3v0 1R3v0 1B3v0 1F4v0 1R4v0 1B4v0 1UPDATE1 1UPDATE2"
+    )
+    validate(lists, "2bw", 2, 2, 2, width=2, tied=True, clip=True, recompute=[False, True])
+
+
+def test_width_one_has_no_dp_and_untied_has_no_tied_reduction():
+    kinds = {a.kind for lst in generate("2bw", 3, 3, 2).values() for a in lst}
+    assert not kinds & {Kind.DP_START, Kind.DP_WAIT, Kind.TIED_START, Kind.NORM_START, Kind.R}
+    lists = generate("1f1b", 3, 3, 2, tied=True)
+    assert [any(a.kind is Kind.TIED_START for a in lists[s]) for s in range(3)] == [True, False, True]
+
+
+def test_version_rule():
+    m = 3
+    assert [version_of("2bw", k, m) for k in range(1, 13)] == [0, 0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [version_of("1f1b", k, m) for k in range(1, 10)] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [batch_of(k, m) for k in (1, 3, 4, 9)] == [1, 1, 2, 3]
+    lists = generate("2bw", 4, 4, 5)
+    for s, lst in lists.items():
+        for a in lst:
+            if a.kind in (Kind.F, Kind.B):
+                assert a.version == max((a.index - 1) // 4 - 1, 0), (s, a)
+
+
+def test_rank_mapping():
+    d, w = 4, 3
+    assert [rank_of(s, r, d) for r in range(w) for s in range(d)] == list(range(12))
+    assert stage_and_replica(6, d) == (2, 1)
+    by_rank = actions_by_rank(generate("1f1b", d, 4, 1, width=w), w)
+    assert sorted(by_rank) == list(range(12))
+    assert by_rank[6] == by_rank[2]
+
+
+def test_generate_errors():
+    with pytest.raises(ScheduleError, match=r"2bw needs at least as many micro-batches as stages \(m >= d\), found m=2 < d=4"):
+        generate("2bw", 4, 2, 1)
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb': expected one of gpipe, 1f1b, 2bw"):
+        generate("zb", 2, 2)
+    with pytest.raises(ScheduleError, match="recompute needs one bool per stage: expected 3, found 2"):
+        generate("1f1b", 3, 3, recompute=[True, False])
+
+
+CASES = [(2, 2, 3), (2, 4, 2), (4, 8, 2), (3, 5, 3), (4, 4, 3), (1, 3, 2), (5, 5, 2)]
+OPTIONS = [{}, {"width": 2}, {"tied": True}, {"clip": True}, {"recompute": True},
+           {"width": 2, "tied": True, "clip": True, "recompute": True}]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_generated_lists_validate(schedule):
+    for (d, m, steps), opts in itertools.product(CASES, OPTIONS):
+        lists = generate(schedule, d, m, steps, **opts)
+        validate(lists, schedule, d, m, steps, **opts)
+
+
+def test_1f1b_with_fewer_microbatches_than_stages():
+    lists = generate("1f1b", 4, 2, 2)
+    validate(lists, "1f1b", 4, 2, 2)
+    assert compute_only(lists[0]) == "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1 0F3v1 0F4v1 0B3v1 0B4v1 0UPDATE2"
+
+
+# ---------------------------------------------------------------------------------------------
+# Planted errors
+
+
+def _lists(schedule="2bw", d=2, m=2, steps=3, **opts):
+    return {s: list(v) for s, v in generate(schedule, d, m, steps, **opts).items()}
+
+
+def _swap(lst, a, b):
+    i, j = lst.index(Action.parse(a)), lst.index(Action.parse(b))
+    lst[i], lst[j] = lst[j], lst[i]
+
+
+def _move_before(lst, moved, anchor):
+    a = Action.parse(moved)
+    lst.remove(a)
+    lst.insert(lst.index(Action.parse(anchor)), a)
+
+
+def test_planted_swap_f_b():
+    lists = _lists()
+    _swap(lists[1], "1F2v0", "1B2v0")
+    with pytest.raises(ScheduleError, match=r"1B2v0 at position \d+ on stage 1 \(rank 1\): backward of micro-batch 2 before its forward") as info:
+        validate(lists, "2bw", 2, 2, 3)
+    assert "*1B2v0*" in str(info.value)  # the grid excerpt marks the failing cell
+
+
+def test_planted_dropped_recv():
+    lists = _lists()
+    lists[1].remove(Action.parse("1RECV_ACT3"))
+    with pytest.raises(ScheduleError, match="1F3v0 .* on stage 1 .*no RECV_ACT3 posted before the forward that consumes it. Insert 1RECV_ACT3"):
+        validate(lists, "2bw", 2, 2, 3)
+
+
+def test_planted_wrong_version():
+    lists = _lists()
+    i = lists[1].index(Action.parse("1F3v0"))
+    lists[1][i] = Action.parse("1F3v1")
+    with pytest.raises(ScheduleError, match=re.escape("micro-batch 3 uses version 1, expected 0 (2bw: max(floor((k-1)/m) - 1, 0), m=2)")):
+        validate(lists, "2bw", 2, 2, 3)
+
+
+def test_planted_three_versions_alive():
+    lists = _lists()
+    _move_before(lists[0], "0UPDATE2", "0B4v0")  # W(2) while F4 (W0) and F5 (W1) are in flight
+    with pytest.raises(ScheduleError, match=re.escape("0UPDATE2 at position") + r".*3 weight versions alive after it \(W\(0\), W\(1\), W\(2\)\), expected at most 2 for 2bw"):
+        validate(lists, "2bw", 2, 2, 3)
+
+
+def test_planted_reduction_waited_too_late():
+    opts = {"width": 2}
+    lists = _lists(**opts)
+    _move_before(lists[0], "0UPDATE1", "0DP_WAIT1")
+    with pytest.raises(ScheduleError, match=r"0UPDATE1 at position \d+ on stage 0 \(ranks 0, 2\): DP_START1 \(position \d+\) is not waited for before UPDATE1. Insert 0DP_WAIT1"):
+        validate(lists, "2bw", 2, 2, 3, **opts)
+
+
+def test_planted_update_after_the_forward_that_needs_it():
+    lists = _lists(schedule="1f1b")
+    _move_before(lists[0], "0UPDATE1", "0B4v1")
+    with pytest.raises(ScheduleError, match=r"0F3v1 .*version 1 is not alive here \(newest produced: W\(0\)\). Run UPDATE1 before"):
+        validate(lists, "1f1b", 2, 2, 3)
+
+
+def test_planted_too_many_in_flight_1f1b():
+    lists = _lists(schedule="1f1b", d=2, m=4, steps=1)
+    _move_before(lists[1], "1F2v0", "1B1v0")
+    _move_before(lists[1], "1RECV_ACT2", "1F2v0")
+    with pytest.raises(ScheduleError, match=r"1F2v0 .*2 micro-batches of activations in flight, expected at most 1 \(1f1b on stage 1 of 2\)"):
+        validate(lists, "1f1b", 2, 4, 1)
+
+
+def test_planted_missing_reduction():
+    lists = _lists(schedule="1f1b")
+    with pytest.raises(ScheduleError, match=r"missing DP_START1 \(width=2"):
+        validate(lists, "1f1b", 2, 2, 3, width=2)
+
+
+def test_planted_p2p_order_mismatch():
+    lists = _lists(schedule="gpipe", steps=1)
+    _swap(lists[1], "1SEND_GRAD1", "1SEND_GRAD2")
+    _swap(lists[1], "1B1v0", "1B2v0")
+    with pytest.raises(ScheduleError, match="p2p order mismatch with stage 1: this is operation 3 between the two stages, but stage 1's operation 3 is 1SEND_GRAD2"):
+        validate(lists, "gpipe", 2, 2, 1)
+
+
+def test_planted_deadlock():
+    # Stage 1 waits for the tied-weight sum before sending the gradient stage 0 needs to finish
+    # its backward and join that sum: a cycle only the replay can see.
+    opts = {"tied": True}
+    lists = _lists(schedule="1f1b", steps=1, **opts)
+    send = Action.parse("1SEND_GRAD2")
+    lists[1].remove(send)
+    lists[1].append(send)
+    with pytest.raises(ScheduleError, match=r"deadlock: every unfinished stage is blocked \(stage 0 at 0B2v0 \(position \d+\); stage 1 at 1TIED_WAIT1"):
+        validate(lists, "1f1b", 2, 2, 1, **opts)
+
+
+def test_planted_collective_order():
+    opts = {"tied": True, "width": 2}
+    lists = _lists(schedule="2bw", steps=3, **opts)
+    lists[1] = [a for a in lists[1] if not (a.kind in (Kind.TIED_START, Kind.TIED_WAIT) and a.index == 1)]
+    with pytest.raises(ScheduleError, match=r"missing TIED_START1"):
+        validate(lists, "2bw", 2, 2, 3, **opts)
+    with pytest.raises(ScheduleError, match=r"TIED_START batches \[2, 3\] differ from stage 0's \[1, 2, 3\]"):
+        validate(lists, "2bw", 2, 2, 3, width=2)
+
+
+def test_validate_wrong_keys():
+    with pytest.raises(ScheduleError, match=r"expected one action list per stage 0..2, found keys \[0, 1\]"):
+        validate(_lists(), "2bw", 3, 3, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stream lowering
+
+
+def test_lowering_waits_exactly_on_dependencies():
+    lists = generate("2bw", 3, 3, 2, width=2, tied=True, clip=True)
+    for s, lst in lists.items():
+        ops = lower_to_streams(lst)
+        assert [op.action for op in ops] == lst
+        for op in ops:
+            a = op.action
+            if a.kind is Kind.F:
+                assert op.stream == "compute"
+                assert op.waits == ((f"{s}RECV_ACT{a.index}",) if s > 0 else ())
+            elif a.kind is Kind.B:
+                assert op.waits == ((f"{s}RECV_GRAD{a.index}",) if s < 2 else ())
+            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                assert op.waits == ()  # a receive waits on no compute at all
+                assert op.stream == ("p2p_prev" if a.kind is Kind.RECV_ACT else "p2p_next")
+            elif a.kind is Kind.SEND_ACT:
+                assert op.stream == "p2p_next" and op.waits == (f"{s}F{a.index}v{version_of('2bw', a.index, 3)}",)
+            elif a.kind is Kind.SEND_GRAD:
+                assert op.stream == "p2p_prev" and op.waits == (f"{s}B{a.index}v{version_of('2bw', a.index, 3)}",)
+            elif a.kind in (Kind.DP_START, Kind.TIED_START):
+                assert op.stream == "reduce" and op.waits == (f"{s}B{3 * a.index}v{version_of('2bw', 3 * a.index, 3)}",)
+            elif a.kind is Kind.NORM_START:
+                assert op.stream == "reduce"
+                assert set(op.waits) >= {f"{s}DP_START{a.index}"}
+            elif a.kind in (Kind.DP_WAIT, Kind.TIED_WAIT, Kind.NORM_WAIT):
+                assert op.stream == "compute" and op.waits == (f"{s}{a.kind.value.replace('WAIT', 'START')}{a.index}",)
+            elif a.kind is Kind.UPDATE:
+                assert op.stream == "compute" and op.waits == ()
+            assert op.records == str(a)
+
+
+class FakeStream:
+    """A CPU stand-in for a CUDA stream: runs its ops in order once their events are recorded."""
+
+    def __init__(self, rank, name, ops):
+        self.rank, self.name, self.ops, self.pos = rank, name, ops, 0
+
+    def head(self):
+        return self.ops[self.pos] if self.pos < len(self.ops) else None
+
+
+def _run_fake_streams(lists, hold_compute=frozenset()):
+    """Execute lowered lists; a p2p op runs together with its peer's. Returns the global op order.
+
+    Streams named in ``hold_compute`` (ranks) only run compute when nothing else can move, which
+    shows what communication can do while compute is stalled.
+    """
+    streams = {}
+    for s, lst in lists.items():
+        per = defaultdict(list)
+        for op in lower_to_streams(lst):
+            per[op.stream].append(op)
+        for name, ops in per.items():
+            streams[s, name] = FakeStream(s, name, ops)
+    recorded, order = set(), []
+
+    def ready(st):
+        op = st.head()
+        return op is not None and all((st.rank, w) in recorded for w in op.waits)
+
+    def fire(st):
+        op = st.head()
+        recorded.add((st.rank, op.records))
+        order.append((st.rank, st.name, str(op.action)))
+        st.pos += 1
+
+    while True:
+        moved = False
+        for compute_pass in (False, True):
+            for key, st in streams.items():
+                if (key[1] == "compute") != compute_pass or not ready(st):
+                    continue
+                if compute_pass and key[0] in hold_compute and moved:
+                    continue
+                a = st.head().action
+                if a.peer is not None:
+                    other = streams[a.peer, "p2p_prev" if key[1] == "p2p_next" else "p2p_next"]
+                    assert other.head().action == a.counterpart()  # one-for-one pairing per peer stream
+                    if not ready(other):
+                        continue
+                    fire(other)
+                elif a.kind in (Kind.TIED_START, Kind.NORM_START):
+                    group = [k for k in streams if k[1] == "reduce" and any(o.action.kind is a.kind for o in streams[k].ops)]
+                    if not all(ready(streams[k]) and streams[k].head().action[1:] == a[1:] for k in group):
+                        continue
+                    for k in group:
+                        if k != key:
+                            fire(streams[k])
+                fire(st)
+                moved = True
+        if not moved:
+            break
+    stalled = {key: str(st.head().action) for key, st in streams.items() if st.head() is not None}
+    assert not stalled, f"fake streams stalled at {stalled}"
+    return order
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_fake_streams_run_every_schedule(schedule):
+    lists = generate(schedule, 3, 3, 3, width=2, tied=True, clip=True, recompute=True)
+    order = _run_fake_streams(lists)
+    assert len(order) == sum(map(len, lists.values()))
+    pos = {(r, a): i for i, (r, _, a) in enumerate(order)}
+    for s, lst in lists.items():
+        for a in lst:  # compute consumes what it receives only after the receive ran
+            if a.kind is Kind.F and s > 0:
+                assert pos[s, f"{s}RECV_ACT{a.index}"] < pos[s, str(a)]
+
+
+def test_fake_streams_communication_does_not_wait_for_unrelated_compute():
+    # With stage 1's compute held back, its receives of later micro-batches still complete:
+    # receives depend on no compute, only on the FIFO order of their peer channel.
+    lists = generate("gpipe", 2, 4, 1)
+    order = _run_fake_streams(lists, hold_compute={1})
+    pos = {a: i for i, (_, _, a) in enumerate(order)}
+    assert pos["1RECV_ACT4"] < pos["1F1v0"]
+    assert pos["0SEND_ACT4"] < pos["1F1v0"]
