@@ -1,0 +1,191 @@
+"""The shared test model zoo: small models with fixed seeds, one factory each.
+
+Every factory returns ``(model, example_inputs)``: ``example_inputs`` is a tuple (positional)
+or a dict (keyword arguments) of ONE micro-batch, the form ``fxpipe.trace`` and
+``fxpipe.compile`` take. Models are built under ``torch.manual_seed(seed)`` so two calls give
+identical weights and inputs; ``dropout`` defaults to 0 so gradient checks can be bitwise.
+
+Example::
+
+    from tests.models import ZOO, gpt2_tiny
+    model, inputs = gpt2_tiny(dropout=0.1)
+    out = model(**inputs)                       # a dict of keyword inputs
+    for name, factory in ZOO.items():           # every model, for parametrised tests
+        model, inputs = factory()
+
+``tied`` lists the factories whose model has tied parameters (GPT-2: ``lm_head``/``wte``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = [
+    "mlp",
+    "cnn_bn",
+    "transformer_encoder",
+    "rmsnorm_residual",
+    "gpt2_tiny",
+    "bert_tiny",
+    "ZOO",
+    "HF",
+]
+
+
+def mlp(*, seed: int = 0, batch: int = 4, dropout: float = 0.0):
+    """Four Linear layers with ReLU (and optional dropout); input ``(batch, 16)``."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 8),
+    )
+    return model, (torch.randn(batch, 16),)
+
+
+class SmallCNN(nn.Module):
+    """Conv-BN-ReLU twice, then pool and a linear head; BatchNorm updates running stats in
+    train mode, which pipelines must keep correct."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = torch.relu(self.bn2(self.conv2(x)))
+        x = x.mean(dim=(2, 3))
+        return self.head(self.drop(x))
+
+
+def cnn_bn(*, seed: int = 0, batch: int = 4, dropout: float = 0.0):
+    """:class:`SmallCNN` on ``(batch, 3, 8, 8)`` images, in train mode."""
+    torch.manual_seed(seed)
+    model = SmallCNN(dropout)
+    return model, (torch.randn(batch, 3, 8, 8),)
+
+
+def transformer_encoder(*, seed: int = 0, batch: int = 2, dropout: float = 0.0):
+    """``nn.TransformerEncoder``: 2 layers, d_model 32, 4 heads, batch_first; input
+    ``(batch, 8, 32)``. The fast path (nested tensors) is off in train mode."""
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=dropout, batch_first=True)
+    model = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    return model, (torch.randn(batch, 8, 32),)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as Llama writes it: the weight is read by a plain ``x * weight``, not by a
+    module call, so the parameter reaches the graph as a bare ``get_attr``."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+
+    def forward(self, x):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x * self.weight
+
+
+class RMSResidual(nn.Module):
+    """Embedding, two pre-norm residual MLP blocks, final norm and head: residual (skip)
+    values cross any cut inside a block."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norms = nn.ModuleList([RMSNorm(dim) for _ in range(2)])
+        self.up = nn.ModuleList([nn.Linear(dim, 2 * dim) for _ in range(2)])
+        self.down = nn.ModuleList([nn.Linear(2 * dim, dim) for _ in range(2)])
+        self.drop = nn.Dropout(dropout)
+        self.final_norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for norm, up, down in zip(self.norms, self.up, self.down):
+            h = h + self.drop(down(torch.nn.functional.gelu(up(norm(h)))))
+        return self.head(self.final_norm(h))
+
+
+def rmsnorm_residual(*, seed: int = 0, batch: int = 2, dropout: float = 0.0):
+    """:class:`RMSResidual` on token ids ``(batch, 8)``."""
+    torch.manual_seed(seed)
+    model = RMSResidual(dropout=dropout)
+    return model, (torch.randint(0, 50, (batch, 8)),)
+
+
+def gpt2_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):
+    """Hugging Face ``GPT2LMHeadModel`` (2 layers, 32 wide, 4 heads, vocab 100, tied
+    ``lm_head``/``wte``), keyword inputs ``input_ids`` (and ``labels`` when asked, so the
+    model computes its own loss)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        vocab_size=100,
+        n_positions=64,
+        use_cache=False,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+    model = GPT2LMHeadModel(config)
+    ids = torch.randint(0, 100, (batch, seq))
+    inputs = {"input_ids": ids}
+    if labels:
+        inputs["labels"] = ids.clone()
+    return model, inputs
+
+
+def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0):
+    """Hugging Face ``BertForMaskedLM`` (2 layers, 32 wide, 4 heads, vocab 100; the decoder is
+    tied to the word embeddings), keyword inputs ``input_ids`` and ``attention_mask`` (the
+    mask is a model input that stages other than the first read)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    model = BertForMaskedLM(config)
+    ids = torch.randint(0, 100, (batch, seq))
+    mask = torch.ones(batch, seq, dtype=torch.long)
+    mask[0, -3:] = 0  # some padding, so the mask matters
+    return model, {"input_ids": ids, "attention_mask": mask}
+
+
+# name -> factory; each factory takes keyword arguments seed, batch, dropout.
+ZOO = {
+    "mlp": mlp,
+    "cnn_bn": cnn_bn,
+    "transformer_encoder": transformer_encoder,
+    "rmsnorm_residual": rmsnorm_residual,
+    "gpt2_tiny": gpt2_tiny,
+    "bert_tiny": bert_tiny,
+}
+
+# the factories that need ``transformers``
+HF = ("gpt2_tiny", "bert_tiny")
