@@ -93,15 +93,43 @@ def check_adama_update_args(spec, step, weights, out, state, lr):
 # ---------------------------------------------------------------------------------------------
 
 
+#: Elements per slice the references work on: elementwise math is exact slice by slice, and small
+#: temporaries stay in cache and in malloc's free lists (stage-sized ones are fresh pages every call).
+_CHUNK = 1 << 16
+
+
+def _slices(n: int):
+    for start in range(0, n, _CHUNK):
+        yield slice(start, min(start + _CHUNK, n))
+
+
+def _fp32_target(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor holding ``src`` to compute the new values in: ``dst`` itself when it is fp32."""
+    if dst.dtype != torch.float32:
+        return src.float()
+    if dst.data_ptr() != src.data_ptr():
+        dst.copy_(src)
+    return dst
+
+
 def accumulate_reference(acc: torch.Tensor, grad: torch.Tensor, scale: float | torch.Tensor = 1.0,
                          *, overwrite: bool = False) -> torch.Tensor:
     """``acc = scale * grad`` (``overwrite=True``, first micro-batch) or ``acc += scale * grad``."""
     scale = check_accumulate_args(acc, grad, scale)
-    # Two separately rounded float32 ops, like the kernel (torch's add_(alpha=) may fuse them).
-    total = grad.float() * scale
-    if not overwrite:
-        total = acc.float() + total
-    acc.copy_(total)
+    if acc.dtype == grad.dtype == torch.float32 and not isinstance(scale, torch.Tensor):
+        # No temporary, so no slicing: torch may fuse scale*g + acc into one rounding where the
+        # kernel rounds twice (within 1 ulp).
+        torch.mul(grad, scale, out=acc) if overwrite else acc.add_(grad, alpha=scale)
+        return acc
+    for s in _slices(grad.numel()):
+        a, g = acc[s], grad[s]
+        total = g.float() * scale
+        if overwrite:
+            a.copy_(total)
+        elif a.dtype == torch.float32:
+            a.add_(total)
+        else:
+            a.copy_(a.float() + total)
     return acc
 
 
@@ -110,34 +138,39 @@ def update_reference(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights
                      clip: float | torch.Tensor | None = None, lr: float | None = None) -> torch.Tensor:
     """One ``torch.optim`` step on flat buffers: ``out = step(weights, clip * grad)``; state in place."""
     clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr)
-    g = grad.float()
-    if clip is not None:
-        g = g * clip  # clipping scales the gradient before weight decay, as clip_grad_norm_ + step does
-    w = weights.float()
-    if spec.kind == "sgd":
-        if spec.weight_decay != 0:
-            g = g.add(w, alpha=spec.weight_decay)
-        if spec.momentum != 0:
-            buf = state["momentum_buffer"]
-            if step == 1:
-                buf.copy_(g)  # torch.optim.SGD: the first buffer is the gradient, undampened
-            else:
-                buf.mul_(spec.momentum).add_(g, alpha=1 - spec.dampening)
-            g = g.add(buf, alpha=spec.momentum) if spec.nesterov else buf
-        out.copy_(w.add(g, alpha=-lr))
-        return out
-    b1, b2 = spec.betas
-    if spec.weight_decay != 0:
-        if spec.kind == "adamw":
-            w = w.mul(1 - lr * spec.weight_decay)
+    if spec.kind != "sgd":
+        step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
+    for s in _slices(grad.numel()):
+        g = grad[s].float()
+        if clip is not None:
+            g = g * clip  # clipping scales the gradient before weight decay, as clip_grad_norm_ + step does
+        o = out[s]
+        w = _fp32_target(weights[s], o)
+        if spec.kind == "sgd":
+            if spec.weight_decay != 0:
+                g = g.add(w, alpha=spec.weight_decay)
+            if spec.momentum != 0:
+                buf = state["momentum_buffer"][s]
+                if step == 1:
+                    buf.copy_(g)  # torch.optim.SGD: the first buffer is the gradient, undampened
+                else:
+                    buf.mul_(spec.momentum).add_(g, alpha=1 - spec.dampening)
+                g = g.add(buf, alpha=spec.momentum) if spec.nesterov else buf
+            w.add_(g, alpha=-lr)
         else:
-            g = g.add(w, alpha=spec.weight_decay)
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    m.lerp_(g, 1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-    step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
-    denom = (v.sqrt() / bias_correction2_sqrt).add_(spec.eps)
-    out.copy_(w.addcdiv(m, denom, value=-step_size))
+            b1, b2 = spec.betas
+            if spec.weight_decay != 0:
+                if spec.kind == "adamw":
+                    w.mul_(1 - lr * spec.weight_decay)
+                else:
+                    g = g.add(w, alpha=spec.weight_decay)
+            m, v = state["exp_avg"][s], state["exp_avg_sq"][s]
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = v.sqrt().div_(bias_correction2_sqrt).add_(spec.eps)
+            w.addcdiv_(m, denom, value=-step_size)
+        if w is not o:
+            o.copy_(w)
     return out
 
 
@@ -153,13 +186,21 @@ def adama_accumulate_reference(spec: OptimizerSpec, grad: torch.Tensor, state: d
     """
     scale = check_adama_accumulate_args(spec, grad, state, scale)
     b1, b2 = spec.betas
-    m, v = state["exp_avg"], state["exp_avg_sq"]
-    g = grad.float() * scale
-    if first:
-        m.mul_(b1)
-        v.mul_(b2)
-    m.add_(g * (1 - b1))
-    v.add_(g * (1 - b2) * g)
+    for s in _slices(grad.numel()):
+        m, v = state["exp_avg"][s], state["exp_avg_sq"][s]
+        if first:
+            m.mul_(b1)
+            v.mul_(b2)
+        g = grad[s]
+        if g.dtype == torch.float32 and not isinstance(scale, torch.Tensor):
+            # No temporary at all (the point of AdamA): the scale goes into the constants, which
+            # rounds within a few ulp of the kernel's (g*scale)*(1-beta) order.
+            m.add_(g, alpha=(1 - b1) * scale)
+            v.addcmul_(g, g, value=(1 - b2) * scale * scale)
+        else:
+            g = g.float() * scale
+            m.add_(g, alpha=1 - b1)
+            v.addcmul_(g, g, value=1 - b2)
 
 
 def adama_update_reference(spec: OptimizerSpec, step: int, weights: torch.Tensor, out: torch.Tensor,
@@ -170,10 +211,14 @@ def adama_update_reference(spec: OptimizerSpec, step: int, weights: torch.Tensor
     (the decay factor only for AdamW). The moments are not touched.
     """
     lr = check_adama_update_args(spec, step, weights, out, state, lr)
-    w = weights.float()
-    if spec.kind == "adamw" and spec.weight_decay != 0:
-        w = w.mul(1 - lr * spec.weight_decay)
     step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
-    denom = (state["exp_avg_sq"].sqrt() / bias_correction2_sqrt).add_(spec.eps)
-    out.copy_(w.addcdiv(state["exp_avg"], denom, value=-step_size))
+    for s in _slices(weights.numel()):
+        o = out[s]
+        w = _fp32_target(weights[s], o)
+        if spec.kind == "adamw" and spec.weight_decay != 0:
+            w.mul_(1 - lr * spec.weight_decay)
+        denom = state["exp_avg_sq"][s].sqrt().div_(bias_correction2_sqrt).add_(spec.eps)
+        w.addcdiv_(state["exp_avg"][s], denom, value=-step_size)
+        if w is not o:
+            o.copy_(w)
     return out

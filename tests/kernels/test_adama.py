@@ -25,7 +25,8 @@ def test_kernels_match_reference(n, dtype, gen):
             adama_accumulate(spec, g, got_state, scale=1 / M, first=i == 0)
             adama_accumulate_reference(spec, g, want_state, scale=1 / M, first=i == 0)
         for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(got_state[key], want_state[key], rtol=1e-6, atol=1e-8)
+            # atol: one fp32 ulp of the O(1) terms, for sums that cancel to near zero
+            torch.testing.assert_close(got_state[key], want_state[key], rtol=1e-6, atol=2e-7)
         got_out = torch.full((n,), float("nan"), dtype=dtype)  # poisoned
         want_out = torch.empty(n, dtype=dtype)
         adama_update(spec, step, w, got_out, got_state)
