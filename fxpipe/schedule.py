@@ -37,8 +37,12 @@ Weight versions (DESIGN.md, "Weight-update semantics")
   ``W(t+1) = W(t) - lr * grad f(W(t-1))``. ``UPDATE t`` (producing ``W(t)``) runs after the
   stage's last backward of batch ``t`` and before its first forward of batch ``t+2`` — the first
   forward that uses ``W(t)``. At most two versions are alive per stage. No flush between steps.
-* Every schedule keeps one gradient accumulator per stage, so ``UPDATE t`` also precedes the
-  stage's first backward of batch ``t+1`` (the validator checks it).
+* Gradient buffers: a stage accumulates batch ``t``'s gradient in one accumulator. Without a
+  reduction, ``UPDATE t`` therefore precedes the stage's first backward of batch ``t+1``. A
+  ``*_START t`` hands the accumulated gradient over to the reduction (the runtime swaps in a
+  zeroed spare accumulator), so batch ``t+1`` can accumulate while batch ``t`` reduces; then
+  ``UPDATE t`` precedes the next ``*_START t+1``: at most two gradient buffers per stage.
+  The validator checks both rules.
 
 Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per batch)
 --------------------------------------------------------------------------------
@@ -53,12 +57,16 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
       stage 1: F1 B1 F2 B2 U1 F3 B3 F4 B4 U2 F5 B5 ...
                                       ^ W(1) goes into the spare buffer while batch 2 runs on W(0)
 
-When the stage has reductions for batch ``t`` (``width > 1``, tied stages, ``clip``), their
-``*_START t`` follow the last backward of batch ``t`` and the ``*_WAIT t`` / ``UPDATE t`` are put
-just before the stage's next backward (2bw: one forward of batch ``t+1`` overlaps the
-reductions) or before the next batch's first forward (flush schedules: nothing to overlap).
-``NORM_START t`` comes after ``DP_WAIT t`` and ``TIED_WAIT t``: the norm is that of the reduced
-gradient.
+When batch ``t`` has reductions (``width > 1``, tied stages, ``clip``), the stage issues
+``DP_START t`` / ``TIED_START t`` right after its last backward of batch ``t`` (or, with ``clip``
+alone, ``NORM_START t``: its local gradient is already final), and joins — ``DP_WAIT t``,
+``TIED_WAIT t``, ``NORM_START t`` (after those waits: the norm is that of the reduced gradient),
+``NORM_WAIT t``, ``UPDATE t`` — as late as the rules allow: before its first forward of batch
+``t+2`` (2bw; flush: ``t+1``) or before issuing batch ``t+1``'s reductions, whichever comes
+first. In 2bw every stage thus joins right before the forward of micro-batch ``(t+1)*m+1`` (the
+last stage right after its last backward of batch ``t+1``): a cut that no p2p message crosses
+backwards, so the global norm all-reduce cannot deadlock, and a whole batch of compute overlaps
+the reductions (PipeDream-2BW, arXiv 2006.09503, section 3.1: the update is delayed by one step).
 
 Point-to-point posting semantics (what the runtime must do)
 -----------------------------------------------------------

@@ -1,0 +1,127 @@
+"""Simulated timelines: bubble fractions, 2bw's vanishing bubble, memory peaks and the three renderings."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from fxpipe.errors import ScheduleError
+from fxpipe.schedule import Action, generate
+from fxpipe.simulate import (
+    Costs,
+    chrome_trace,
+    format_grid,
+    render_svg,
+    simulate,
+    timeline_from_events,
+    write_schedule_dumps,
+)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (4, 8), (3, 5), (4, 4)])
+@pytest.mark.parametrize("fwd,bwd", [(1.0, 1.0), (1.0, 2.0), (0.5, 1.5)])
+def test_flush_bubble_is_exact(schedule, d, m, fwd, bwd):
+    tl = simulate(generate(schedule, d, m, 1), Costs(forward=fwd, backward=bwd))
+    assert tl.bubble == pytest.approx((d - 1) / (m + d - 1), abs=1e-12)
+    assert tl.makespan == pytest.approx((m + d - 1) * (fwd + bwd))
+
+
+def test_2bw_bubble_vanishes_with_steps():
+    bubbles = [simulate(generate("2bw", 4, 4, steps), Costs(1.0, 2.0)).bubble for steps in (2, 5, 10, 50)]
+    assert bubbles == sorted(bubbles, reverse=True) and len(set(bubbles)) == 4
+    assert bubbles[-1] < 0.05
+    # Steady state: one batch per m * (fwd + bwd), i.e. no bubble between steps.
+    assert simulate(generate("2bw", 4, 4, 10), Costs(1.0, 2.0)).step_time == pytest.approx(12.0)
+    # The flushing 1f1b pays the fill and drain every step.
+    assert simulate(generate("1f1b", 4, 4, 10), Costs(1.0, 2.0)).step_time == pytest.approx(21.0)
+
+
+def test_peak_in_flight_matches_memory_formula():
+    for schedule, want in (("gpipe", {0: 8, 1: 8, 2: 8, 3: 8}), ("1f1b", {0: 4, 1: 3, 2: 2, 3: 1}),
+                           ("2bw", {0: 4, 1: 3, 2: 2, 3: 1})):
+        assert simulate(generate(schedule, 4, 8, 2), Costs()).peak_in_flight == want
+
+
+def test_costs_of_communication_recompute_and_reductions_lengthen_the_run():
+    base = simulate(generate("2bw", 2, 2, 4), Costs(1.0, 2.0)).makespan
+    slow = simulate(generate("2bw", 2, 2, 4, recompute=True, width=2), Costs(1.0, 2.0, p2p=0.25, reduce=0.5, update=0.1))
+    assert slow.makespan > base
+    # Recomputation adds one forward per micro-batch per stage: 8 micro-batches on stage 0.
+    rec = simulate(generate("gpipe", 1, 8, 1, recompute=True), Costs(1.0, 2.0))
+    assert rec.makespan == pytest.approx(8 * (1 + 2 + 1))
+
+
+def test_per_stage_costs():
+    tl = simulate(generate("gpipe", 2, 2, 1), Costs(forward=[1.0, 3.0], backward=[2.0, 6.0]))
+    # The slow stage sets the pace: stage 1 runs 2 * (3 + 6) after stage 0's first forward.
+    assert tl.makespan == pytest.approx(1 + 2 * 9 + 2)
+    with pytest.raises(ScheduleError, match="Costs.forward has 1 entries, expected one per stage"):
+        simulate(generate("gpipe", 2, 2, 1), Costs(forward=[1.0]))
+
+
+def test_simulator_reports_mismatch():
+    lists = {s: list(v) for s, v in generate("gpipe", 2, 2, 1).items()}
+    i, j = lists[1].index(Action.parse("1RECV_ACT1")), lists[1].index(Action.parse("1RECV_ACT2"))
+    lists[1][i], lists[1][j] = lists[1][j], lists[1][i]
+    with pytest.raises(ScheduleError, match="p2p order mismatch: stage 0 is at 0SEND_ACT1 but stage 1's next operation with it is 1RECV_ACT2"):
+        simulate(lists, Costs())
+
+
+def test_text_grid_literal():
+    grid = format_grid(simulate(generate("1f1b", 2, 2, 1), Costs(1.0, 1.0)))
+    assert grid.splitlines() == [
+        "time  rank 0  rank 1",
+        "0     0F1v0   .",
+        "1     0F2v0   1F1v0",
+        "2     .       1B1v0",
+        "3     0B1v0   1F2v0",
+        "4     .       1B2v0",
+        "5     0B2v0   .",
+        "makespan 6  step time 6  bubble 0.333  peak in flight {0: 2, 1: 1}",
+    ]
+
+
+def test_chrome_trace():
+    tl = simulate(generate("2bw", 2, 2, 2), Costs(1.0, 2.0, p2p=0.5))
+    trace = chrome_trace(tl)
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == len(tl.events)
+    f = next(e for e in events if e["name"] == "1F1v0")
+    assert (f["pid"], f["tid"], f["cat"], f["args"]["version"]) == (1, 0, "F", 0)
+    assert f["ts"] == pytest.approx(1.5e6) and f["dur"] == pytest.approx(1e6)
+    json.dumps(trace)  # serialisable as is
+
+
+def test_svg_is_self_contained():
+    svg = render_svg(simulate(generate("2bw", 2, 2, 3, width=2), Costs(1.0, 2.0, p2p=0.2, reduce=0.5, update=0.3)), title="2bw d=2 m=2")
+    root = ET.fromstring(svg)
+    assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    lowered = svg.lower()
+    for forbidden in ("href", "<script", "@import", "url(", "<image", "https://"):
+        assert forbidden not in lowered
+    texts = {t.text for t in root.iter("{http://www.w3.org/2000/svg}text")}
+    assert {"rank 0", "rank 1", "F5v1", "B1v0"} <= texts
+    assert any(r.get("fill") == "#e15759" for r in root.iter("{http://www.w3.org/2000/svg}rect"))  # UPDATE
+
+
+def test_timeline_from_recorded_events():
+    recorded = [(0, "0F1v0", 0.0, 0.1), (1, "1F1v0", 0.1, 0.2), (1, "1B1v0", 0.2, 0.4), (0, "0B1v0", 0.4, 0.6),
+                (0, "0UPDATE1", 0.6, 0.65), (1, "1UPDATE1", 0.4, 0.45), (0, "0SEND_ACT1", 0.1, 0.1)]
+    tl = timeline_from_events(recorded)
+    assert tl.makespan == pytest.approx(0.65)
+    assert tl.peak_in_flight == {0: 1, 1: 1}
+    assert {e.stream for e in tl.events} == {"compute", "p2p_next"}
+    assert "0F1v0" in format_grid(tl) and "1B1v0" in render_svg(tl)
+
+
+def test_write_schedule_dumps(tmp_path):
+    lists = generate("2bw", 2, 4, 3, clip=True)
+    paths = write_schedule_dumps(tmp_path / "dumps", lists, Costs(1.0, 2.0), name="2bw")
+    assert sorted(paths) == ["json", "svg", "txt"]
+    text = paths["txt"].read_text()
+    assert "0F1v0" in text and "bubble" in text and "*" not in text.split("# timeline")[0].splitlines()[2]
+    assert json.loads(paths["json"].read_text())["traceEvents"]
+    ET.fromstring(paths["svg"].read_text())
