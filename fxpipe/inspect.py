@@ -1,0 +1,122 @@
+"""inspect: dump what each phase produced, as text tables, JSON and pictures.
+
+``fxpipe.inspect(model, example_inputs, out_dir)`` writes::
+
+    nodes.txt / nodes.json   one row per traced node: name, op, target, module path, output
+                             shape, dtype, bytes, parameter bytes (and stage, once planned)
+    graph.dot                the graph for Graphviz (``dot -Tsvg graph.dot``), one cluster and
+                             colour per stage once planned
+
+The CLI form is ``fxpipe inspect MODULE:FACTORY --out DIR`` where ``FACTORY()`` returns
+``(model, example_inputs)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import torch.fx as fx
+from tabulate import tabulate
+
+from .trace import trace
+
+__all__ = ["inspect", "node_rows", "write_node_table", "write_dot"]
+
+_COLUMNS = ["name", "op", "target", "module", "shape", "dtype", "bytes", "param_bytes"]
+# Distinguishable pastel fills for up to 12 stages (cycled beyond).
+_PALETTE = [
+    "#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99",
+    "#8dd3c7", "#bebada", "#80b1d3", "#fccde5", "#d9d9d9", "#ccebc5",
+]
+
+
+def _target(node: fx.Node) -> str:
+    t = node.target
+    if isinstance(t, str):
+        return t
+    return getattr(t, "__qualname__", None) or getattr(t, "__name__", None) or str(t)
+
+
+def node_rows(gm: fx.GraphModule, assignment: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """One dict per node with the columns of the node table."""
+    rows = []
+    for node in gm.graph.nodes:
+        info = node.meta.get("fxpipe")
+        outs = info.outputs if info else ()
+        row = {
+            "name": node.name,
+            "op": node.op,
+            "target": _target(node),
+            "module": info.module_path if info else "",
+            "shape": ", ".join(str(list(s.shape)) for s in outs),
+            "dtype": ", ".join(s.dtype for s in outs),
+            "bytes": info.out_bytes if info else 0,
+            "param_bytes": info.param_bytes if info else 0,
+        }
+        if assignment is not None:
+            row["stage"] = assignment.get(node.name, "")
+        rows.append(row)
+    return rows
+
+
+def write_node_table(gm: fx.GraphModule, out_dir: str, assignment: Mapping[str, int] | None = None) -> list[str]:
+    """Write ``nodes.txt`` (tabulate) and ``nodes.json``; returns the paths."""
+    rows = node_rows(gm, assignment)
+    txt = os.path.join(out_dir, "nodes.txt")
+    js = os.path.join(out_dir, "nodes.json")
+    info = gm.meta.get("fxpipe")
+    header = f"# {info.model_class}: {len(rows)} nodes, traced with {info.path}\n" if info else ""
+    with open(txt, "w") as f:
+        f.write(header + tabulate(rows, headers="keys", tablefmt="simple") + "\n")
+    with open(js, "w") as f:
+        json.dump(rows, f, indent=1)
+    return [txt, js]
+
+
+def write_dot(gm: fx.GraphModule, out_dir: str, assignment: Mapping[str, int] | None = None) -> str:
+    """Write ``graph.dot``: compute nodes as boxes, inputs as ellipses, parameters as notes;
+    with an assignment, one cluster (and fill colour) per stage."""
+    path = os.path.join(out_dir, "graph.dot")
+
+    def label(n: fx.Node) -> str:
+        info = n.meta.get("fxpipe")
+        shape = " x ".join(str(list(s.shape)) for s in info.outputs) if info else ""
+        return f"{n.name}\\n{_target(n)}\\n{shape}".replace('"', "'")
+
+    def attrs(n: fx.Node) -> str:
+        shape = {"placeholder": "ellipse", "get_attr": "note", "output": "doublecircle"}.get(n.op, "box")
+        fill = "white"
+        if assignment is not None and n.name in assignment:
+            fill = _PALETTE[assignment[n.name] % len(_PALETTE)]
+        return f'label="{label(n)}", shape={shape}, style=filled, fillcolor="{fill}"'
+
+    lines = ["digraph fxpipe {", "  rankdir=TB;", '  node [fontname="monospace", fontsize=9];']
+    nodes = list(gm.graph.nodes)
+    if assignment is None:
+        lines += [f'  "{n.name}" [{attrs(n)}];' for n in nodes]
+    else:
+        for stage in sorted(set(assignment.values())):
+            lines.append(f"  subgraph cluster_stage{stage} {{")
+            lines.append(f'    label="stage {stage}"; style=rounded; color="{_PALETTE[stage % len(_PALETTE)]}";')
+            lines += [f'    "{n.name}" [{attrs(n)}];' for n in nodes if assignment.get(n.name) == stage]
+            lines.append("  }")
+        lines += [f'  "{n.name}" [{attrs(n)}];' for n in nodes if n.name not in assignment]
+    for n in nodes:
+        for user in n.users:
+            lines.append(f'  "{n.name}" -> "{user.name}";')
+    lines.append("}")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def inspect(model, example_inputs, out_dir: str, *, leaf_modules=()) -> list[str]:
+    """Trace ``model`` and write the node table (text + JSON) and the DOT graph into
+    ``out_dir``. Returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    gm = model if isinstance(model, fx.GraphModule) and "fxpipe" in model.meta else trace(
+        model, example_inputs, leaf_modules=leaf_modules
+    )
+    return write_node_table(gm, out_dir) + [write_dot(gm, out_dir)]

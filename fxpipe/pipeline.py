@@ -1,0 +1,491 @@
+"""pipeline: ``fxpipe.compile`` and the :class:`Pipeline` it returns (the product's front door).
+
+``compile`` wires the phases together on every rank: trace the model at the micro-batch size,
+plan on rank 0 and broadcast the plan (every rank checks its own trace against the plan's
+fingerprint), generate this rank's stage, build the schedule's action lists, and hand them to
+:class:`~fxpipe.runtime.StageWorker` objects. ``Pipeline.step`` then feeds one global batch:
+
+* under ``torchrun`` (WORLD_SIZE > 1) each process is one rank and runs one worker;
+* otherwise every rank lives in this process and a driver interleaves the workers, running each
+  until its next action must wait for another; numerics are identical to the multi-process run.
+
+2bw never flushes between steps, so ``step(t)`` runs each rank's list up to its first forward of
+a micro-batch of batch ``t+1`` (whose data arrives with the next call); the rest of batch ``t``
+finishes inside the next ``step`` or in :meth:`Pipeline.flush`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .comm import DistComm, LocalHub
+from .errors import FxpipeError, RuntimeMismatchError
+from .runtime import StageWorker, WorkerConfig
+from .schedule import Action, Kind, format_actions, generate, rank_of, stage_and_replica
+from .trace import normalize_inputs, trace
+
+__all__ = ["compile", "Pipeline", "DEFAULT_MICROBATCHES"]
+
+DEFAULT_MICROBATCHES = 8  # m when not given: enough to keep up to 8 stages busy (m >= d)
+
+
+def default_optimizer(named_params):
+    """AdamW with torch's defaults (lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2)."""
+    return torch.optim.AdamW(named_params)
+
+
+def compile(
+    model: nn.Module,
+    example_inputs=None,
+    *,
+    loss_fn: Callable | None = None,
+    optimizer: Callable | None = None,
+    microbatches: int | None = None,
+    schedule: str = "2bw",
+    stages: int | None = None,
+    plan=None,
+    lr_scheduler: Callable | None = None,
+    max_grad_norm: float | None = None,
+    seed: int = 0,
+    check_batch: bool = True,
+    cost_mode: str = "analytic",
+    kernels: str = "auto",
+    verbose: bool = True,
+) -> "Pipeline":
+    """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
+
+    ``example_inputs``: one micro-batch, tuple (positional) or dict (keyword); None traces and
+    plans on the first :meth:`Pipeline.step`, from that batch's first micro-batch.
+    ``optimizer``: a callable taking ``[(original_name, parameter), ...]`` and returning a
+    ``torch.optim.Optimizer`` (default: AdamW with torch's defaults). ``microbatches`` default
+    8. ``stages``: pipeline depth d (None: the planner picks d and the data-parallel width w
+    for the world size; in one process that is d=1).
+    """
+    return Pipeline(
+        model,
+        example_inputs,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        microbatches=microbatches,
+        schedule=schedule,
+        stages=stages,
+        plan=plan,
+        lr_scheduler=lr_scheduler,
+        max_grad_norm=max_grad_norm,
+        seed=seed,
+        check_batch=check_batch,
+        cost_mode=cost_mode,
+        kernels=kernels,
+        verbose=verbose,
+    )
+
+
+class Pipeline:
+    """A compiled pipeline. ``step`` trains, ``flush`` drains, ``state_dict`` gathers weights."""
+
+    def __init__(self, model: nn.Module, example_inputs=None, **opts):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"fxpipe.compile expects an nn.Module, found {type(model).__name__}")
+        if opts["schedule"] not in ("2bw", "1f1b", "gpipe"):
+            raise ValueError(f"schedule must be '2bw', '1f1b' or 'gpipe', found {opts['schedule']!r}")
+        if opts["microbatches"] is not None and opts["microbatches"] < 1:
+            raise ValueError(f"microbatches must be >= 1, found {opts['microbatches']}")
+        self.model = model
+        self.opts = opts
+        self.optimizer_factory = opts["optimizer"] or default_optimizer
+        self._setup_done = False
+        self.distributed = _init_distributed()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        self.plan = None
+        self.t = 0  # batches given to step() so far
+        self.flushed_through = 0
+        self.timeline: list[tuple[int, str, float, float]] = []
+        if example_inputs is not None:
+            self._setup(*normalize_inputs(example_inputs))
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup(self, args: tuple, kwargs: dict) -> None:
+        from .codegen import split
+        from .plan import Plan, graph_fingerprint
+
+        o = self.opts
+        gm = trace(self.model, kwargs if kwargs else args)
+        self.trace_info = gm.meta["fxpipe"]
+        m = o["microbatches"] or DEFAULT_MICROBATCHES
+        plan = o["plan"]
+        if plan is None:
+            plan_json = None
+            if self.rank == 0:
+                from .partition import plan as make_plan
+
+                world = self.world_size if self.distributed else (o["stages"] or 1)
+                made = make_plan(
+                    gm,
+                    None,
+                    stages=o["stages"] if o["stages"] is not None else (None if self.distributed else 1),
+                    microbatches=m,
+                    schedule=o["schedule"],
+                    world_size=world,
+                    cost_mode=o["cost_mode"],
+                )
+                plan_json = made.to_json()
+            if self.distributed:
+                box = [plan_json]
+                dist.broadcast_object_list(box, src=0)
+                plan_json = box[0]
+            plan = Plan.from_json(plan_json)
+        elif isinstance(plan, str):
+            plan = Plan.from_json(plan)
+        mine = graph_fingerprint(gm)
+        if plan.graph_hash != mine:
+            raise RuntimeMismatchError(
+                f"rank {self.rank}: this rank's trace of {self.trace_info.model_class} (fingerprint "
+                f"{mine[:12]}) differs from the plan's (fingerprint {plan.graph_hash[:12]}). Every rank "
+                f"must build the same model with the same example input shapes and dtypes; a saved "
+                f"plan only fits the model and micro-batch size it was made for."
+            )
+        if plan.schedule != o["schedule"] or plan.microbatches != m and o["microbatches"] is not None:
+            raise RuntimeMismatchError(
+                f"the plan is for schedule={plan.schedule!r}, microbatches={plan.microbatches}; "
+                f"compile was asked for schedule={o['schedule']!r}, microbatches={m}. Pass matching values."
+            )
+        d, w = plan.stages, plan.width
+        if self.distributed and d * w != self.world_size:
+            raise RuntimeMismatchError(
+                f"the plan needs stages*width = {d}*{w} = {d * w} ranks; the world has {self.world_size}. "
+                f"Launch with --nproc-per-node={d * w} or plan for {self.world_size} ranks."
+            )
+        self.plan = plan
+        ranks = [self.rank] if self.distributed else list(range(d * w))
+        build = sorted({stage_and_replica(r, d)[0] for r in ranks})
+        self.staged = split(gm, plan.assignment, build=build)
+        tied = [tp for tp in self.staged.tied if len(tp.stages) > 1]
+        groups: dict[str, list[int]] = {}
+        for r in range(w):
+            groups[f"pipe:{r}"] = [rank_of(s, r, d) for s in range(d)]
+            for tp in tied:
+                groups[f"tied:{r}:{'-'.join(map(str, tp.stages))}"] = [rank_of(s, r, d) for s in tp.stages]
+        for s in range(d):
+            groups[f"dp:{s}"] = [rank_of(s, r, d) for r in range(w)]
+        groups["last"] = [rank_of(d - 1, r, d) for r in range(w)]
+        hub = None if self.distributed else LocalHub(d * w, groups)
+        comm_for = (lambda r: DistComm(groups)) if self.distributed else hub.comm
+        kernels = _kernel_backend(o["kernels"])
+        self.workers: dict[int, StageWorker] = {}
+        for r in ranks:
+            s, rep = stage_and_replica(r, d)
+            stage = self.staged.stages[s]
+            cfg = WorkerConfig(
+                schedule=plan.schedule,
+                stages=d,
+                width=w,
+                microbatches=plan.microbatches,
+                recompute=bool(plan.recompute[s]),
+                loss_fn=o["loss_fn"],
+                optimizer=self.optimizer_factory,
+                lr_scheduler=o["lr_scheduler"],
+                max_grad_norm=o["max_grad_norm"],
+                seed=o["seed"],
+                kernels=kernels,
+                tied_groups={
+                    tp.name: f"tied:{rep}:{'-'.join(map(str, tp.stages))}" for tp in tied if s in tp.stages
+                },
+                tied_owner={tp.name: s == tp.stages[0] for tp in tied if s in tp.stages},
+            )
+            self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info)
+        self._tied_stages = sorted({s for tp in tied for s in tp.stages})
+        self._steps_generated = 0
+        self._lists: dict[int, list[Action]] = {}
+        self._done: dict[int, set[Action]] = {r: set() for r in ranks}
+        self._pos: dict[int, int] = {r: 0 for r in ranks}
+        self._setup_done = True
+        if self.opts["verbose"] and self.rank == 0:
+            print(self.describe())
+
+    def describe(self) -> str:
+        o = self.opts
+        opt = getattr(self.optimizer_factory, "func", self.optimizer_factory)
+        opt_name = getattr(opt, "__name__", type(opt).__name__)
+        return (
+            f"{self.plan}\n"
+            f"fxpipe: schedule={self.plan.schedule} stages={self.plan.stages} width={self.plan.width} "
+            f"microbatches={self.plan.microbatches} optimizer={opt_name} "
+            f"max_grad_norm={o['max_grad_norm']} mode={'torchrun' if self.distributed else 'single-process'}"
+        )
+
+    def _ensure_lists(self, t: int) -> None:
+        """Generate action lists for at least ``t + 2`` batches (a lookahead: 2bw's step t runs
+        into batch t+1's warm-up). Lists for more steps agree with shorter ones on every action
+        before the shorter one's cool-down, so regenerating keeps what already ran valid."""
+        need = t + 2
+        if self._steps_generated >= need:
+            return
+        steps = max(need, 2 * self._steps_generated, 4)
+        plan = self.plan
+        by_stage = generate(
+            plan.schedule,
+            plan.stages,
+            plan.microbatches,
+            steps,
+            width=plan.width,
+            recompute=list(plan.recompute),
+            tied=self._tied_stages or None,
+            clip=self.opts["max_grad_norm"] is not None,
+        )
+        for r in self.workers:
+            self._lists[r] = by_stage[stage_and_replica(r, plan.stages)[0]]
+        self._steps_generated = steps
+
+    # ------------------------------------------------------------------ training
+
+    def step(self, inputs, target=None):
+        """One optimizer step over one global batch (``microbatches * width`` micro-batches, split
+        along dim 0). Every rank passes the same batch. Returns the batch's mean loss as a float
+        on the rank(s) holding the last stage, None elsewhere."""
+        args, kwargs = normalize_inputs(inputs)
+        if not self._setup_done:
+            m = self.opts["microbatches"] or DEFAULT_MICROBATCHES
+            first = _split_batch((args, kwargs, target), m * self._width_hint(), what="the first batch")
+            self._setup(*first[0][:2])
+        plan = self.plan
+        m, w, d = plan.microbatches, plan.width, plan.stages
+        chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
+        if self.t == 0 and self.opts["check_batch"] and self.distributed:
+            _check_same_batch((args, kwargs, target), self.rank, self.world_size)
+        self.t += 1
+        t = self.t
+        self._ensure_lists(t)
+        for r, wk in self.workers.items():
+            s, rep = stage_and_replica(r, d)
+            stage = wk.stage
+            for j in range(m):
+                k = (t - 1) * m + j + 1
+                a, kw, tg = chunks[rep * m + j]
+                flat = self.trace_info.flatten_inputs(a, kw)
+                named = dict(zip(self.trace_info.input_names, flat))
+                wk.inputs[k] = {n: named[n] for n in stage.model_inputs}
+                if s == d - 1 and self.opts["loss_fn"] is not None:
+                    wk.targets[k] = tg
+        self._advance(limit_k=t * m)
+        return self._batch_loss(t)
+
+    def _width_hint(self) -> int:
+        """Data-parallel width before planning, to cut the first micro-batch at the right size:
+        world / stages when stages is given; with stages=None the lazy path plans a pure
+        pipeline (d = world size, w = 1), since the micro-batch size must be known to trace."""
+        if self.opts["stages"] is None:
+            self.opts["stages"] = self.world_size if self.distributed else 1
+        return max(1, self.world_size // self.opts["stages"]) if self.distributed else 1
+
+    def _next(self, r: int, keep: Callable[[Action], bool] | None):
+        lst, done = self._lists[r], self._done[r]
+        i = self._pos[r]
+        while i < len(lst) and lst[i] in done:
+            i += 1
+        self._pos[r] = i
+        while i < len(lst):
+            a = lst[i]
+            if a not in done and (keep is None or keep(a)):
+                return a
+            i += 1
+        return None
+
+    def _advance(self, limit_k: int, keep: Callable[[Action], bool] | None = None) -> None:
+        """Run every local worker as far as the data given so far allows."""
+        def blocked_by_data(a: Action) -> bool:
+            return a.kind in (Kind.F, Kind.R) and a.index > limit_k
+
+        if self.distributed:
+            (r, wk), = self.workers.items()
+            while (a := self._next(r, keep)) is not None and not blocked_by_data(a):
+                self._run(r, wk, a)
+            return
+        progress = True
+        while progress:
+            progress = False
+            for r, wk in self.workers.items():
+                while (a := self._next(r, keep)) is not None and not blocked_by_data(a) and wk.ready(a):
+                    self._run(r, wk, a)
+                    progress = True
+
+    def _run(self, r: int, wk: StageWorker, a: Action) -> None:
+        try:
+            wk.run(a)
+        except FxpipeError:
+            raise
+        except Exception as e:
+            grid = format_actions({r: self._lists[r]}, mark=(r, self._lists[r].index(a)),
+                                  rows=range(max(0, self._lists[r].index(a) - 4), self._lists[r].index(a) + 3))
+            raise RuntimeError(f"rank {r} failed running action {a}:\n{grid}") from e
+        self._done[r].add(a)
+
+    def _batch_loss(self, t: int):
+        plan = self.plan
+        m, d = plan.microbatches, plan.stages
+        ks = range((t - 1) * m + 1, t * m + 1)
+        last = [wk for r, wk in self.workers.items() if stage_and_replica(r, d)[0] == d - 1]
+        if not last:
+            return None
+        total = sum(wk.losses.pop(k) for wk in last for k in ks)
+        if self.distributed and plan.width > 1:
+            buf = torch.tensor([total], dtype=torch.float64)
+            wk = last[0]
+            wk.comm.all_reduce(buf, "last").wait()
+            total = float(buf)
+        return total / (m * plan.width)
+
+    def flush(self) -> None:
+        """Finish every micro-batch given so far and apply its update (2bw drains its pipeline)."""
+        if not self._setup_done or self.flushed_through == self.t:
+            return
+        t, m = self.t, self.plan.microbatches
+
+        def keep(a: Action) -> bool:
+            if a.microbatch is not None:
+                return a.microbatch <= t * m
+            return a.batch <= t
+
+        self._advance(limit_k=t * m, keep=keep)
+        stuck = {r: self._next(r, keep) for r in self.workers}
+        stuck = {r: a for r, a in stuck.items() if a is not None}
+        if stuck:
+            raise RuntimeError(
+                "fxpipe: the pipeline could not drain; next actions per rank: "
+                + ", ".join(f"rank {r}: {a}" for r, a in stuck.items())
+                + ". This is a bug in fxpipe's schedule; please report it with the plan."
+            )
+        for wk in self.workers.values():
+            wk.drain_sends()
+        self.flushed_through = t
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self, *, local: bool = False) -> dict[str, torch.Tensor]:
+        """The newest weights and buffers under the ORIGINAL model's keys (CPU tensors), on
+        every rank; ``local=True`` gives only this rank's stage(s). Flushes first."""
+        self._require_setup("state_dict")
+        self.flush()
+        parts = {wk.index: wk.local_state() for wk in self.workers.values() if wk.replica == 0}
+        if local:
+            merged: dict[str, torch.Tensor] = {}
+            for sd in parts.values():
+                merged.update(sd)
+            return self._to_original(merged, check_tied=False)
+        if self.distributed:
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, parts)
+            parts = {}
+            for g in gathered:
+                parts.update(g)
+        return self.staged.state_dict([parts[s] for s in range(self.plan.stages)])
+
+    def _to_original(self, canonical: Mapping[str, torch.Tensor], check_tied: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in canonical.items():
+            for key in self.staged.originals.get(name, [name]):
+                out[key] = t
+        return out
+
+    def load_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Load weights saved under the original model's keys (by fxpipe or plain PyTorch)."""
+        self._require_setup("load_state_dict")
+        self.flush()
+        for wk in self.workers.values():
+            local = {}
+            missing = []
+            for name in list(wk.layout_names()):
+                keys = self.staged.originals.get(name, [name])
+                key = next((k for k in keys if k in sd), None)
+                if key is None:
+                    missing.append(keys[0])
+                else:
+                    local[name] = sd[key]
+            if missing:
+                raise KeyError(
+                    f"load_state_dict: stage {wk.index} needs {len(missing)} keys the state dict lacks, "
+                    f"e.g. {missing[:3]}. Pass a state dict of the same model (model.state_dict())."
+                )
+            wk.load_local_state(local)
+
+    def _require_setup(self, what: str) -> None:
+        if not self._setup_done:
+            raise FxpipeError(
+                f"{what}() before the pipeline was built: pass example_inputs to fxpipe.compile or call step() first"
+            )
+
+    # ------------------------------------------------------------------ inspection
+
+    def dump(self, out_dir: str) -> list[str]:
+        """Write the plan, the stage code and the schedule pictures into ``out_dir``."""
+        from .inspect import write_pipeline_dumps
+
+        self._require_setup("dump")
+        return write_pipeline_dumps(self, out_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _init_distributed() -> bool:
+    """Use the default process group, or create it when torchrun's environment says so."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+        return True
+    return False
+
+
+def _kernel_backend(choice: str):
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', found {choice!r}")
+    return None if choice in ("auto", "torch") else choice
+
+
+def _split_batch(batch, n: int, *, what: str) -> list:
+    """Split every tensor leaf of ``batch`` along dim 0 into ``n`` equal micro-batches."""
+    leaves, spec = pytree.tree_flatten(batch)
+    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{what}: every tensor must have the same batch size in dim 0; found sizes {sorted(sizes)}"
+        )
+    (size,) = sizes
+    if size % n:
+        raise ValueError(
+            f"{what} has {size} samples, which does not split into {n} equal micro-batches "
+            f"(microbatches x data-parallel width). Use a batch size that is a multiple of {n}."
+        )
+    split = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in leaves]
+    return [pytree.tree_unflatten([s[i] for s in split], spec) for i in range(n)]
+
+
+def _check_same_batch(batch, rank: int, world: int) -> None:
+    """Every rank must pass the same global batch; compare cheap checksums across ranks."""
+    sums = []
+    for x in pytree.tree_leaves(batch):
+        if isinstance(x, torch.Tensor):
+            flat = x.detach().reshape(-1).double().cpu()
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+            sums += [float(flat.numel()), float(flat.sum()), float((flat * weights).sum())]
+    mine = torch.tensor(sums, dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine)
+    bad = [r for r in range(world) if not torch.equal(everyone[r], everyone[0])]
+    if bad:
+        raise RuntimeMismatchError(
+            f"ranks {bad} passed a different batch to step() than rank 0. fxpipe needs the SAME global "
+            f"batch on every rank (it takes each stage's share itself): seed the data loader identically "
+            f"on all ranks, or pass check_batch=False if the difference is intended."
+        )

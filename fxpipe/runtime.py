@@ -1,0 +1,423 @@
+"""runtime: one rank's interpreter of its schedule action list.
+
+A :class:`StageWorker` owns one pipeline stage (the generated module, its weight versions,
+its gradient accumulator, its optimizer) and executes the actions of :mod:`fxpipe.schedule`
+one at a time through a :class:`~fxpipe.comm.Comm`. It never decides *what* to do next: the
+list does. It only checks, for each action, whether the data it needs has arrived
+(:meth:`StageWorker.ready`), so the same worker runs one-per-process under ``torchrun`` and
+all-in-one-process in the debugging mode, where a driver interleaves the workers.
+
+Weight versions (DESIGN.md, "Weight-update semantics"): version ``v`` lives in slot ``v % 2``
+of a pair of flat buffers per dtype (one slot for 1f1b/gpipe). Each slot has its own leaf
+tensors (views of the flat buffer) that the stage module reads through
+``torch.func.functional_call``, so a micro-batch's forward and backward see the very tensors
+autograd saved, and an UPDATE never touches a version that is still in use: ``UPDATE t``
+copies ``W(t-1)`` into the slot of the dead ``W(t-2)`` and steps the optimizer there.
+
+Gradients of micro-batch ``k`` accumulate (loss scaled by ``1/(m·w)``) into the flat gradient
+buffer of batch ``t(k)``; two such buffers rotate, so a batch's gradients can be reduced
+(data parallel, tied weights, global norm) while the next batch's backwards run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.func import functional_call
+
+from .comm import Comm, Handle
+from .schedule import Action, Kind
+
+__all__ = ["StageWorker", "WorkerConfig"]
+
+
+@dataclass
+class WorkerConfig:
+    """What a worker needs beyond its stage: the schedule's numbers and the user's callables."""
+
+    schedule: str
+    stages: int  # d
+    width: int  # w
+    microbatches: int  # m
+    recompute: bool
+    loss_fn: Callable | None
+    optimizer: Callable  # factory: list[(name, Parameter)] -> torch.optim.Optimizer
+    lr_scheduler: Callable | None = None
+    max_grad_norm: float | None = None
+    seed: int = 0
+    kernels: Any = None  # fxpipe.kernels backend seam, or None for plain torch.optim
+    tied_groups: dict[str, str] = field(default_factory=dict)  # param name -> comm group name
+    tied_owner: dict[str, bool] = field(default_factory=dict)  # param name -> counted in the norm here
+
+
+class StageWorker:
+    """Executes one rank's actions for one stage (see module docstring)."""
+
+    def __init__(self, stage, cfg: WorkerConfig, comm: Comm, *, rank: int, replica: int, trace_info, device=None):
+        self.stage = stage
+        self.cfg = cfg
+        self.comm = comm
+        self.rank = rank
+        self.replica = replica
+        self.index = stage.index
+        self.trace_info = trace_info
+        self.device = device or torch.device("cpu")
+        d = cfg.stages
+        self.prev = rank - 1 if self.index > 0 else None
+        self.next = rank + 1 if self.index < d - 1 else None
+        self.is_last = self.index == d - 1
+
+        layout = stage.flat.layout
+        self.layout = layout
+        slots = 2 if cfg.schedule == "2bw" else 1
+        self.slots = [stage.flat.buffers] + [stage.flat.clone_buffers() for _ in range(slots - 1)]
+        # Leaves per slot: the tensors autograd sees. One set per slot, created once.
+        self.leaves = [self._make_leaves(b) for b in self.slots]
+        self.grad_pool = [layout.zeros_like() for _ in range(2)]
+        self._grad_views = [layout.views(g) for g in self.grad_pool]
+
+        # The optimizer's own Parameters: aliases that are pointed at the slot being written
+        # right before each step. They never enter a forward, so re-pointing them is safe.
+        # Each alias gets its own version counter (never ``leaf.detach()``, which would share
+        # the leaf's, so an optimizer step would look like an in-place change of a saved weight).
+        self.opt_params = {}
+        for s in layout.slots:
+            if s.requires_grad:
+                p = torch.nn.Parameter(torch.empty(0, dtype=s.dtype, device=self.device))
+                p.data = self.leaves[0][s.name].detach()
+                self.opt_params[s.name] = p
+        self.optimizer = cfg.optimizer(list(self.opt_params.items())) if self.opt_params else None
+        self.lr_scheduler = cfg.lr_scheduler(self.optimizer) if (cfg.lr_scheduler and self.optimizer) else None
+        self.updates = 0
+
+        # per micro-batch state
+        self.inputs: dict[int, dict[str, torch.Tensor]] = {}  # model inputs of micro-batch k
+        self.targets: dict[int, Any] = {}
+        self.recv_act: dict[int, tuple[list[torch.Tensor], Handle]] = {}
+        self.recv_grad: dict[int, tuple[list[torch.Tensor], Handle]] = {}
+        self.ctx: dict[int, dict] = {}
+        self.sends: list[tuple[Handle, list[torch.Tensor]]] = []
+        self.reductions: dict[tuple[Kind, int], Handle] = {}
+        self.norm_sq: dict[int, torch.Tensor] = {}
+        self.clip_coef: dict[int, float] = {}
+        self.losses: dict[int, float] = {}
+        self.input_specs = list(stage.input_specs)
+        self.output_specs = list(stage.output_specs)
+        # Gradients flow through floating-point boundary values only; both ends agree from specs.
+        self.float_out = [s is not None and s.torch_dtype.is_floating_point for s in self.output_specs]
+        self.float_in = [s.torch_dtype.is_floating_point for s in self.input_specs]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _make_leaves(self, buffers) -> dict[str, torch.Tensor]:
+        views = self.layout.views(buffers)
+        for s in self.layout.slots:
+            views[s.name].requires_grad_(s.requires_grad)  # frozen parameters stay frozen
+        return views
+
+    def _slot(self, version: int) -> int:
+        return version % len(self.slots)
+
+    def _grads_slot(self, t: int) -> int:
+        """Which of the two flat gradient buffers accumulates batch ``t``: batch t-1's may still
+        be under reduction while batch t's backwards run."""
+        return t % 2
+
+    def _batch(self, k: int) -> int:
+        return (k - 1) // self.cfg.microbatches + 1
+
+    @contextlib.contextmanager
+    def _rng(self, k: int):
+        """Dropout and other randomness: one stream per (seed, micro-batch, stage), so the same
+        numbers come out in one process, in many, and when a forward is recomputed."""
+        digest = hashlib.sha256(f"{self.cfg.seed}:{k}:{self.index}".encode()).digest()
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+            yield
+
+    def _run_module(self, k: int, version: int, args: Sequence[torch.Tensor]):
+        with self._rng(k):
+            out = functional_call(self.stage.module, self.leaves[self._slot(version)], tuple(args))
+        return tuple(out)
+
+    def _loss(self, k: int, outputs: Sequence[torch.Tensor], *, last_use: bool) -> torch.Tensor:
+        structured = self.trace_info.unflatten_output(list(outputs))
+        if self.cfg.loss_fn is not None:
+            target = self.targets[k]
+            if last_use:
+                del self.targets[k]
+            loss = self.cfg.loss_fn(structured, target)
+        else:
+            loss = _model_loss(structured)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise TypeError(
+                f"the loss must be a scalar tensor; found {type(loss).__name__}"
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}. Make loss_fn return a mean/sum."
+            )
+        return loss
+
+    # ------------------------------------------------------------------ readiness
+
+    def ready(self, a: Action) -> bool:
+        """Whether ``a`` can run now without waiting (always true across processes)."""
+        k = a.index
+        if a.kind is Kind.F:
+            return k not in self.recv_act or self.recv_act[k][1].ready()
+        if a.kind is Kind.B:
+            return k not in self.recv_grad or self.recv_grad[k][1].ready()
+        if a.kind in (Kind.DP_WAIT, Kind.TIED_WAIT, Kind.NORM_WAIT):
+            start = {Kind.DP_WAIT: Kind.DP_START, Kind.TIED_WAIT: Kind.TIED_START, Kind.NORM_WAIT: Kind.NORM_START}
+            h = self.reductions.get((start[a.kind], k))
+            return h is None or h.ready()
+        return True
+
+    def needs_data(self, a: Action) -> int | None:
+        """The micro-batch whose inputs/targets this action reads, if any (F and R only)."""
+        return a.index if a.kind in (Kind.F, Kind.R) else None
+
+    # ------------------------------------------------------------------ execution
+
+    def run(self, a: Action) -> None:
+        getattr(self, "_do_" + a.kind.value.lower())(a)
+
+    def _do_recv_act(self, a: Action) -> None:
+        bufs = [torch.empty(s.shape, dtype=s.torch_dtype, device=self.device) for s in self.input_specs]
+        self.recv_act[a.index] = (bufs, self.comm.irecv(bufs, self.prev))
+
+    def _do_recv_grad(self, a: Action) -> None:
+        bufs = [
+            torch.empty(s.shape, dtype=s.torch_dtype, device=self.device)
+            for s, f in zip(self.output_specs, self.float_out)
+            if f
+        ]
+        self.recv_grad[a.index] = (bufs, self.comm.irecv(bufs, self.next))
+
+    def _forward_inputs(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(module args, boundary leaves) for micro-batch ``k``."""
+        model_in = [self.inputs[k][name] for name in self.stage.model_inputs]
+        boundary: list[torch.Tensor] = []
+        if k in self.recv_act:
+            bufs, h = self.recv_act.pop(k)
+            h.wait()
+            for t, f in zip(bufs, self.float_in):
+                boundary.append(t.requires_grad_(True) if f else t)
+        return model_in + boundary, boundary
+
+    def _do_f(self, a: Action) -> None:
+        k = a.index
+        args, boundary = self._forward_inputs(k)
+        del self.inputs[k]
+        recompute = self.cfg.recompute
+        with torch.no_grad() if recompute else contextlib.nullcontext():
+            outputs = self._run_module(k, a.version, args)
+            loss = self._loss(k, outputs, last_use=not recompute) if self.is_last else None
+        if recompute:
+            # Keep only the inputs; R recomputes the rest right before B (arXiv 2006.09503 §3.3).
+            ctx = {
+                "args": [x.detach() for x in args],
+                "outputs": outputs,
+                "buffers_after": {n: b.clone() for n, b in self.stage.module.named_buffers()},
+            }
+        else:
+            ctx = {"boundary": boundary, "outputs": outputs, "loss": loss}
+        if loss is not None:
+            self.losses[k] = float(loss.detach())
+        self.ctx[k] = ctx
+
+    def _do_r(self, a: Action) -> None:
+        """Recompute micro-batch k's forward with autograd on, from its saved inputs and with the
+        same random numbers. Buffers the forward mutates (BatchNorm statistics) are put back to
+        what the first forward left, so they are updated once per micro-batch."""
+        k = a.index
+        ctx = self.ctx[k]
+        n_model = len(self.stage.model_inputs)
+        args = ctx.pop("args")
+        boundary = [x.requires_grad_(True) if f else x for x, f in zip(args[n_model:], self.float_in)]
+        outputs = self._run_module(k, a.version, args[:n_model] + boundary)
+        with torch.no_grad():
+            for n, b in self.stage.module.named_buffers():
+                b.copy_(ctx["buffers_after"][n])
+        ctx.update(boundary=boundary, outputs=outputs)
+        if self.is_last:
+            ctx["loss"] = self._loss(k, outputs, last_use=True)
+
+    def _do_b(self, a: Action) -> None:
+        k = a.index
+        ctx = self.ctx.pop(k)
+        views = self._grad_views[self._grads_slot(self._batch(k))]
+        leaves = self.leaves[self._slot(a.version)]
+        # Autograd accumulates in place into an existing .grad: point the leaves at this
+        # batch's flat gradient buffer, so the m micro-batches sum there.
+        for name, leaf in leaves.items():
+            if leaf.requires_grad:
+                leaf.grad = views[name]
+        if self.is_last:
+            torch.autograd.backward(ctx["loss"] / (self.cfg.microbatches * self.cfg.width))
+        else:
+            bufs, h = self.recv_grad.pop(k)
+            h.wait()
+            outs = [o for o, f in zip(ctx["outputs"], self.float_out) if f]
+            pairs = [(o, g) for o, g in zip(outs, bufs) if o.requires_grad]
+            if pairs:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        for leaf in leaves.values():
+            leaf.grad = None
+        # A boundary input that did not influence the outputs still gets a (zero) gradient, so
+        # both sides of the channel always exchange the same tensors.
+        self._input_grads = [
+            x.grad if x.grad is not None else torch.zeros_like(x)
+            for x, f in zip(ctx["boundary"], self.float_in)
+            if f
+        ]
+
+    def _do_send_act(self, a: Action) -> None:
+        outs = [o.detach() for o in self.ctx[a.index]["outputs"]]
+        self._post_send(outs, self.next)
+
+    def _do_send_grad(self, a: Action) -> None:
+        self._post_send(self._input_grads, self.prev)
+        self._input_grads = None
+
+    def _post_send(self, tensors, peer) -> None:
+        self.sends.append((self.comm.isend(tensors, peer), tensors))
+        # Keep the tensors alive until their send completed; reap the finished ones.
+        if len(self.sends) > 8:
+            h, _ = self.sends.pop(0)
+            h.wait()
+
+    def drain_sends(self) -> None:
+        for h, _ in self.sends:
+            h.wait()
+        self.sends.clear()
+
+    # reductions ------------------------------------------------------------
+
+    def _do_dp_start(self, a: Action) -> None:
+        grads = self.grad_pool[self._grads_slot(a.index)]
+        handles = [self.comm.all_reduce(g, f"dp:{self.index}") for _, g in sorted(grads.items(), key=lambda kv: str(kv[0]))]
+        self.reductions[(Kind.DP_START, a.index)] = _Multi(handles)
+
+    def _do_dp_wait(self, a: Action) -> None:
+        self.reductions.pop((Kind.DP_START, a.index)).wait()
+
+    def _do_tied_start(self, a: Action) -> None:
+        views = self._grad_views[self._grads_slot(a.index)]
+        handles = [self.comm.all_reduce(views[n], g) for n, g in sorted(self.cfg.tied_groups.items()) if n in views]
+        self.reductions[(Kind.TIED_START, a.index)] = _Multi(handles)
+
+    def _do_tied_wait(self, a: Action) -> None:
+        self.reductions.pop((Kind.TIED_START, a.index)).wait()
+
+    def _do_norm_start(self, a: Action) -> None:
+        t = a.index
+        # Reductions of batch t the schedule placed before this start must have finished.
+        for kind in (Kind.DP_START, Kind.TIED_START):
+            h = self.reductions.pop((kind, t), None)
+            if h is not None:
+                h.wait()
+        views = self._grad_views[self._grads_slot(t)]
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        for name, g in views.items():
+            if self.cfg.tied_owner.get(name, True):  # a tied weight counts once, on its owner
+                sq += g.detach().double().pow(2).sum()
+        self.norm_sq[t] = sq
+        self.reductions[(Kind.NORM_START, t)] = self.comm.all_reduce(sq, f"pipe:{self.replica}")
+
+    def _do_norm_wait(self, a: Action) -> None:
+        t = a.index
+        h = self.reductions.pop((Kind.NORM_START, t), None)
+        if h is None:  # clip with no other reduction: the schedule starts and waits at once
+            self._do_norm_start(Action(self.index, Kind.NORM_START, t))
+            h = self.reductions.pop((Kind.NORM_START, t))
+        h.wait()
+        total = float(self.norm_sq.pop(t).sqrt())
+        # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up.
+        self.clip_coef[t] = min(1.0, self.cfg.max_grad_norm / (total + 1e-6))
+
+    def _do_update(self, a: Action) -> None:
+        t = a.index
+        for kind in (Kind.DP_START, Kind.TIED_START, Kind.NORM_START):
+            h = self.reductions.pop((kind, t), None)
+            if h is not None:
+                h.wait()
+        slot_g = self._grads_slot(t)
+        grads = self.grad_pool[slot_g]
+        coef = self.clip_coef.pop(t, 1.0)
+        if coef < 1.0:
+            for g in grads.values():
+                g.mul_(coef)
+        if self.optimizer is not None:
+            src = self.slots[self._slot(max(t - 1, 0))]
+            dst = self.slots[self._slot(t)]
+            if src is not dst:
+                for dt in dst:
+                    dst[dt].copy_(src[dt])
+            dst_views = self.layout.views(dst)
+            gviews = self._grad_views[slot_g]
+            for name, p in self.opt_params.items():
+                p.data = dst_views[name]
+                p.grad = gviews[name]
+            self.optimizer.step()
+            for p in self.opt_params.values():
+                p.grad = None
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        for g in grads.values():
+            g.zero_()
+        self.updates = t
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def layout_names(self) -> list[str]:
+        """Canonical names of everything this stage checkpoints: parameters, then buffers."""
+        return [s.name for s in self.layout.slots] + [n for n, _ in self.stage.module.named_buffers()]
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This stage's newest weights and its buffers under canonical names (CPU copies)."""
+        views = self.layout.views(self.slots[self._slot(self.updates)])
+        sd = {n: v.detach().to("cpu", copy=True) for n, v in views.items()}
+        for n, b in self.stage.module.named_buffers():
+            sd[n] = b.detach().to("cpu", copy=True)
+        return sd
+
+    def load_local_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load weights into every slot (all versions equal) and the buffers."""
+        with torch.no_grad():
+            for slot in self.slots:
+                views = self.layout.views(slot)
+                for n, v in views.items():
+                    v.copy_(sd[n])
+            for n, b in self.stage.module.named_buffers():
+                if n in sd:
+                    b.copy_(sd[n])
+
+
+class _Multi(Handle):
+    def __init__(self, handles):
+        self.handles = list(handles)
+
+    def ready(self) -> bool:
+        return all(h.ready() for h in self.handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
+def _model_loss(out) -> torch.Tensor:
+    """``loss_fn=None``: the model's output is the loss (a scalar, or an output with ``.loss``)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None:
+        raise TypeError(
+            f"loss_fn=None means the model's output is the loss, but it returned {type(out).__name__} "
+            f"without a .loss. Pass loss_fn=..., or (Hugging Face) include labels in the inputs."
+        )
+    return loss

@@ -1,0 +1,88 @@
+"""Independent single-device references for the pipeline's update semantics (DESIGN.md).
+
+Nothing here imports fxpipe: these loops are what the pipelined numbers must equal.
+
+* :func:`train_flush` — plain gradient-accumulation training, ``W(t+1) = W(t) - lr*grad f(W(t))``:
+  what 1f1b (PipeDream-Flush) and gpipe must reproduce.
+* :func:`train_2bw` — PipeDream-2BW, ``W(t+1) = W(t) - lr*grad f(W(t-1))``: batch ``t``'s
+  gradient is computed on the weights after ``max(t-2, 0)`` updates and applied to the newest.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def _micro(batch, m):
+    x, y = batch
+    xs = [c for c in (x.chunk(m) if isinstance(x, torch.Tensor) else _chunk_dict(x, m))]
+    ys = y.chunk(m) if isinstance(y, torch.Tensor) else [None] * m
+    return list(zip(xs, ys))
+
+
+def _chunk_dict(d, m):
+    parts = {k: v.chunk(m) for k, v in d.items()}
+    return [{k: parts[k][i] for k in d} for i in range(m)]
+
+
+def _loss(model, x, y, loss_fn):
+    out = model(**x) if isinstance(x, dict) else model(x)
+    if loss_fn is None:
+        return out.loss if hasattr(out, "loss") else out
+    return loss_fn(out, y)
+
+
+def _mean_grad(model, batch, m, loss_fn):
+    """Mean gradient over the batch's m micro-batches (loss scaled by 1/m) and the mean loss."""
+    model.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in _micro(batch, m):
+        loss = _loss(model, x, y, loss_fn)
+        (loss / m).backward()
+        total += float(loss)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, total / m
+
+
+def _clip(grads, max_norm):
+    if max_norm is None:
+        return grads
+    norm = torch.sqrt(sum(g.double().pow(2).sum() for g in grads.values()))
+    coef = min(1.0, max_norm / (float(norm) + 1e-6))
+    return {n: g * coef for n, g in grads.items()}
+
+
+def train_flush(model, batches, m, loss_fn, optimizer_factory, max_grad_norm=None):
+    """Gradient accumulation over m micro-batches, one step per batch. Returns (losses, model)."""
+    model = copy.deepcopy(model)
+    opt = optimizer_factory(list(model.named_parameters()))
+    losses = []
+    for batch in batches:
+        grads, loss = _mean_grad(model, batch, m, loss_fn)
+        grads = _clip(grads, max_grad_norm)
+        for n, p in model.named_parameters():
+            p.grad = grads.get(n)
+        opt.step()
+        losses.append(loss)
+    return losses, model
+
+
+def train_2bw(model, batches, m, loss_fn, optimizer_factory, max_grad_norm=None):
+    """W(t) = W(t-1) - lr * g_t where g_t is batch t's mean gradient at W(max(t-2, 0)).
+    Returns (losses, model holding the newest weights)."""
+    model = copy.deepcopy(model)
+    opt = optimizer_factory(list(model.named_parameters()))
+    snapshots = [copy.deepcopy(model.state_dict())]  # snapshots[v] = W(v)
+    probe = copy.deepcopy(model)  # computes gradients on an older version
+    losses = []
+    for t, batch in enumerate(batches, start=1):
+        probe.load_state_dict(snapshots[max(t - 2, 0)])
+        grads, loss = _mean_grad(probe, batch, m, loss_fn)
+        grads = _clip(grads, max_grad_norm)
+        for n, p in model.named_parameters():
+            p.grad = grads.get(n)
+        opt.step()
+        snapshots.append(copy.deepcopy(model.state_dict()))
+        losses.append(loss)
+    return losses, model
