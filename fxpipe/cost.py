@@ -1,0 +1,525 @@
+"""cost: per-node FLOPs, bytes and forward/backward times of a traced graph, plus the device model.
+
+:func:`annotate` adds a :class:`NodeCost` to every node of a GraphModule made by
+:func:`fxpipe.trace` (``node.meta["fxpipe_cost"]``) and returns a :class:`GraphCosts`. Two modes:
+
+* ``"analytic"`` — FLOPs from torch's own formulas (``torch.utils.flop_counter``) evaluated on
+  shapes alone, bytes from the traced shapes, and a roofline time
+  ``op_latency + max(flops / peak_flops, bytes_moved / mem_bandwidth)`` on a :class:`DeviceModel`.
+  Backward is twice the forward (two matmuls per forward matmul: input and weight gradients).
+  Deterministic and fast: no tensor is ever allocated with real data.
+* ``"measured"`` — every node runs with real tensors on the target device, forward and backward
+  timed separately (warm-up, then the median of repeats). Costs are taken once, on rank 0.
+
+Costs depend on the micro-batch size ``b``. Each cost is a :class:`Linear` ``a*b + c`` (its
+``.expr`` is the sympy expression in :data:`b`), fitted from the one traced batch size ``B``: a node
+that depends on the model inputs scales with the number of samples it processes (``a = (cost(B) -
+c) / B``, with ``c`` the fixed per-op overhead for times and 0 for FLOPs and bytes); a node that
+only reads parameters and constants is ``b``-independent (``a = 0``). The batch dimension is
+independent in every standard layer, so this is exact for FLOPs and activation bytes (a scalar loss
+output is kept constant); for measured times it assumes throughput-bound kernels, which holds
+when ``b`` stays within a few times ``B`` on a device that the traced batch already fills.
+Re-tracing at a second batch size would cost a second export of the whole model; this does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import sympy
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from .errors import PlanError
+from .trace import NodeInfo, normalize_inputs
+
+__all__ = ["DeviceModel", "Linear", "NodeCost", "GraphCosts", "annotate", "b"]
+
+#: The micro-batch size, the one free symbol of every cost expression.
+b = sympy.Symbol("b", positive=True, integer=True)
+
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """What the planner assumes about one device and the links between devices.
+
+    Every field can be overridden in the constructor; :meth:`measure_p2p` replaces the link
+    figures with a ping-pong between two real ranks. The CPU defaults (:meth:`cpu`) are
+    conservative figures for one socket of a recent x86 server with gloo over loopback TCP.
+    """
+
+    name: str = "cpu"
+    memory_bytes: float = 16e9  #: capacity the partitioner may fill on each device
+    peak_flops: float = 100e9  #: sustained dense FLOP/s of one device (fp32)
+    mem_bandwidth: float = 20e9  #: main-memory bytes/s (the roofline's memory roof)
+    p2p_bandwidth: float = 2e9  #: bytes/s of one point-to-point send between adjacent stages
+    p2p_latency: float = 50e-6  #: seconds of fixed cost per message
+    allreduce_bandwidth: float = 1e9  #: bus bytes/s of a ring all-reduce among replicas
+    op_latency: float = 5e-6  #: seconds of fixed dispatch cost per operator
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name == "name":
+                continue
+            if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in ("p2p_latency", "op_latency")):
+                raise PlanError(
+                    f"DeviceModel.{f.name} must be a positive number, found {v!r}; "
+                    f"pass e.g. DeviceModel({f.name}={getattr(DeviceModel, f.name)!r})"
+                )
+
+    @classmethod
+    def cpu(cls, **overrides: Any) -> "DeviceModel":
+        """CPU defaults; ``memory_bytes`` is this machine's physical memory."""
+        mem = 16e9
+        try:
+            mem = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):
+            pass
+        return cls(**{"name": "cpu", "memory_bytes": mem, **overrides})
+
+    @classmethod
+    def gpu(cls, **overrides: Any) -> "DeviceModel":
+        """Defaults for an H100-class GPU (dense TF32 about 400 TFLOP/s, of which ~50% is
+        sustained; HBM3 3 TB/s; NVLink ~150 GB/s each way); ``memory_bytes`` from CUDA."""
+        mem = 80e9
+        if torch.cuda.is_available():
+            mem = float(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+        base = dict(
+            name="cuda", memory_bytes=mem, peak_flops=200e12, mem_bandwidth=2.5e12,
+            p2p_bandwidth=150e9, p2p_latency=10e-6, allreduce_bandwidth=100e9, op_latency=5e-6,
+        )
+        return cls(**{**base, **overrides})
+
+    @classmethod
+    def for_device(cls, device: str | torch.device | None = None, **overrides: Any) -> "DeviceModel":
+        """:meth:`gpu` for a CUDA device, :meth:`cpu` otherwise."""
+        kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls.gpu(**overrides) if kind == "cuda" else cls.cpu(**overrides)
+
+    def p2p_time(self, nbytes: float) -> float:
+        """Seconds to send one message of ``nbytes`` between adjacent stages."""
+        return self.p2p_latency + nbytes / self.p2p_bandwidth
+
+    def allreduce_time(self, nbytes: float, width: int) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` among ``width`` replicas (2(w-1)/w of
+        the data crosses each link)."""
+        if width <= 1:
+            return 0.0
+        return 2 * (width - 1) / width * nbytes / self.allreduce_bandwidth + 2 * (width - 1) * self.p2p_latency
+
+    def measure_p2p(self, group=None, *, sizes: tuple[int, int] = (4, 8 << 20), repeats: int = 10) -> "DeviceModel":
+        """This model with ``p2p_latency``/``p2p_bandwidth`` measured by a ping-pong between
+        ranks 0 and 1 of ``group`` (every rank of the group must call it; the result is
+        broadcast from rank 0 so all ranks plan with the same numbers). Without an initialised
+        process group of two or more ranks, returns ``self`` unchanged."""
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) < 2:
+            return self
+        rank = dist.get_rank(group)
+        peer0 = dist.get_global_rank(group, 0) if group is not None else 0
+        peer1 = dist.get_global_rank(group, 1) if group is not None else 1
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        result = torch.zeros(2, dtype=torch.float64, device=dev)
+        if rank in (0, 1):
+            times = []
+            for size in sizes:
+                buf = torch.zeros(max(1, size // 4), dtype=torch.float32, device=dev)
+                other = peer1 if rank == 0 else peer0
+                samples = []
+                for i in range(repeats + 1):
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    if rank == 0:
+                        dist.send(buf, other, group=group)
+                        dist.recv(buf, other, group=group)
+                    else:
+                        dist.recv(buf, other, group=group)
+                        dist.send(buf, other, group=group)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()
+                    if i:  # the first round trip sets up the connection
+                        samples.append((time.perf_counter() - t0) / 2)
+                times.append(statistics.median(samples))
+            latency = times[0]
+            bandwidth = (sizes[1] - sizes[0]) / max(times[1] - times[0], 1e-9)
+            result = torch.tensor([latency, bandwidth], dtype=torch.float64, device=dev)
+        dist.broadcast(result, peer0, group=group)
+        return dataclasses.replace(self, p2p_latency=float(result[0]), p2p_bandwidth=float(result[1]))
+
+
+@dataclass(frozen=True)
+class Linear:
+    """A cost ``a*b + c`` in the micro-batch size ``b``."""
+
+    a: float
+    c: float = 0.0
+
+    def __call__(self, batch: float) -> float:
+        return self.a * batch + self.c
+
+    @property
+    def expr(self) -> sympy.Expr:
+        """The cost as a sympy expression in :data:`b`."""
+        return sympy.Float(self.a) * b + sympy.Float(self.c)
+
+    @staticmethod
+    def fit(value: float, batch: int, *, scales: bool, fixed: float = 0.0) -> "Linear":
+        """``value`` observed at micro-batch size ``batch``: proportional to the batch above a
+        fixed part ``min(fixed, value)`` if ``scales``, else constant."""
+        if not scales or batch <= 0:
+            return Linear(0.0, float(value))
+        c = min(fixed, value)
+        return Linear((value - c) / batch, c)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Costs of one node (``node.meta["fxpipe_cost"]``), each a :class:`Linear` in ``b``.
+
+    ``flops`` are forward FLOPs; ``out_bytes`` the bytes of its outputs (what it adds to the
+    activations and what a cut after it sends); ``fwd_time``/``bwd_time`` seconds;
+    ``requires_grad`` whether a gradient flows back through it (a backward exists).
+    """
+
+    flops: Linear
+    out_bytes: Linear
+    bytes_moved: Linear
+    fwd_time: Linear
+    bwd_time: Linear
+    batch_dependent: bool
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class GraphCosts:
+    """The costs of a whole graph: the mode, the batch size they were taken at, the device."""
+
+    mode: str
+    batch_size: int
+    device: DeviceModel
+    nodes: Mapping[str, NodeCost]
+
+    def total(self, field: str, batch: float) -> float:
+        return sum(getattr(c, field)(batch) for c in self.nodes.values())
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def annotate(
+    gm: fx.GraphModule,
+    example_inputs=None,
+    *,
+    mode: str = "analytic",
+    device: DeviceModel | None = None,
+    torch_device: str | torch.device | None = None,
+    repeats: int = 5,
+) -> GraphCosts:
+    """Attach a :class:`NodeCost` to every node of ``gm`` and return them all.
+
+    ``example_inputs`` (one micro-batch, as given to :func:`fxpipe.trace`) is needed only by
+    ``mode="measured"``; without it, inputs are synthesised from the traced shapes (zeros for
+    integer tensors, so they are valid indices). ``torch_device`` is where measured nodes run.
+    """
+    if mode not in ("analytic", "measured"):
+        raise PlanError(f"cost_mode must be 'analytic' or 'measured', found {mode!r}")
+    info = gm.meta.get("fxpipe")
+    if info is None:
+        raise PlanError(
+            "the GraphModule has no fxpipe metadata (gm.meta['fxpipe']); expected a graph made by "
+            "fxpipe.trace(model, example_inputs). Trace the model with fxpipe.trace first."
+        )
+    device = device or DeviceModel.for_device(torch_device)
+    batch = int(info.batch_size or 1)
+    dep, grad = _dependence(gm)
+    measured: dict[str, tuple[float, float]] = {}
+    if mode == "measured":
+        measured = _measure(gm, example_inputs, torch_device, repeats, grad)
+    flop_cache: dict[Any, float] = {}
+    costs: dict[str, NodeCost] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        ni: NodeInfo = node.meta["fxpipe"]
+        compute = node.op in ("call_function", "call_method", "call_module")
+        flops = _node_flops(gm, node, flop_cache) if compute else 0.0
+        out_b = float(ni.out_bytes) if compute else 0.0
+        moved, moved_params = _bytes_moved(node, ni) if compute else (0.0, 0.0)
+        scal = dep[node.name]
+        out_scales = scal and any(len(s.shape) > 0 for s in ni.outputs)
+        if not compute:
+            fwd = bwd = 0.0
+        elif mode == "measured":
+            fwd, bwd = measured.get(node.name, (0.0, 0.0))
+        else:
+            fwd = device.op_latency + max(flops / device.peak_flops, (moved + moved_params) / device.mem_bandwidth)
+            bwd = device.op_latency + 2 * (fwd - device.op_latency) if grad[node.name] else 0.0
+        costs[node.name] = NodeCost(
+            flops=Linear.fit(flops, batch, scales=scal),
+            out_bytes=Linear.fit(out_b, batch, scales=out_scales),
+            bytes_moved=Linear(moved / batch, moved_params) if scal else Linear(0.0, moved + moved_params),
+            fwd_time=Linear.fit(fwd, batch, scales=scal, fixed=device.op_latency),
+            bwd_time=Linear.fit(bwd, batch, scales=scal, fixed=device.op_latency),
+            batch_dependent=scal,
+            requires_grad=grad[node.name],
+        )
+        node.meta["fxpipe_cost"] = costs[node.name]
+    return GraphCosts(mode=mode, batch_size=batch, device=device, nodes=costs)
+
+
+def _dependence(gm: fx.GraphModule) -> tuple[dict[str, bool], dict[str, bool]]:
+    """Per node: does it depend on the model inputs (so scale with ``b``), and does a
+    gradient flow through it (it reads a trainable parameter, directly or upstream)?"""
+    params = {n for n, p in gm.named_parameters() if p.requires_grad}
+    dep: dict[str, bool] = {}
+    grad: dict[str, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        ins = node.all_input_nodes
+        if node.op == "placeholder":
+            dep[node.name], grad[node.name] = True, False
+            continue
+        if node.op == "get_attr":
+            dep[node.name], grad[node.name] = False, node.target in params
+            continue
+        ni: NodeInfo = node.meta["fxpipe"]
+        floating = any(s.torch_dtype.is_floating_point or s.torch_dtype.is_complex for s in ni.outputs)
+        dep[node.name] = any(dep[i.name] for i in ins)
+        grad[node.name] = floating and (any(grad[i.name] for i in ins) or bool(set(ni.params) & params))
+    return dep, grad
+
+
+# --------------------------------------------------------------------------------------------
+# analytic FLOPs and bytes
+
+
+def _node_flops(gm: fx.GraphModule, node: fx.Node, cache: dict) -> float:
+    """Forward FLOPs of one node, from torch's formulas on shapes; composite ops (``linear``,
+    ``call_module`` leaves) are run on fake tensors under ``FlopCounterMode`` once per distinct
+    signature."""
+    from torch.utils.flop_counter import flop_registry
+
+    target = node.target
+    if node.op == "call_function" and target is operator.getitem:
+        return 0.0
+    if isinstance(target, torch._ops.OpOverload):
+        if target.is_view:
+            return 0.0
+        if target._overloadpacket is torch.ops.aten.scaled_dot_product_attention:
+            return _sdpa_flops(node)
+        fn = flop_registry.get(target._overloadpacket)
+        if fn is not None:
+            args, kwargs = _meta_args(node)
+            try:
+                return float(fn(*args, out_val=node.meta.get("val"), **kwargs))
+            except Exception:  # noqa: BLE001 - formula signature mismatch: fall through to fake run
+                pass
+    key = _signature(node)
+    if key in cache:
+        return cache[key]
+    cache[key] = flops = _fake_flops(gm, node)
+    return flops
+
+
+def _sdpa_flops(node: fx.Node) -> float:
+    # QK^T and (softmax)V: two batched matmuls of 2*L*S*E FLOPs per (batch, head); torch's
+    # counter sees none of it on CPU, where SDPA runs a fused kernel.
+    q, k, v = (a.meta["val"] for a in node.args[:3])
+    batch = math.prod(q.shape[:-2])
+    L, E = q.shape[-2], q.shape[-1]
+    S, Ev = k.shape[-2], v.shape[-1]
+    return float(2 * batch * L * S * E + 2 * batch * L * S * Ev)
+
+
+def _meta_args(node: fx.Node):
+    val = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
+    return pytree.tree_map(val, node.args), pytree.tree_map(val, node.kwargs)
+
+
+def _signature(node: fx.Node):
+    def key(a):
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                return ("T", tuple(v.shape), v.dtype)
+            return ("V", repr(v))
+        return repr(a)
+
+    return (node.op, str(node.target), tuple(pytree.tree_map(key, list(node.args))),
+            tuple(sorted((k, str(pytree.tree_map(key, v))) for k, v in node.kwargs.items())))
+
+
+def _fake_flops(gm: fx.GraphModule, node: fx.Node) -> float:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(a):
+        if not isinstance(a, fx.Node):
+            return a
+        v = a.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            with mode:
+                return torch.empty(tuple(v.shape), dtype=v.dtype)
+        if a.op == "get_attr":
+            return getattr(gm, a.target, None)
+        return v
+
+    try:
+        args = pytree.tree_map(fake, node.args)
+        kwargs = pytree.tree_map(fake, node.kwargs)
+        with mode, FlopCounterMode(display=False) as counter:
+            if node.op == "call_module":
+                gm.get_submodule(node.target)(*args, **kwargs)
+            elif node.op == "call_method":
+                getattr(args[0], node.target)(*args[1:], **kwargs)
+            else:
+                node.target(*args, **kwargs)
+        return float(counter.get_total_flops())
+    except Exception:  # noqa: BLE001 - an op fake tensors cannot run (data-dependent): no FLOPs known
+        return 0.0
+
+
+def _bytes_moved(node: fx.Node, ni: NodeInfo) -> tuple[float, float]:
+    """Bytes a node reads and writes: (activations, parameters/constants). Views and getitem
+    move nothing."""
+    t = node.target
+    if t is operator.getitem or (isinstance(t, torch._ops.OpOverload) and t.is_view):
+        return 0.0, 0.0
+    acts, consts = float(ni.out_bytes), float(ni.param_bytes) if node.op == "call_module" else 0.0
+    for inp in node.all_input_nodes:
+        info = inp.meta.get("fxpipe")
+        if info is None:
+            continue
+        if inp.op == "get_attr":
+            consts += info.out_bytes
+        else:
+            acts += info.out_bytes
+    return acts, consts
+
+
+# --------------------------------------------------------------------------------------------
+# measured times
+
+
+def _synth_inputs(gm: fx.GraphModule) -> list:
+    flat = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        v = node.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            if v.dtype.is_floating_point:
+                flat.append(torch.randn(tuple(v.shape), dtype=v.dtype))
+            elif v.dtype == torch.bool:
+                flat.append(torch.ones(tuple(v.shape), dtype=v.dtype))
+            else:
+                flat.append(torch.zeros(tuple(v.shape), dtype=v.dtype))
+        else:
+            flat.append(v)
+    return flat
+
+
+def _measure(gm, example_inputs, torch_device, repeats: int, grad: dict[str, bool]) -> dict[str, tuple[float, float]]:
+    """Median forward and backward seconds of every compute node, run one by one on real
+    tensors. Parameters are used in place (detached aliases, no copies); buffers are cloned so
+    in-place updates (BatchNorm statistics) leave the model untouched; the RNG is restored."""
+    dev = torch.device(torch_device) if torch_device is not None else torch.device("cpu")
+    if example_inputs is None:
+        flat = _synth_inputs(gm)
+    else:
+        args, kwargs = normalize_inputs(example_inputs)
+        flat = gm.meta["fxpipe"].flatten_inputs(args, kwargs)
+    flat = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat]
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    env: dict[str, Any] = {}
+    out: dict[str, tuple[float, float]] = {}
+    it = iter(flat)
+    params = dict(gm.named_parameters())
+
+    def median_time(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        for node in gm.graph.nodes:
+            if node.op == "output":
+                continue
+            if node.op == "placeholder":
+                env[node.name] = next(it)
+                continue
+            if node.op == "get_attr":
+                obj = gm
+                for part in node.target.split("."):
+                    obj = getattr(obj, part)
+                if isinstance(obj, torch.Tensor):
+                    obj = obj.detach().to(dev)
+                    obj = obj.requires_grad_(node.target in params) if node.target in params else obj.clone()
+                env[node.name] = obj
+                continue
+            fn = _callable(gm, node)
+            load = lambda a: env[a.name] if isinstance(a, fx.Node) else a  # noqa: E731
+            args = pytree.tree_map(load, node.args)
+            kwargs = pytree.tree_map(load, node.kwargs)
+            with torch.no_grad():
+                fwd = median_time(lambda: fn(*args, **kwargs))
+                env[node.name] = fn(*args, **kwargs)
+            bwd = _measure_backward(fn, args, kwargs, median_time) if grad[node.name] else 0.0
+            out[node.name] = (fwd, bwd)
+    return out
+
+
+def _measure_backward(fn, args, kwargs, median_time) -> float:
+    leaves: list[torch.Tensor] = []
+
+    def leaf(x):
+        if isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.is_complex()):
+            x = x.detach().requires_grad_()
+            leaves.append(x)
+        return x
+
+    try:
+        a = pytree.tree_map(leaf, args)
+        k = pytree.tree_map(leaf, kwargs)
+        with torch.enable_grad():
+            res = fn(*a, **k)
+        outs = [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outs or not leaves:
+            return 0.0
+        grads = [torch.ones_like(t) for t in outs]
+        return median_time(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True))
+    except RuntimeError:
+        # An in-place op on a leaf cannot be differentiated in isolation; its backward is
+        # usually a copy of the incoming gradient, about as fast as its forward.
+        with torch.no_grad():
+            return median_time(lambda: fn(*args, **kwargs))
+
+
+def _callable(gm: fx.GraphModule, node: fx.Node):
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)
+    if node.op == "call_method":
+        return lambda self, *a, **k: getattr(self, node.target)(*a, **k)
+    return node.target

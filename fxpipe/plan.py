@@ -1,0 +1,208 @@
+"""plan: the frozen :class:`Plan` the partitioner hands to codegen, its JSON form and its printout.
+
+A Plan says where every node of the traced graph runs (``plan.assignment``), the chosen depth
+``d``, data-parallel width ``w``, micro-batch size ``b``, micro-batch count ``m`` and
+recomputation, and what the cost model predicts per stage. Rank 0 plans and broadcasts
+``plan.to_json()``; every rank rebuilds it with :meth:`Plan.from_json` and checks
+``plan.graph_hash`` against :func:`graph_fingerprint` of its own trace.
+
+Example (``print(plan)``)::
+
+    Plan: 2bw, d=2 stages x w=1 replicas, b=2, m=4 (analytic costs on cpu, graph 3f9c0a1b2d4e)
+    stage  nodes  span                             fwd ms  bwd ms  comm ms  memory MB  params MB  recompute
+    0      61     input_ids .. add_7 (h.0 .. h.1)   0.21    0.33     0.10       1.9        0.4   no
+    1      58     layer_norm_4 .. cross_entropy     0.24    0.38     0.10       1.7        0.4   no
+    predicted 2.36 ms per step, 3390 samples/s; chosen over d=1 w=2 b=2 recompute=off (3012 samples/s)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import operator
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.fx as fx
+from tabulate import tabulate
+
+from .cost import DeviceModel
+
+__all__ = ["Plan", "StagePlan", "RunnerUp", "graph_fingerprint"]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What the cost model predicts for one stage (times in seconds, memory in bytes)."""
+
+    index: int
+    nodes: int  #: compute nodes in the stage
+    first_node: str
+    last_node: str
+    first_module: str  #: module path of the first compute node ("" at top level)
+    last_module: str
+    forward_time: float  #: one micro-batch, recomputation excluded
+    backward_time: float  #: one micro-batch, recomputation's extra forward included
+    comm_time: float  #: send/recv of activations and gradients across its input and output cuts
+    memory: float  #: total = weights + activations + optimizer + grads + receive buffers
+    memory_weights: float  #: parameter and buffer copies (2 versions of parameters under 2bw)
+    memory_activations: float  #: stashed activations of the in-flight micro-batches
+    memory_optimizer: float  #: optimizer state (AdamW: 2 fp32 moments per parameter)
+    memory_grads: float  #: the gradient accumulator (one copy of the parameters)
+    memory_buffers: float  #: receive buffer for the activations crossing its input cut
+    param_bytes: float  #: bytes of the parameters the stage owns (tied ones counted here too)
+    send_bytes: float  #: bytes crossing its output cut per micro-batch
+    recompute: bool
+
+    @property
+    def time(self) -> float:
+        """The stage's time per micro-batch: compute plus communication."""
+        return self.forward_time + self.backward_time + self.comm_time
+
+
+@dataclass(frozen=True)
+class RunnerUp:
+    """The best configuration that lost, and what it would have given."""
+
+    stages: int
+    width: int
+    microbatch_size: int
+    microbatches: int
+    recompute: bool
+    step_time: float
+    throughput: float
+
+    def describe(self) -> str:
+        return (
+            f"d={self.stages} w={self.width} b={self.microbatch_size} m={self.microbatches} "
+            f"recompute={'on' if self.recompute else 'off'}"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A pipeline plan: the chosen configuration, the node-to-stage map and the predictions.
+
+    ``assignment_pairs`` is the immutable form of the assignment: ``(node name, stage)`` for
+    every node of the traced graph except ``output``, in graph order. :attr:`assignment` gives
+    it as a fresh dict. Compute nodes are contiguous per stage in graph order; a placeholder or
+    ``get_attr`` node has the stage of its first user (inputs are read where needed, never sent;
+    a parameter read on two stages is duplicated).
+    """
+
+    schedule: str
+    stages: int  #: d, pipeline depth
+    width: int  #: w, data-parallel replicas of the pipeline
+    microbatch_size: int  #: b
+    microbatches: int  #: m per optimizer step (per replica)
+    recompute: tuple[bool, ...]  #: per stage
+    assignment_pairs: tuple[tuple[str, int], ...]
+    stage_plans: tuple[StagePlan, ...]
+    step_time: float  #: predicted seconds per optimizer step
+    throughput: float  #: predicted samples per second (b * m * w / step_time)
+    bottleneck: float  #: predicted seconds per micro-batch of the slowest stage
+    allreduce_time: float  #: data-parallel gradient all-reduce per step (0 when w == 1)
+    runner_up: RunnerUp | None
+    cost_mode: str
+    device: DeviceModel
+    memory_limit: float  #: bytes each stage had to fit in
+    graph_hash: str
+
+    @property
+    def assignment(self) -> dict[str, int]:
+        """Node name -> stage index, for every node except ``output``."""
+        return dict(self.assignment_pairs)
+
+    @property
+    def global_batch(self) -> int:
+        return self.microbatch_size * self.microbatches * self.width
+
+    def stage_nodes(self, stage: int) -> list[str]:
+        """Names of the nodes (inputs and parameters included) on ``stage``, in graph order."""
+        return [n for n, s in self.assignment_pairs if s == stage]
+
+    # ---------------------------------------------------------------------------------- JSON
+
+    def to_json(self) -> str:
+        """A JSON string that :meth:`from_json` turns back into an equal Plan."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str) -> "Plan":
+        d = json.loads(s)
+        d["recompute"] = tuple(bool(x) for x in d["recompute"])
+        d["assignment_pairs"] = tuple((str(n), int(i)) for n, i in d["assignment_pairs"])
+        d["stage_plans"] = tuple(StagePlan(**sp) for sp in d["stage_plans"])
+        d["runner_up"] = None if d["runner_up"] is None else RunnerUp(**d["runner_up"])
+        d["device"] = DeviceModel(**d["device"])
+        return cls(**d)
+
+    # ------------------------------------------------------------------------------ printing
+
+    def table(self) -> str:
+        rows = []
+        for sp in self.stage_plans:
+            span = f"{sp.first_node} .. {sp.last_node}"
+            if sp.first_module or sp.last_module:
+                span += f" ({sp.first_module or '<top>'} .. {sp.last_module or '<top>'})"
+            rows.append([
+                sp.index, sp.nodes, span, sp.forward_time * 1e3, sp.backward_time * 1e3,
+                sp.comm_time * 1e3, sp.memory / 1e6, sp.param_bytes / 1e6, "yes" if sp.recompute else "no",
+            ])
+        headers = ["stage", "nodes", "span", "fwd ms", "bwd ms", "comm ms", "memory MB", "params MB", "recompute"]
+        return tabulate(rows, headers=headers, floatfmt=".3f")
+
+    def why(self) -> str:
+        head = f"predicted {self.step_time * 1e3:.3f} ms per step, {self.throughput:.1f} samples/s"
+        if self.allreduce_time:
+            head += f" (all-reduce {self.allreduce_time * 1e3:.3f} ms)"
+        if self.runner_up is None:
+            return head + "; the only configuration that fits"
+        r = self.runner_up
+        return f"{head}; chosen over {r.describe()} ({r.throughput:.1f} samples/s)"
+
+    def __str__(self) -> str:
+        head = (
+            f"Plan: {self.schedule}, d={self.stages} stages x w={self.width} replicas, "
+            f"b={self.microbatch_size}, m={self.microbatches} "
+            f"({self.cost_mode} costs on {self.device.name}, memory limit {self.memory_limit / 1e6:.1f} MB, "
+            f"graph {self.graph_hash[:12]})"
+        )
+        return "\n".join([head, self.table(), self.why()])
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def graph_fingerprint(gm: fx.GraphModule) -> str:
+    """A hex digest of the traced graph: every node's name, op, target, inputs and output
+    shapes/dtypes. Two ranks that traced the same model on the same inputs get the same one."""
+    h = hashlib.sha256()
+    for node in gm.graph.nodes:
+        ins = ",".join(a.name for a in node.all_input_nodes)
+        info = node.meta.get("fxpipe")
+        if info is not None:
+            outs = ";".join(f"{s.dtype}{list(s.shape)}" for s in info.outputs)
+        else:
+            val = node.meta.get("val")
+            outs = f"{val.dtype}{list(val.shape)}" if isinstance(val, torch.Tensor) else ""
+        h.update(f"{node.name}|{node.op}|{_target_name(node.target)}|{ins}|{outs}\n".encode())
+    return h.hexdigest()
+
+
+def _target_name(target: Any) -> str:
+    if isinstance(target, str):
+        return target
+    if target is operator.getitem:
+        return "getitem"
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None)
+    mod = getattr(target, "__module__", None)
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return f"{mod}.{name}" if name else str(target)
+
+
+def _mapping_pairs(assignment: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple((str(k), int(v)) for k, v in assignment.items())
