@@ -260,7 +260,7 @@ class _Solver:
             ok = self.start_ok & (rho >= idx)
             best = _range_min(Ys, idx, np.maximum(rho, idx))
             reach = np.zeros(n + 1, dtype=bool)
-            reach[:n] = ok & (best + self.X[s] <= T)
+            reach[:n] = ok & np.isfinite(best) & (best + self.X[s] <= T)
             R[s] = reach
         return R if R[0][0] else None
 

@@ -1,0 +1,108 @@
+"""Tests of the cost model: FLOPs against hand counts, scaling in b, measured mode, the device model."""
+
+import math
+
+import pytest
+import sympy
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.cost import DeviceModel, Linear, annotate, b
+from fxpipe.errors import PlanError
+
+
+def linear_gm(batch=4):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    return fxpipe.trace(model, (torch.randn(batch, 16),)), model
+
+
+def test_analytic_flops_and_bytes_match_hand_counts():
+    gm, _ = linear_gm(4)
+    costs = annotate(gm, mode="analytic")
+    lin = [n for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    assert [costs.nodes[n.name].flops(4) for n in lin] == [2 * 4 * 16 * 32, 2 * 4 * 32 * 8]
+    assert costs.nodes[lin[0].name].out_bytes(4) == 4 * 32 * 4
+    # every node has its cost attached, and a NodeCost for placeholders/parameters too
+    assert all("fxpipe_cost" in n.meta for n in gm.graph.nodes if n.op != "output")
+
+
+def test_costs_are_linear_in_b_as_sympy():
+    gm, _ = linear_gm(4)
+    costs = annotate(gm)
+    lin = next(n for n in gm.graph.nodes if "linear" in str(n.target))
+    c = costs.nodes[lin.name]
+    assert c.flops.expr == sympy.Float(2 * 16 * 32) * b
+    assert c.flops(8) == 2 * c.flops(4)  # FLOPs scale with the samples processed
+    assert c.fwd_time(8) > c.fwd_time(4) > 0
+    assert math.isclose(float(c.fwd_time.expr.subs(b, 8)), c.fwd_time(8))
+    # a parameter-only node does not scale with b
+    w = next(n for n in gm.graph.nodes if n.op == "get_attr")
+    assert costs.nodes[w.name].out_bytes.a == 0
+
+
+def test_backward_is_twice_forward_in_analytic_mode():
+    gm, _ = linear_gm(64)
+    dev = DeviceModel(op_latency=0.0)
+    costs = annotate(gm, device=dev)
+    lin = next(n for n in gm.graph.nodes if "linear" in str(n.target))
+    c = costs.nodes[lin.name]
+    assert math.isclose(c.bwd_time(64), 2 * c.fwd_time(64))
+
+
+def test_sdpa_flops_counted():
+    class Attn(nn.Module):
+        def forward(self, q):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    q = torch.randn(2, 4, 16, 8)
+    gm = fxpipe.trace(Attn(), (q,))
+    costs = annotate(gm)
+    assert costs.total("flops", 2) == 4 * 2 * 4 * 16 * 16 * 8
+
+
+def test_measured_mode_times_every_compute_node_and_keeps_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 8))
+    x = torch.randn(8, 16)
+    gm = fxpipe.trace(model, (x,))
+    stats = model[1].running_mean.clone()
+    rng = torch.get_rng_state()
+    costs = annotate(gm, (x,), mode="measured", repeats=2)
+    compute = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert all(costs.nodes[n.name].fwd_time(8) > 0 for n in compute)
+    assert any(costs.nodes[n.name].bwd_time(8) > 0 for n in compute)
+    assert torch.equal(model[1].running_mean, stats) and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_linear_fit():
+    f = Linear.fit(10.0, 2, scales=True, fixed=1.0)
+    assert (f.a, f.c) == (4.5, 1.0) and f(2) == 10.0
+    assert Linear.fit(3.0, 2, scales=False)(100) == 3.0
+
+
+def test_device_model_defaults_overrides_and_errors():
+    cpu = DeviceModel.cpu(p2p_bandwidth=1e9)
+    assert cpu.p2p_bandwidth == 1e9 and cpu.memory_bytes > 0
+    assert math.isclose(cpu.p2p_time(1e9), cpu.p2p_latency + 1.0)
+    assert cpu.allreduce_time(1e9, 1) == 0.0 and cpu.allreduce_time(1e9, 2) > 1e9 / cpu.allreduce_bandwidth * 0.99
+    assert DeviceModel.gpu().peak_flops > cpu.peak_flops
+    assert cpu.measure_p2p() is cpu  # no process group: unchanged
+    with pytest.raises(PlanError, match=r"DeviceModel.peak_flops must be a positive number, found -1"):
+        DeviceModel(peak_flops=-1)
+
+
+def test_annotate_rejects_untraced_graphs():
+    gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+    with pytest.raises(PlanError, match="fxpipe.trace"):
+        annotate(gm)
+
+
+def test_measured_plan_end_to_end():
+    from fxpipe.partition import plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(8, 32)
+    p = plan(model, (x,), stages=2, microbatches=4, cost_mode="measured")
+    assert p.cost_mode == "measured" and p.stages == 2
