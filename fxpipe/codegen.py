@@ -422,9 +422,10 @@ def from_plan(gm: fx.GraphModule, plan, **kwargs) -> StagedModel:
     """:func:`split` with ``plan.assignment``; checks the plan's stage count against it."""
     staged = split(gm, plan.assignment, **kwargs)
     stages = getattr(plan, "stages", None)
-    if stages is not None and len(stages) != staged.num_stages:
+    count = stages if isinstance(stages, int) or stages is None else len(stages)
+    if count is not None and count != staged.num_stages:
         raise PlanError(
-            f"the plan lists {len(stages)} stages but its assignment uses {staged.num_stages} "
+            f"the plan has {count} stages but its assignment uses {staged.num_stages} "
             f"(0..{staged.num_stages - 1}); the plan is inconsistent: re-plan."
         )
     return staged
@@ -463,11 +464,14 @@ def split(
     boundaries = [[n for n in compute if stage_of[n] <= i < last_use[n]] for i in range(d - 1)]
     for i, values in enumerate(boundaries):
         for n in values:
-            if not isinstance(n.meta.get("val"), torch.Tensor):
+            val = n.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                # the fallback tracer records no value for Python scalars (x.size(0))
+                kind = "a Python value" if val is None else f"a {type(val).__name__}"
                 users = sorted({u.name for u in n.users if use_stage(u) > stage_of[n]})
                 raise PlanError(
-                    f"value {n.name!r} crosses the cut between stages {i} and {i + 1}, but it is a "
-                    f"{type(n.meta.get('val')).__name__}, not a tensor: only tensors travel between "
+                    f"value {n.name!r} crosses the cut between stages {i} and {i + 1}, but it is "
+                    f"{kind}, not a tensor: only tensors travel between "
                     f"stages.\n  {n.format_node()}\nPut {n.name!r} and its users {users} on one stage."
                 )
 

@@ -18,6 +18,9 @@ Example::
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 from torch import nn
 
@@ -127,11 +130,32 @@ def rmsnorm_residual(*, seed: int = 0, batch: int = 2, dropout: float = 0.0):
     return model, (torch.randint(0, 50, (batch, 8)),)
 
 
+def _transformers():
+    """Import ``transformers`` safely when the repository root is on ``sys.path``.
+
+    transformers probes for an optional package named ``kernels``; with the repository root on
+    the path it finds fxpipe's top-level ``kernels/`` folder, imports it as a top-level package
+    and fails. The probe is cached, so running it once with the root off the path is enough.
+    """
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    saved = sys.path[:]
+    sys.path[:] = [p for p in saved if os.path.abspath(p or os.curdir) != repo]
+    try:
+        import transformers
+        from transformers.utils import import_utils
+
+        import_utils.is_kernels_available()
+    finally:
+        sys.path[:] = saved
+    return transformers
+
+
 def gpt2_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):
     """Hugging Face ``GPT2LMHeadModel`` (2 layers, 32 wide, 4 heads, vocab 100, tied
     ``lm_head``/``wte``), keyword inputs ``input_ids`` (and ``labels`` when asked, so the
     model computes its own loss)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    tf = _transformers()
+    GPT2Config, GPT2LMHeadModel = tf.GPT2Config, tf.GPT2LMHeadModel
 
     torch.manual_seed(seed)
     config = GPT2Config(
@@ -141,6 +165,8 @@ def gpt2_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 
         vocab_size=100,
         n_positions=64,
         use_cache=False,
+        bos_token_id=0,  # the defaults (50256) lie outside the tiny vocabulary and warn
+        eos_token_id=0,
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
@@ -157,7 +183,8 @@ def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 
     """Hugging Face ``BertForMaskedLM`` (2 layers, 32 wide, 4 heads, vocab 100; the decoder is
     tied to the word embeddings), keyword inputs ``input_ids`` and ``attention_mask`` (the
     mask is a model input that stages other than the first read)."""
-    from transformers import BertConfig, BertForMaskedLM
+    tf = _transformers()
+    BertConfig, BertForMaskedLM = tf.BertConfig, tf.BertForMaskedLM
 
     torch.manual_seed(seed)
     config = BertConfig(
