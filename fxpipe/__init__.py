@@ -8,12 +8,21 @@ Phases, one module each: ``trace`` -> ``cost`` -> ``partition`` (a :class:`Plan`
 """
 
 from .errors import FxpipeError, PlanError, RuntimeMismatchError, ScheduleError, TraceError
+from .inspect import inspect
+from .partition import plan
+from .pipeline import Pipeline, compile
+from .plan import Plan
 from .trace import trace
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "compile",
+    "Pipeline",
     "trace",
+    "plan",
+    "Plan",
+    "inspect",
     "FxpipeError",
     "TraceError",
     "PlanError",

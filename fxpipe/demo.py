@@ -12,7 +12,10 @@ pipelines, which is the point.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -126,15 +129,84 @@ def demo_factory(microbatch: int = 4, seq_len: int = 32, **cfg):
 
 
 def add_demo_arguments(p) -> None:
+    p.add_argument("--nproc", type=int, default=2, help="local CPU ranks (1 = all stages in this process)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--out", default="fxpipe-out/demo", help="folder for the dumps")
+    p.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe"))
+    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--out", default="fxpipe-out/demo", help="folder for the plan, stage code and timeline")
 
 
 def main(args) -> int:
-    """``fxpipe demo``: trace the demo model and write its node table and graph."""
-    from .inspect import inspect
+    """``fxpipe demo``: relaunch this module on ``--nproc`` ranks through torchrun."""
+    if args.nproc <= 1:
+        return train(args)
+    from torch.distributed.run import main as torchrun_main
 
-    model, example = demo_factory()
-    paths = inspect(model, example, args.out)
-    print(f"traced {type(model).__name__}: wrote " + ", ".join(paths))
+    argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "fxpipe.demo"]
+    for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out"):
+        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torchrun_main(argv)
     return 0
+
+
+def train(args) -> int:
+    """Train the demo GPT with fxpipe on this rank (under torchrun) or in one process."""
+    import fxpipe
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    m, b, seq = args.microbatches, args.microbatch_size, cfg.block_size
+    data = torch.Generator().manual_seed(1)  # the same batches on every rank
+    example, _ = fibonacci_batch(b, seq, cfg.vocab_size, torch.Generator().manual_seed(0))
+    pipe = fxpipe.compile(
+        model,
+        (example,),
+        loss_fn=lm_loss,
+        optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.0),
+        microbatches=m,
+        schedule=args.schedule,
+        stages=max(world, 2),
+        max_grad_norm=1.0,
+        verbose=True,
+    )
+    batch = m * b * pipe.plan.width
+    say = pipe.rank == pipe.world_size - 1  # the last stage holds the loss
+    first = last = None
+    start = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        x, y = fibonacci_batch(batch, seq, cfg.vocab_size, data)
+        pipe.record = step > args.steps - 2  # keep the last two steps' timeline
+        loss = pipe.step(x, y)
+        if loss is not None:
+            first = loss if first is None else first
+            last = loss
+            if say and (step % 25 == 0 or step == 1):
+                rate = step * batch / (time.perf_counter() - start)
+                print(f"step {step:4d}  loss {loss:.4f}  {rate:8.1f} samples/s", flush=True)
+    pipe.flush()
+    elapsed = time.perf_counter() - start
+    paths = pipe.dump(args.out)
+    if say:
+        print(
+            f"done: {args.steps} steps of {batch} sequences in {elapsed:.1f} s "
+            f"({args.steps * batch / elapsed:.1f} samples/s); loss {first:.4f} -> {last:.4f} "
+            f"(chance level {math.log(cfg.vocab_size):.4f})",
+            flush=True,
+        )
+    if pipe.rank == 0:
+        print("wrote " + ", ".join(p for p in paths if "timeline" in p or p.endswith("plan.txt")), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fxpipe.demo")
+    add_demo_arguments(parser)
+    raise SystemExit(train(parser.parse_args()))

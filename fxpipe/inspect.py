@@ -1,11 +1,18 @@
 """inspect: dump what each phase produced, as text tables, JSON and pictures.
 
-``fxpipe.inspect(model, example_inputs, out_dir)`` writes::
+``fxpipe.inspect(model, example_inputs, out_dir, stages=d)`` writes::
 
     nodes.txt / nodes.json   one row per traced node: name, op, target, module path, output
-                             shape, dtype, bytes, parameter bytes (and stage, once planned)
+                             shape, dtype, bytes, parameter bytes, stage
     graph.dot                the graph for Graphviz (``dot -Tsvg graph.dot``), one cluster and
-                             colour per stage once planned
+                             colour per stage
+    plan.txt / plan.json     the plan table and the reloadable plan
+    stage_{i}.py             each stage's generated code, with a header naming its boundary
+    schedule.txt/.json/.svg  the schedule's step x rank grid, Chrome-trace timeline and picture
+                             (simulated from the plan's costs)
+
+Without ``stages`` only the trace dumps (nodes, graph) are written. A compiled pipeline writes
+the same set, plus its recorded timeline, with ``pipe.dump(out_dir)``.
 
 The CLI form is ``fxpipe inspect MODULE:FACTORY --out DIR`` where ``FACTORY()`` returns
 ``(model, example_inputs)``.
@@ -112,11 +119,94 @@ def write_dot(gm: fx.GraphModule, out_dir: str, assignment: Mapping[str, int] | 
     return path
 
 
-def inspect(model, example_inputs, out_dir: str, *, leaf_modules=()) -> list[str]:
+def inspect(model, example_inputs, out_dir: str, *, stages: int | None = None, microbatches: int | None = None,
+            schedule: str = "2bw", leaf_modules=()) -> list[str]:
     """Trace ``model`` and write the node table (text + JSON) and the DOT graph into
-    ``out_dir``. Returns the paths written."""
+    ``out_dir``; with ``stages`` also plan, split and schedule it (see :func:`inspect_pipeline`).
+    Returns the paths written."""
+    if stages is not None:
+        return inspect_pipeline(model, example_inputs, out_dir, stages=stages, microbatches=microbatches,
+                                schedule=schedule, leaf_modules=leaf_modules)
     os.makedirs(out_dir, exist_ok=True)
     gm = model if isinstance(model, fx.GraphModule) and "fxpipe" in model.meta else trace(
         model, example_inputs, leaf_modules=leaf_modules
     )
     return write_node_table(gm, out_dir) + [write_dot(gm, out_dir)]
+
+
+def plan_costs(plan):
+    """Simulator costs (seconds per action) from a plan's per-stage predictions."""
+    from .simulate import Costs
+
+    sps = plan.stage_plans
+    if not sps:
+        return None
+    dev = plan.device
+    return Costs(
+        forward=[sp.forward_time for sp in sps],
+        backward=[sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps],
+        p2p=max(sp.send_bytes / dev.p2p_bandwidth + dev.p2p_latency for sp in sps),
+    )
+
+
+def write_plan(plan, out_dir: str) -> list[str]:
+    """``plan.txt`` (the printed plan) and ``plan.json`` (``Plan.to_json``, reloadable)."""
+    txt, js = os.path.join(out_dir, "plan.txt"), os.path.join(out_dir, "plan.json")
+    with open(txt, "w") as f:
+        f.write(str(plan) + "\n")
+    with open(js, "w") as f:
+        f.write(plan.to_json())
+    return [txt, js]
+
+
+def _schedule_lists(plan, steps: int, tied_stages, clip: bool):
+    from .schedule import generate
+
+    return generate(
+        plan.schedule, plan.stages, plan.microbatches, steps, width=plan.width,
+        recompute=list(plan.recompute), tied=tied_stages or None, clip=clip,
+    )
+
+
+def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
+    """Everything about a compiled pipeline: node table and graph with stages, plan, stage code,
+    the simulated schedule and (when ``events`` were recorded) the measured timeline."""
+    from .codegen import write_stage_code
+    from .simulate import timeline_from_events, write_schedule_dumps
+
+    os.makedirs(out_dir, exist_ok=True)
+    gm = pipe.staged_graph
+    assignment = pipe.plan.assignment
+    paths = write_node_table(gm, out_dir, assignment) + [write_dot(gm, out_dir, assignment)]
+    paths += write_plan(pipe.plan, out_dir)
+    paths += [str(p) for p in write_stage_code(pipe.staged, out_dir)]
+    lists = _schedule_lists(pipe.plan, 3, pipe._tied_stages, pipe.opts["max_grad_norm"] is not None)
+    paths += [str(p) for p in write_schedule_dumps(out_dir, lists, plan_costs(pipe.plan), name="schedule").values()]
+    if events:
+        tl = timeline_from_events(events)
+        paths += [str(p) for p in write_schedule_dumps(out_dir, lists, timeline=tl, name="timeline").values()]
+    return paths
+
+
+def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, microbatches: int | None = None,
+                     schedule: str = "2bw", leaf_modules=()) -> list[str]:
+    """Trace, plan (analytic costs), split and schedule ``model`` without training it, and write
+    every dump: node table and DOT graph with stage columns/clusters, the plan, one Python file
+    per stage, and the schedule's grid, Chrome-trace JSON and SVG picture."""
+    from .codegen import from_plan, write_stage_code
+    from .partition import plan as make_plan
+    from .simulate import write_schedule_dumps
+
+    os.makedirs(out_dir, exist_ok=True)
+    gm = trace(model, example_inputs, leaf_modules=leaf_modules)
+    m = microbatches or max(2 * stages, 4)
+    p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=stages)
+    staged = from_plan(gm, p)
+    tied = sorted({s for tp in staged.tied if len(tp.stages) > 1 for s in tp.stages})
+    assignment = p.assignment
+    paths = write_node_table(gm, out_dir, assignment) + [write_dot(gm, out_dir, assignment)]
+    paths += write_plan(p, out_dir)
+    paths += [str(x) for x in write_stage_code(staged, out_dir)]
+    lists = _schedule_lists(p, 3, tied, clip=False)
+    paths += [str(x) for x in write_schedule_dumps(out_dir, lists, plan_costs(p), name="schedule").values()]
+    return paths

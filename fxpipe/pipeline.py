@@ -16,8 +16,8 @@ finishes inside the next ``step`` or in :meth:`Pipeline.flush`.
 
 from __future__ import annotations
 
-import functools
 import os
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -53,6 +53,7 @@ def compile(
     plan=None,
     lr_scheduler: Callable | None = None,
     max_grad_norm: float | None = None,
+    recompute: bool | None = None,
     seed: int = 0,
     check_batch: bool = True,
     cost_mode: str = "analytic",
@@ -79,6 +80,7 @@ def compile(
         plan=plan,
         lr_scheduler=lr_scheduler,
         max_grad_norm=max_grad_norm,
+        recompute=recompute,
         seed=seed,
         check_batch=check_batch,
         cost_mode=cost_mode,
@@ -107,7 +109,11 @@ class Pipeline:
         self.plan = None
         self.t = 0  # batches given to step() so far
         self.flushed_through = 0
+        # (rank, action, start s, end s) of every executed action while ``record`` is True;
+        # fxpipe.simulate draws it like a simulated schedule (``Pipeline.dump``).
+        self.record = False
         self.timeline: list[tuple[int, str, float, float]] = []
+        self._t0 = time.perf_counter()
         if example_inputs is not None:
             self._setup(*normalize_inputs(example_inputs))
 
@@ -136,6 +142,7 @@ class Pipeline:
                     schedule=o["schedule"],
                     world_size=world,
                     cost_mode=o["cost_mode"],
+                    recompute=o["recompute"],
                 )
                 plan_json = made.to_json()
             if self.distributed:
@@ -168,6 +175,7 @@ class Pipeline:
         ranks = [self.rank] if self.distributed else list(range(d * w))
         build = sorted({stage_and_replica(r, d)[0] for r in ranks})
         self.staged = split(gm, plan.assignment, build=build)
+        self.staged_graph = gm
         tied = [tp for tp in self.staged.tied if len(tp.stages) > 1]
         groups: dict[str, list[int]] = {}
         for r in range(w):
@@ -318,6 +326,7 @@ class Pipeline:
                     progress = True
 
     def _run(self, r: int, wk: StageWorker, a: Action) -> None:
+        start = time.perf_counter()
         try:
             wk.run(a)
         except FxpipeError:
@@ -327,6 +336,8 @@ class Pipeline:
                                   rows=range(max(0, self._lists[r].index(a) - 4), self._lists[r].index(a) + 3))
             raise RuntimeError(f"rank {r} failed running action {a}:\n{grid}") from e
         self._done[r].add(a)
+        if self.record:
+            self.timeline.append((r, str(a), start - self._t0, time.perf_counter() - self._t0))
 
     def _batch_loss(self, t: int):
         plan = self.plan
@@ -424,12 +435,25 @@ class Pipeline:
 
     # ------------------------------------------------------------------ inspection
 
+    def recorded_timeline(self) -> list[tuple[int, str, float, float]]:
+        """Every rank's recorded actions (a collective under torchrun: call it on all ranks)."""
+        if not self.distributed:
+            return list(self.timeline)
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, self.timeline)
+        return [e for part in gathered for e in part]
+
     def dump(self, out_dir: str) -> list[str]:
-        """Write the plan, the stage code and the schedule pictures into ``out_dir``."""
+        """Write the plan, the node table and graph (with stages), the stage code, the schedule
+        (simulated from the plan's costs) and, when recorded, the measured timeline into
+        ``out_dir``. Under torchrun call it on every rank; rank 0 writes."""
         from .inspect import write_pipeline_dumps
 
         self._require_setup("dump")
-        return write_pipeline_dumps(self, out_dir)
+        events = self.recorded_timeline() if self.record or self.timeline else []
+        if self.rank != 0:
+            return []
+        return write_pipeline_dumps(self, out_dir, events)
 
 
 # ---------------------------------------------------------------------------------------------

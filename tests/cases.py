@@ -1,0 +1,137 @@
+"""Training cases shared by the single-process and the multi-process pipeline tests.
+
+A :class:`Case` names a model, a schedule, a depth/width and an optimizer; :func:`build` makes
+the model, the data and the callables deterministically (so every rank and the reference build
+the same things), and :func:`reference` trains the same model with the independent loops of
+``tests/reference.py``. :func:`compare` returns a list of human-readable mismatches.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tests.models import gpt2_tiny, rmsnorm_residual
+from tests.reference import train_2bw, train_flush
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str = "rmsnorm"  # "rmsnorm" (x * weight saved by reference) or "gpt2" (tied weights)
+    schedule: str = "2bw"
+    stages: int = 2
+    width: int = 1
+    microbatches: int = 4
+    # "sgd" (momentum), "adamw", "groups" (AdamW, no decay on biases/norms). GPT-2 cases use SGD:
+    # its attention key bias has a mathematically zero gradient (softmax ignores it), and Adam
+    # turns the rounding noise there into full-size steps that differ run to run.
+    optimizer: str = "sgd"
+    max_grad_norm: float | None = None
+    recompute: bool = False
+    steps: int = 10
+    mb: int = 2  # micro-batch size
+
+
+def _groups_factory(named, lr=2e-2):
+    """A name-based parameter-group factory: no weight decay for biases and norm weights."""
+    decay, no_decay = [], []
+    for name, p in named:
+        (no_decay if name.endswith("bias") or "norm" in name or "ln" in name else decay).append(p)
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+
+
+def optimizer_factory(kind: str):
+    if kind == "sgd":
+        return functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    if kind == "adamw":
+        return functools.partial(torch.optim.AdamW, lr=2e-2)
+    if kind == "groups":
+        return _groups_factory
+    raise ValueError(kind)
+
+
+def lm_loss(out, y):
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def build(case: Case):
+    """(model, example_inputs, batches, loss_fn, optimizer_factory); batches are (inputs, target)."""
+    g = torch.Generator().manual_seed(1234)
+    n = case.microbatches * case.width * case.mb
+    if case.model == "rmsnorm":
+        model, example = rmsnorm_residual(batch=case.mb)
+        batches = [
+            (torch.randint(0, 50, (n, 8), generator=g), torch.randint(0, 50, (n, 8), generator=g))
+            for _ in range(case.steps)
+        ]
+        loss_fn = lm_loss
+    elif case.model == "gpt2":
+        model, example = gpt2_tiny(batch=case.mb, seq=8, labels=True)
+        batches = []
+        for _ in range(case.steps):
+            ids = torch.randint(0, 100, (n, 8), generator=g)
+            batches.append(({"input_ids": ids, "labels": ids.clone()}, None))
+        loss_fn = None  # the model's own .loss
+    else:
+        raise ValueError(case.model)
+    return model, example, batches, loss_fn, optimizer_factory(case.optimizer)
+
+
+def reference(case: Case):
+    """(per-step losses, final state dict) of the single-device reference."""
+    model, _, batches, loss_fn, opt = build(case)
+    train = train_2bw if case.schedule == "2bw" else train_flush
+    m = case.microbatches * case.width  # w replicas of m micro-batches = one batch of m*w
+    losses, trained = train(model, batches, m, loss_fn, opt, max_grad_norm=case.max_grad_norm)
+    return losses, trained.state_dict()
+
+
+def compare(case: Case, losses, state, rtol: float = 1e-5) -> list[str]:
+    """Mismatches between a pipelined run and the reference, each naming the step or key."""
+    ref_losses, ref_state = reference(case)
+    bad = []
+    for t, (a, b) in enumerate(zip(losses, ref_losses), start=1):
+        if abs(a - b) > rtol * max(abs(b), 1e-12):
+            bad.append(f"{case.name}: step {t} loss {a!r} != reference {b!r}")
+    if len(losses) != len(ref_losses):
+        bad.append(f"{case.name}: {len(losses)} losses, reference has {len(ref_losses)}")
+    for key, ref in ref_state.items():
+        if not ref.is_floating_point():
+            continue
+        if key not in state:
+            bad.append(f"{case.name}: state_dict lacks {key!r}")
+            continue
+        err = (state[key].float() - ref.float()).abs().max().item()
+        scale = max(ref.float().abs().max().item(), 1e-12)
+        if err > rtol * scale:
+            bad.append(f"{case.name}: parameter {key!r} differs from the reference by {err:.3g} (scale {scale:.3g})")
+    return bad
+
+
+CASES = {
+    c.name: c
+    for c in [
+        # single-process and 2-rank cases (d = 2)
+        Case("2bw_sgd", schedule="2bw", optimizer="sgd"),
+        Case("2bw_adamw_clip", schedule="2bw", optimizer="adamw", max_grad_norm=0.5),
+        Case("2bw_groups", schedule="2bw", optimizer="groups"),
+        Case("2bw_recompute", schedule="2bw", optimizer="sgd", recompute=True),
+        Case("1f1b_sgd", schedule="1f1b", optimizer="sgd"),
+        Case("1f1b_adamw", schedule="1f1b", optimizer="adamw", max_grad_norm=0.5),
+        Case("gpipe_sgd", schedule="gpipe", optimizer="sgd"),
+        Case("gpipe_adamw", schedule="gpipe", optimizer="adamw"),
+        Case("gpt2_2bw", model="gpt2", schedule="2bw", optimizer="sgd", max_grad_norm=1.0),
+        Case("gpt2_1f1b", model="gpt2", schedule="1f1b", optimizer="sgd"),
+        # three stages
+        Case("d3_2bw_sgd", schedule="2bw", stages=3, optimizer="sgd", max_grad_norm=0.5),
+        Case("d3_2bw_adamw", schedule="2bw", stages=3, optimizer="groups"),
+        Case("d3_gpt2_2bw", model="gpt2", schedule="2bw", stages=3, optimizer="sgd", max_grad_norm=1.0),
+        # data parallel: w = 2 replicas of a 2-stage pipeline (4 ranks)
+        Case("w2_2bw_adamw", schedule="2bw", stages=2, width=2, optimizer="adamw", max_grad_norm=0.5),
+        Case("w2_1f1b_sgd", schedule="1f1b", stages=2, width=2, optimizer="sgd"),
+    ]
+}

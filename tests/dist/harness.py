@@ -1,0 +1,70 @@
+"""Spawn gloo ranks on loopback that run many pipeline cases inside ONE process group.
+
+Each rank starts once (start-up costs seconds), joins a file-store rendezvous, runs every case
+with ``fxpipe.compile`` exactly as a ``torchrun`` script would, and saves what it saw; the
+parent compares against the single-device references. :func:`run_ranks` kills every rank
+after ``timeout`` seconds, so a deadlock fails the test instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list[str]) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    import fxpipe
+    from tests.cases import CASES, build
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        for name in case_names:
+            case = CASES[name]
+            model, example, batches, loss_fn, opt = build(case)
+            try:
+                pipe = fxpipe.compile(
+                    model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
+                    schedule=case.schedule, stages=case.stages, max_grad_norm=case.max_grad_norm,
+                    recompute=case.recompute or None, verbose=False,
+                )
+                losses = [pipe.step(x, y) for x, y in batches]
+                state = pipe.state_dict()
+                result = {"losses": losses, "state": state if rank == 0 else None, "error": None}
+            except Exception:  # report, and keep the ranks in step for the next case
+                result = {"losses": None, "state": None, "error": traceback.format_exc()}
+            torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, case_names: list[str], timeout: float = 240.0) -> dict[str, list[dict]]:
+    """Run the named cases on ``world`` spawned ranks; returns case -> [result per rank]."""
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        ctx = mp.start_processes(
+            _rank_main, args=(world, store, tmp, case_names), nprocs=world, join=False, start_method="spawn"
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{world} ranks did not finish {case_names} within {timeout:.0f} s (deadlock?)"
+                    )
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        return {
+            name: [torch.load(os.path.join(tmp, f"{name}.rank{r}.pt"), weights_only=False) for r in range(world)]
+            for name in case_names
+        }
