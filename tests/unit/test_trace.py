@@ -1,0 +1,230 @@
+"""trace: the captured graph computes what the model computes, on the model's own parameters.
+
+Per model of the zoo: same outputs, same gradients on the SAME Parameter objects, the same
+dropout draws under the same seed; then the clean-ups (tied weights read through one
+parameter, no guard node, no dead reads), the node metadata, the symbolic_trace fallback with
+leaf modules, and the error for a model nothing can trace.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+# tests/ (the model zoo) goes on the path, not the repository root (see tests/models.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import models  # noqa: E402
+
+import fxpipe  # noqa: E402
+from fxpipe.errors import TraceError  # noqa: E402
+from fxpipe.trace import NodeInfo, TensorSpec, TraceInfo, normalize_inputs  # noqa: E402
+
+
+def _build(name, **kw):
+    if name in models.HF:
+        pytest.importorskip("transformers")
+    return models.ZOO[name](**kw)
+
+
+def _call(model, inputs):
+    args, kwargs = normalize_inputs(inputs)
+    return pytree.tree_leaves(model(*args, **kwargs))
+
+
+def _loss(outputs) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return sum((o * torch.randn(o.shape, generator=g)).sum() for o in outputs if o.is_floating_point())
+
+
+@pytest.mark.parametrize("name", list(models.ZOO))
+def test_same_outputs_and_gradients_on_the_same_parameters(name):
+    model, inputs = _build(name)
+    gm = fxpipe.trace(model, inputs)
+    assert gm.meta["fxpipe"].path == "export"
+    # the graph holds the model's own Parameter objects, not copies
+    own = {id(p) for p in model.parameters()}
+    assert {id(p) for p in gm.parameters()} <= own
+
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    eager = _call(model, inputs)
+    _loss(eager).backward()
+    ref = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model.load_state_dict(state)  # BatchNorm statistics moved in the eager forward
+
+    traced = _call(gm, inputs)
+    assert len(traced) == len(eager)
+    for i, (a, b) in enumerate(zip(traced, eager)):
+        assert torch.equal(a, b), f"{name}: output {i} differs by {(a - b).abs().max().item():.3g}"
+    _loss(traced).backward()
+    for n, p in model.named_parameters():
+        if ref[n] is None:
+            assert p.grad is None, f"{name}: {n} got a gradient through the graph but not in eager"
+        else:
+            assert p.grad is not None and torch.equal(p.grad, ref[n]), f"{name}: gradient of {n} differs"
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer_encoder", "gpt2_tiny", "bert_tiny"])
+def test_dropout_draws_random_numbers_in_eager_order(name):
+    model, inputs = _build(name, dropout=0.3)
+    model.train()
+    gm = fxpipe.trace(model, inputs)
+    assert gm.meta["fxpipe"].training
+    torch.manual_seed(11)
+    eager = _call(model, inputs)
+    torch.manual_seed(11)
+    traced = _call(gm, inputs)
+    for a, b in zip(traced, eager):
+        assert torch.equal(a, b), f"{name}: dropout masks differ under the same seed"
+    torch.manual_seed(12)
+    assert not torch.equal(_call(gm, inputs)[0], eager[0]), "dropout had no effect: the test proves nothing"
+
+
+def test_tied_weights_are_one_parameter_read_by_every_user():
+    model, inputs = _build("gpt2_tiny")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    gm = fxpipe.trace(model, inputs)
+    info: TraceInfo = gm.meta["fxpipe"]
+    assert info.tied == {"transformer.wte.weight": ("lm_head.weight",)}
+    reads = [n for n in gm.graph.nodes if n.op == "get_attr" and gm.get_parameter(n.target) is model.lm_head.weight]
+    assert [n.target for n in reads] == ["transformer.wte.weight"], "the tied weight must be read under one name"
+    users = {u.target for n in reads for u in n.users}
+    assert users == {torch.ops.aten.embedding.default, torch.ops.aten.linear.default}
+    assert sum(p is model.lm_head.weight for p in gm.parameters()) == 1
+    for n in reads[0].users:
+        assert "transformer.wte.weight" in n.meta["fxpipe"].params
+
+
+@pytest.mark.parametrize("name", list(models.ZOO))
+def test_no_guard_node_and_no_dead_parameter_reads(name):
+    model, inputs = _build(name)
+    gm = fxpipe.trace(model, inputs)
+    assert not hasattr(gm, "_guards_fn")
+    assert all("_guards_fn" not in str(n.target) for n in gm.graph.nodes)
+    dead = [n.format_node() for n in gm.graph.nodes if n.op == "get_attr" and not n.users]
+    assert not dead, f"{name}: dead reads {dead}"
+    # flat placeholders in pytree order, and a flat output tuple
+    info = gm.meta["fxpipe"]
+    assert info.input_names == tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    assert isinstance(out.args[0], tuple)
+
+
+def test_node_metadata():
+    model, inputs = _build("gpt2_tiny")
+    gm = fxpipe.trace(model, inputs)
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        info = n.meta["fxpipe"]
+        assert isinstance(info, NodeInfo), n.format_node()
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            assert info.outputs == (TensorSpec.of(val),), n.name
+            assert info.out_bytes == val.numel() * val.element_size()
+    nodes = {n.name: n for n in gm.graph.nodes}
+    qkv = nodes["addmm"].meta["fxpipe"]  # GPT-2's Conv1D c_attn of block 0
+    assert qkv.module_path == "transformer.h.0.attn.c_attn"
+    assert set(qkv.params) == {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"}
+    assert qkv.param_bytes == (32 * 96 + 96) * 4
+    assert qkv.shapes == ((32, 96),)
+    assert nodes["input_ids"].meta["fxpipe"].outputs == (TensorSpec((2, 16), "int64"),)
+    split = nodes["split"].meta["fxpipe"]  # a tuple-returning op lists every output
+    assert split.shapes == ((2, 16, 32),) * 3
+    assert gm.meta["fxpipe"].batch_size == 2
+
+
+def test_buffers_are_listed_and_updated_in_place():
+    model, inputs = _build("cnn_bn")
+    gm = fxpipe.trace(model, inputs)
+    bn = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.batch_norm.default)
+    assert set(bn.meta["fxpipe"].buffers) == {"bn1.running_mean", "bn1.running_var"}
+    before = model.bn1.running_mean.clone()
+    gm(*inputs)
+    assert not torch.equal(model.bn1.running_mean, before), "the graph must update the model's own statistics"
+    assert model.bn1.num_batches_tracked.item() == 1
+
+
+# --------------------------------------------------------------------------------------------
+# fallback and errors
+
+
+class Gate(nn.Module):
+    """Data-dependent Python control flow: neither export nor symbolic_trace can capture it."""
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x - 1
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.gate = Gate()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.gate(self.inp(x)))
+
+
+def test_symbolic_trace_fallback_with_leaf_modules():
+    torch.manual_seed(0)
+    model, x = Gated(), torch.randn(3, 4)
+    gm = fxpipe.trace(model, (x,), leaf_modules=[Gate])
+    info = gm.meta["fxpipe"]
+    assert info.path == "symbolic_trace"
+    assert any(n.op == "call_module" and n.target == "gate" for n in gm.graph.nodes)
+    assert torch.equal(gm(x), model(x))
+    gm(x).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    model(x).sum().backward()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
+    gate = next(n for n in gm.graph.nodes if n.op == "call_module" and n.target == "gate")
+    assert gate.meta["fxpipe"].shapes == ((3, 4),) and gate.meta["fxpipe"].module_path == "gate"
+    # leaf modules by qualified name work too
+    assert fxpipe.trace(model, (x,), leaf_modules=["gate"]).meta["fxpipe"].path == "symbolic_trace"
+
+
+def test_untraceable_model_raises_a_trace_error_naming_class_module_and_line():
+    with pytest.raises(TraceError) as e:
+        fxpipe.trace(Gated(), (torch.randn(3, 4),))
+    msg = str(e.value)
+    assert "fxpipe could not trace Gated" in msg
+    assert "(module 'gate')" in msg
+    assert f"{Path(__file__).name}:" in msg and "if x.sum() > 0:" in msg
+    assert "leaf_modules" in msg and "use_cache=False" in msg
+    assert "torch.export:" in msg and "torch.fx.symbolic_trace:" in msg
+    assert e.value.__cause__ is not None, "the original exception must be chained"
+
+
+def test_prefer_symbolic_trace_and_bad_arguments():
+    model, inputs = _build("mlp")
+    gm = fxpipe.trace(model, inputs, prefer="symbolic_trace")
+    assert gm.meta["fxpipe"].path == "symbolic_trace"
+    assert torch.equal(gm(*inputs), model(*inputs))
+    with pytest.raises(ValueError, match="prefer must be"):
+        fxpipe.trace(model, inputs, prefer="dynamo")
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        fxpipe.trace(lambda x: x, inputs)
+    with pytest.raises(TypeError, match="Wrap a single tensor"):
+        fxpipe.trace(model, [1, 2][0])
+    with pytest.raises(TraceError, match="structure the model was traced with"):
+        gm.meta["fxpipe"].flatten_inputs((), {"x": inputs[0]})
+
+
+def test_getitem_users_of_tuples_survive_cleanup():
+    """Multi-output ops keep their getitem users (codegen relies on them to move tuples)."""
+    model, inputs = _build("gpt2_tiny")
+    gm = fxpipe.trace(model, inputs)
+    split = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.split.Tensor)
+    assert {u.target for u in split.users} == {operator.getitem}
