@@ -411,6 +411,42 @@ def test_functional_call_with_a_second_weight_version_and_batchnorm_stats():
         st.flat.layout.views({dt: b[:-1] for dt, b in spares[0].items()})
 
 
+class _MixedDtypes(nn.Module):
+    """float32 and float64 parameters, one of them frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lin.bias.requires_grad_(False)
+        self.scale = nn.Parameter(torch.linspace(0.5, 2.0, 4, dtype=torch.float64))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head((self.lin(x).double() * self.scale).float())
+
+
+def test_one_flat_buffer_per_dtype_and_frozen_parameters_get_no_gradient():
+    torch.manual_seed(0)
+    model, x = _MixedDtypes(), torch.randn(5, 4)
+    gm = fxpipe.trace(model, (x,))
+    staged = codegen.split(gm, even_assignment(gm, 2))
+    st = next(s for s in staged.stages if "scale" in s.param_names)
+    assert set(st.flat.buffers) == {torch.float32, torch.float64}
+    assert st.flat.buffers[torch.float64].numel() == 4
+    frozen = next(s for s in staged.stages if "lin.bias" in s.param_names).flat.params["lin.bias"]
+    assert not frozen.requires_grad and frozen.grad is None
+    ref_out = model(x)
+    ref_out.sum().backward()
+    out = staged.run(x)[0]
+    assert torch.equal(out, ref_out)
+    out.sum().backward()
+    for name, p in model.named_parameters():
+        (copy_,) = [s.flat.params[name] for s in staged.stages if name in s.flat.params]
+        assert (copy_.grad is None) == (p.grad is None), name
+        if p.grad is not None:
+            assert torch.equal(copy_.grad, p.grad), name
+
+
 def test_build_subset_leaves_other_stages_on_meta_device():
     _, gm, flat_in, _ = traced("mlp")
     staged = codegen.split(gm, even_assignment(gm, 2), build=[1])
