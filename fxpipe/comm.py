@@ -67,6 +67,8 @@ class Comm:
 class DistComm(Comm):
     """``torch.distributed`` point-to-point and collectives on the default process group."""
 
+    _instances = 0
+
     def __init__(self, groups: dict[str, Sequence[int]]):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -78,9 +80,11 @@ class DistComm(Comm):
             g = dist.new_group(ranks) if len(ranks) < self.world_size else dist.group.WORLD
             if self.rank in ranks:
                 self.groups[name] = (g, ranks)
-        # gloo matches point-to-point messages FIFO per (peer, tag); one tag keeps it simple and
-        # the schedule guarantees both sides post in the same order.
-        self.tag = 0
+        # gloo matches point-to-point messages FIFO per (peer, tag). Within a pipeline the
+        # schedule makes both sides post in the same order; a tag per pipeline (every rank
+        # builds its pipelines in the same order) keeps two pipelines' messages apart.
+        DistComm._instances += 1
+        self.tag = DistComm._instances
 
     def isend(self, tensors, peer):
         return _DistHandle([dist.isend(t.contiguous(), peer, tag=self.tag) for t in tensors])

@@ -294,7 +294,8 @@ class Pipeline:
             self.opts["stages"] = self.world_size if self.distributed else 1
         return max(1, self.world_size // self.opts["stages"]) if self.distributed else 1
 
-    def _next(self, r: int, keep: Callable[[Action], bool] | None):
+    def _next(self, r: int, skip: Callable[[Action], bool]):
+        """Rank r's first action not yet run and not skipped (skipped ones stay for later)."""
         lst, done = self._lists[r], self._done[r]
         i = self._pos[r]
         while i < len(lst) and lst[i] in done:
@@ -302,26 +303,36 @@ class Pipeline:
         self._pos[r] = i
         while i < len(lst):
             a = lst[i]
-            if a not in done and (keep is None or keep(a)):
+            if a not in done and not skip(a):
                 return a
             i += 1
         return None
 
     def _advance(self, limit_k: int, keep: Callable[[Action], bool] | None = None) -> None:
-        """Run every local worker as far as the data given so far allows."""
-        def blocked_by_data(a: Action) -> bool:
+        """Run every local worker as far as the data given so far allows: up to its first
+        forward of a micro-batch beyond ``limit_k``. A receive for such a micro-batch is
+        skipped, not posted (it is posted when its data exists): a receive left posted when
+        the caller stops stepping would swallow the next pipeline's first message. Actions
+        ``keep`` rejects are skipped too (flush)."""
+
+        def skip(a: Action) -> bool:
+            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and a.index > limit_k:
+                return True
+            return keep is not None and not keep(a)
+
+        def needs_data(a: Action) -> bool:
             return a.kind in (Kind.F, Kind.R) and a.index > limit_k
 
         if self.distributed:
             (r, wk), = self.workers.items()
-            while (a := self._next(r, keep)) is not None and not blocked_by_data(a):
+            while (a := self._next(r, skip)) is not None and not needs_data(a):
                 self._run(r, wk, a)
             return
         progress = True
         while progress:
             progress = False
             for r, wk in self.workers.items():
-                while (a := self._next(r, keep)) is not None and not blocked_by_data(a) and wk.ready(a):
+                while (a := self._next(r, skip)) is not None and not needs_data(a) and wk.ready(a):
                     self._run(r, wk, a)
                     progress = True
 
@@ -366,7 +377,7 @@ class Pipeline:
             return a.batch <= t
 
         self._advance(limit_k=t * m, keep=keep)
-        stuck = {r: self._next(r, keep) for r in self.workers}
+        stuck = {r: self._next(r, lambda a: not keep(a)) for r in self.workers}
         stuck = {r: a for r, a in stuck.items() if a is not None}
         if stuck:
             raise RuntimeError(

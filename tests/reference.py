@@ -41,7 +41,7 @@ def _mean_grad(model, batch, m, loss_fn):
     for x, y in _micro(batch, m):
         loss = _loss(model, x, y, loss_fn)
         (loss / m).backward()
-        total += float(loss)
+        total += float(loss.detach())
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, total / m
 
 

@@ -8,7 +8,9 @@ after ``timeout`` seconds, so a deadlock fails the test instead of hanging it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -18,12 +20,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list[str]) -> None:
+def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list[str], timeout: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     import fxpipe
     from tests.cases import CASES, build
 
+    # If the parent is about to kill us for a deadlock, say where every rank is stuck.
+    faulthandler.dump_traceback_later(max(timeout - 5, 1), exit=False, file=sys.stderr)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for name in case_names:
@@ -40,6 +44,7 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
                 result = {"losses": losses, "state": state if rank == 0 else None, "error": None}
             except Exception:  # report, and keep the ranks in step for the next case
                 result = {"losses": None, "state": None, "error": traceback.format_exc()}
+                print(f"rank {rank} case {name} failed:\n{result['error']}", flush=True)
             torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
             dist.barrier()
     finally:
@@ -51,7 +56,7 @@ def run_ranks(world: int, case_names: list[str], timeout: float = 240.0) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         ctx = mp.start_processes(
-            _rank_main, args=(world, store, tmp, case_names), nprocs=world, join=False, start_method="spawn"
+            _rank_main, args=(world, store, tmp, case_names, timeout), nprocs=world, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + timeout
         try:

@@ -1,0 +1,44 @@
+"""fxpipe.compile under real process groups: gloo ranks on loopback, 2, 3 and 4 of them.
+
+Each test spawns its ranks once and runs several cases inside that one process group (rank
+start-up costs seconds); every case must equal the single-device reference of its schedule
+(tests/reference.py), the same check the single-process tests make.
+"""
+
+import pytest
+
+from tests.cases import CASES, compare
+from tests.dist.harness import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]  # the harness kills ranks at 300 s
+
+
+def _check(world, names, timeout):
+    results = run_ranks(world, names, timeout=timeout)
+    failures = []
+    for name in names:
+        per_rank = results[name]
+        errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(per_rank) if res["error"]]
+        if errors:
+            failures.append(f"{name} raised:\n" + "\n".join(errors))
+            continue
+        case = CASES[name]
+        d = case.stages
+        last_ranks = [r for r in range(world) if r % d == d - 1]
+        others = [r for r in range(world) if r % d != d - 1]
+        assert all(per_rank[r]["losses"] and None not in per_rank[r]["losses"] for r in last_ranks), name
+        assert all(per_rank[r]["losses"] == [None] * case.steps for r in others), name
+        failures += compare(case, per_rank[last_ranks[0]]["losses"], per_rank[0]["state"])
+    assert not failures, "\n".join(failures)
+
+
+def test_two_ranks():
+    _check(2, ["2bw_sgd", "2bw_adamw_clip", "2bw_groups", "2bw_recompute", "1f1b_adamw", "gpipe_sgd", "gpt2_2bw"], 300)
+
+
+def test_three_ranks():
+    _check(3, ["d3_2bw_sgd", "d3_2bw_adamw", "d3_gpt2_2bw"], 300)
+
+
+def test_two_replicas_of_two_stages():
+    _check(4, ["w2_2bw_adamw", "w2_1f1b_sgd"], 300)
