@@ -483,9 +483,17 @@ def _init_distributed() -> bool:
 
 
 def _kernel_backend(choice: str):
-    if choice not in ("auto", "torch", "triton"):
-        raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', found {choice!r}")
-    return None if choice in ("auto", "torch") else choice
+    """The seam between torch.optim and fxpipe.kernels' fused flat-buffer path.
+
+    ``"auto"``: the fused Triton kernels on CUDA, plain ``torch.optim`` on the CPU. ``"triton"``
+    forces the kernels (on CPU under ``TRITON_INTERPRET=1``); ``"torch"`` forces the fused path
+    with the kernels' torch references; ``"off"`` forces ``torch.optim``.
+    """
+    if choice not in ("auto", "triton", "torch", "off"):
+        raise ValueError(f"kernels must be 'auto', 'triton', 'torch' or 'off', found {choice!r}")
+    if choice == "auto":
+        return "triton" if torch.cuda.is_available() else None
+    return None if choice == "off" else choice
 
 
 def _split_batch(batch, n: int, *, what: str) -> list:

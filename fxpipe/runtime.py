@@ -93,6 +93,21 @@ class StageWorker:
         self.optimizer = cfg.optimizer(list(self.opt_params.items())) if self.opt_params else None
         self.lr_scheduler = cfg.lr_scheduler(self.optimizer) if (cfg.lr_scheduler and self.optimizer) else None
         self.updates = 0
+        # The fused path (fxpipe.kernels): gradients reach the flat accumulator through one
+        # accumulate launch per micro-batch, and UPDATE is one fused launch per dtype writing
+        # the new version into the other slot. The torch.optim object then only holds the
+        # hyper-parameters (its lr follows the user's scheduler); the state is flat fp32.
+        self.kops = None
+        if cfg.kernels is not None and self.optimizer is not None:
+            from .kernels import OptimizerSpec, init_state, ops
+
+            self.kops = ops(self.device, force=cfg.kernels)
+            self.kspec = OptimizerSpec.from_torch(self.optimizer)
+            self.kstate = {dt: init_state(self.kspec, n, self.device) for dt, n in layout.sizes}
+            self.scratch = layout.zeros_like()  # one micro-batch's gradient, flat
+            self._scratch_views = layout.views(self.scratch)
+            self._grad_leaves = [s.name for s in layout.slots if s.requires_grad]
+            self._accumulated: dict[int, int] = {}  # batch -> micro-batches folded in so far
 
         # per micro-batch state
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}  # model inputs of micro-batch k
@@ -248,31 +263,56 @@ class StageWorker:
     def _do_b(self, a: Action) -> None:
         k = a.index
         ctx = self.ctx.pop(k)
-        views = self._grad_views[self._grads_slot(self._batch(k))]
-        leaves = self.leaves[self._slot(a.version)]
-        # Autograd accumulates in place into an existing .grad: point the leaves at this
-        # batch's flat gradient buffer, so the m micro-batches sum there.
-        for name, leaf in leaves.items():
-            if leaf.requires_grad:
-                leaf.grad = views[name]
         if self.is_last:
-            torch.autograd.backward(ctx["loss"] / (self.cfg.microbatches * self.cfg.width))
+            roots = [ctx["loss"] / (self.cfg.microbatches * self.cfg.width)]
+            seeds = [None]
         else:
             bufs, h = self.recv_grad.pop(k)
             h.wait()
             outs = [o for o, f in zip(ctx["outputs"], self.float_out) if f]
             pairs = [(o, g) for o, g in zip(outs, bufs) if o.requires_grad]
-            if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        for leaf in leaves.values():
-            leaf.grad = None
+            roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        leaves = self.leaves[self._slot(a.version)]
+        boundary = [x for x, f in zip(ctx["boundary"], self.float_in) if f]
+        if self.kops is not None:
+            self._backward_fused(self._batch(k), roots, seeds, leaves, boundary)
+        elif roots:
+            # Autograd accumulates in place into an existing .grad: point the leaves at this
+            # batch's flat gradient buffer, so the m micro-batches sum there.
+            views = self._grad_views[self._grads_slot(self._batch(k))]
+            for name, leaf in leaves.items():
+                if leaf.requires_grad:
+                    leaf.grad = views[name]
+            torch.autograd.backward(roots, [g for g in seeds] if seeds[0] is not None else None)
+            for leaf in leaves.values():
+                leaf.grad = None
         # A boundary input that did not influence the outputs still gets a (zero) gradient, so
         # both sides of the channel always exchange the same tensors.
-        self._input_grads = [
-            x.grad if x.grad is not None else torch.zeros_like(x)
-            for x, f in zip(ctx["boundary"], self.float_in)
-            if f
-        ]
+        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
+
+    def _backward_fused(self, t: int, roots, seeds, leaves, boundary) -> None:
+        """Kernel path: this micro-batch's weight gradients into the flat scratch buffer, then
+        one fused ``acc (+)= g`` per dtype (the first micro-batch of a batch overwrites)."""
+        params = [leaves[n] for n in self._grad_leaves]
+        inputs = params + [x for x in boundary if x.requires_grad]
+        grads = (
+            torch.autograd.grad(roots, inputs, seeds if seeds[0] is not None else None, allow_unused=True)
+            if roots
+            else [None] * len(inputs)
+        )
+        with torch.no_grad():
+            for name, g in zip(self._grad_leaves, grads):
+                if g is None:
+                    self._scratch_views[name].zero_()
+                else:
+                    self._scratch_views[name].copy_(g)
+            first = self._accumulated.get(t, 0) == 0
+            acc = self.grad_pool[self._grads_slot(t)]
+            for dt, buf in self.scratch.items():
+                self.kops.accumulate(acc[dt], buf, 1.0, overwrite=first)
+        self._accumulated[t] = self._accumulated.get(t, 0) + 1
+        for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
+            x.grad = g
 
     def _do_send_act(self, a: Action) -> None:
         outs = [o.detach() for o in self.ctx[a.index]["outputs"]]
@@ -347,10 +387,12 @@ class StageWorker:
         slot_g = self._grads_slot(t)
         grads = self.grad_pool[slot_g]
         coef = self.clip_coef.pop(t, 1.0)
-        if coef < 1.0:
+        if coef < 1.0 and self.kops is None:  # the fused update applies the clip factor itself
             for g in grads.values():
                 g.mul_(coef)
-        if self.optimizer is not None:
+        if self.kops is not None:
+            self._update_fused(t, grads, coef)
+        elif self.optimizer is not None:
             src = self.slots[self._slot(max(t - 1, 0))]
             dst = self.slots[self._slot(t)]
             if src is not dst:
@@ -369,6 +411,19 @@ class StageWorker:
         for g in grads.values():
             g.zero_()
         self.updates = t
+
+    def _update_fused(self, t: int, grads: dict, coef: float) -> None:
+        """One fused launch per dtype: read W(t-1) and the gradient, write W(t) into its slot."""
+        src = self.slots[self._slot(max(t - 1, 0))]
+        dst = self.slots[self._slot(t)]
+        lr = self.optimizer.param_groups[0]["lr"]
+        with torch.no_grad():
+            for dt in dst:
+                self.kops.update(self.kspec, t, grads[dt], src[dt], dst[dt], self.kstate[dt],
+                                 clip=coef if coef < 1.0 else None, lr=lr)
+        self._accumulated.pop(t, None)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
 
     # ------------------------------------------------------------------ checkpoints
 
