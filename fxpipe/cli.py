@@ -34,7 +34,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from .inspect import inspect
 
     model, example_inputs = _load_factory(args.factory)
-    paths = inspect(model, example_inputs, args.out)
+    paths = inspect(model, example_inputs, args.out, stages=args.stages or None,
+                    microbatches=args.microbatches, schedule=args.schedule)
     for p in paths:
         print(p)
     return 0
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="write node table, graph, plan, stage code and schedule dumps")
     i.add_argument("factory", help="MODULE:FACTORY, a function returning (model, example_inputs)")
     i.add_argument("--out", default="fxpipe-out", help="output folder (default: fxpipe-out)")
+    i.add_argument("--stages", type=int, default=2, help="pipeline depth to plan for (0: trace dumps only)")
+    i.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe"), help="schedule to draw")
+    i.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 2 x stages)")
     i.set_defaults(fn=_cmd_inspect)
 
     r = sub.add_parser("run", help="launch SCRIPT on N local ranks through torch.distributed.run (torchrun)")

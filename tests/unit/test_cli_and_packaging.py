@@ -1,0 +1,68 @@
+"""The command line and the packaging promises of the README, run as a user would."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DUMPS = ["nodes.txt", "nodes.json", "graph.dot", "plan.txt", "plan.json", "stage_0.py", "stage_1.py",
+         "schedule.txt", "schedule.json", "schedule.svg"]
+
+
+def _run(args, cwd, timeout=180):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_inspect_demo_model_writes_every_dump(tmp_path):
+    r = _run(["fxpipe", "inspect", "fxpipe.demo:demo_factory", "--out", str(tmp_path / "out")], tmp_path)
+    assert r.returncode == 0, r.stderr
+    for name in DUMPS:
+        assert (tmp_path / "out" / name).stat().st_size > 0, name
+    assert "svg" in (tmp_path / "out" / "schedule.svg").read_text()[:200]
+
+
+def test_inspect_hf_model_from_a_user_module(tmp_path):
+    (tmp_path / "my_models.py").write_text(textwrap.dedent('''
+        import torch
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        def gpt2():
+            torch.manual_seed(0)
+            cfg = GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=32,
+                             use_cache=False, bos_token_id=0, eos_token_id=0)
+            return GPT2LMHeadModel(cfg), {"input_ids": torch.randint(0, 100, (2, 8))}
+    '''))
+    r = _run(["fxpipe", "inspect", "my_models:gpt2", "--out", "out", "--schedule", "1f1b"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    for name in DUMPS:
+        assert (tmp_path / "out" / name).exists(), name
+    assert "transformer.h.0" in (tmp_path / "out" / "nodes.txt").read_text()
+
+
+def test_inspect_bad_factory_says_what_is_expected(tmp_path):
+    r = _run(["fxpipe", "inspect", "no_colon_here"], tmp_path)
+    assert r.returncode != 0 and "expected MODULE:FACTORY" in r.stderr
+
+
+@pytest.mark.parametrize("editable", [False, True], ids=["regular", "editable"])
+def test_kernels_import_as_fxpipe_kernels_from_an_install(tmp_path, editable):
+    """``kernels/`` installs as ``fxpipe.kernels`` (never the generic top-level ``kernels``)."""
+    venv = tmp_path / "venv"
+    # --without-pip: the venv then uses this interpreter's pip and setuptools, not the older copies
+    # venv would seed (whose setuptools cannot build a wheel without network access).
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+                   check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    target = ["-e", REPO] if editable else [REPO]
+    r = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *target],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    probe = "import fxpipe, fxpipe.kernels, importlib.util; print(fxpipe.kernels.ops('cpu').name); " \
+            "print(importlib.util.find_spec('kernels') is None)"
+    r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["torch", "True"], r.stdout
