@@ -401,7 +401,7 @@ class Pipeline:
             merged: dict[str, torch.Tensor] = {}
             for sd in parts.values():
                 merged.update(sd)
-            return self._to_original(merged, check_tied=False)
+            return self._to_original(merged)
         if self.distributed:
             gathered: list = [None] * self.world_size
             dist.all_gather_object(gathered, parts)
@@ -410,7 +410,7 @@ class Pipeline:
                 parts.update(g)
         return self.staged.state_dict([parts[s] for s in range(self.plan.stages)])
 
-    def _to_original(self, canonical: Mapping[str, torch.Tensor], check_tied: bool) -> dict[str, torch.Tensor]:
+    def _to_original(self, canonical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = {}
         for name, t in canonical.items():
             for key in self.staged.originals.get(name, [name]):

@@ -190,10 +190,6 @@ class StageWorker:
             return h is None or h.ready()
         return True
 
-    def needs_data(self, a: Action) -> int | None:
-        """The micro-batch whose inputs/targets this action reads, if any (F and R only)."""
-        return a.index if a.kind in (Kind.F, Kind.R) else None
-
     # ------------------------------------------------------------------ execution
 
     def run(self, a: Action) -> None:
@@ -283,7 +279,7 @@ class StageWorker:
             for name, leaf in leaves.items():
                 if leaf.requires_grad:
                     leaf.grad = views[name]
-            torch.autograd.backward(roots, [g for g in seeds] if seeds[0] is not None else None)
+            torch.autograd.backward(roots, seeds if seeds[0] is not None else None)
             for leaf in leaves.values():
                 leaf.grad = None
         # A boundary input that did not influence the outputs still gets a (zero) gradient, so
