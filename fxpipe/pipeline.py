@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.func import functional_call
 
 from .comm import DistComm, LocalHub
 from .errors import FxpipeError, RuntimeMismatchError
-from .runtime import StageWorker, WorkerConfig
+from .runtime import StageWorker, WorkerConfig, _model_loss
 from .schedule import Action, Kind, format_actions, generate, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
@@ -124,7 +125,9 @@ class Pipeline:
         from .plan import Plan, graph_fingerprint
 
         o = self.opts
-        gm = trace(self.model, kwargs if kwargs else args)
+        self._example = kwargs if kwargs else args
+        self._eval = None
+        gm = trace(self.model, self._example)
         self.trace_info = gm.meta["fxpipe"]
         m = o["microbatches"] or DEFAULT_MICROBATCHES
         plan = o["plan"]
@@ -388,6 +391,85 @@ class Pipeline:
         for wk in self.workers.values():
             wk.drain_sends()
         self.flushed_through = t
+
+    # ------------------------------------------------------------------ evaluation
+
+    def eval_step(self, inputs, target=None):
+        """Forward-only pipelined loss of one global batch with the newest weights and dropout
+        off (stages generated from a second, eval-mode trace that reads the training weights and
+        buffers). Flushes first. Returns the mean loss on the last stage's rank(s), else None."""
+        self._require_setup("eval_step")
+        self.flush()
+        if self._eval is None:
+            self._eval = self._build_eval()
+        plan = self.plan
+        m, w, d = plan.microbatches, plan.width, plan.stages
+        args, kwargs = normalize_inputs(inputs)
+        chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
+        handoff: dict[tuple[int, int], list[torch.Tensor]] = {}
+        total, last = 0.0, False
+        for r in sorted(self.workers, key=lambda r: stage_and_replica(r, d)[0]):
+            wk = self.workers[r]
+            s, rep = stage_and_replica(r, d)
+            stage = self._eval.stages[s]
+            missing = [n for n in stage.param_names if n not in wk.leaves[0]]
+            if missing:
+                raise FxpipeError(f"eval stage {s} reads parameters {missing[:3]} that training stage {s} does not hold")
+            with torch.no_grad():
+                eval_buffers = dict(stage.module.named_buffers())
+                for name, buf in wk.stage.module.named_buffers():  # e.g. BatchNorm statistics
+                    if name in eval_buffers:
+                        eval_buffers[name].copy_(buf)
+                weights = {n: wk.leaves[wk._slot(wk.updates)][n].detach() for n in stage.param_names}
+                for j in range(m):
+                    a, kw, tg = chunks[rep * m + j]
+                    named = dict(zip(self.trace_info.input_names, self.trace_info.flatten_inputs(a, kw)))
+                    boundary: list[torch.Tensor] = []
+                    if s > 0:
+                        if self.distributed:
+                            boundary = [torch.empty(x.shape, dtype=x.torch_dtype) for x in stage.input_specs]
+                            wk.comm.irecv(boundary, wk.prev).wait()
+                        else:
+                            boundary = handoff.pop((rep, j))
+                    out = functional_call(stage.module, weights, tuple(named[n] for n in stage.model_inputs) + tuple(boundary))
+                    if s < d - 1:
+                        if self.distributed:
+                            wk.comm.isend(list(out), wk.next).wait()
+                        else:
+                            handoff[(rep, j)] = list(out)
+                    else:
+                        last = True
+                        structured = self.trace_info.unflatten_output(list(out))
+                        loss = self.opts["loss_fn"](structured, tg) if self.opts["loss_fn"] else _model_loss(structured)
+                        total += float(loss)
+        if not last:
+            return None
+        if self.distributed and w > 1:
+            buf = torch.tensor([total], dtype=torch.float64)
+            next(iter(self.workers.values())).comm.all_reduce(buf, "last").wait()
+            total = float(buf)
+        return total / (m * w)
+
+    def _build_eval(self):
+        """Stages of an eval-mode trace, cut where the training stages are: each eval node takes
+        the training stage of the node of the same name (dropout nodes, absent in eval, simply
+        vanish), carried forward in graph order so stages stay contiguous."""
+        from .codegen import split
+
+        was = self.model.training
+        self.model.eval()
+        try:
+            gm = trace(self.model, self._example)
+        finally:
+            self.model.train(was)
+        train = self.staged.assignment
+        mapping, stage = {}, 0
+        for node in gm.graph.nodes:
+            if node.op.startswith("call"):
+                stage = max(stage, train.get(node.name, stage))
+                mapping[node.name] = stage
+        build = sorted({wk.index for wk in self.workers.values()})
+        return split(gm, mapping, build=build)
 
     # ------------------------------------------------------------------ checkpoints
 

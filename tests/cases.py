@@ -135,3 +135,21 @@ CASES = {
         Case("w2_1f1b_sgd", schedule="1f1b", stages=2, width=2, optimizer="sgd"),
     ]
 }
+
+
+def eval_loss(case: Case, state) -> float:
+    """Mean loss of the first batch's micro-batches under ``state``, model in eval mode."""
+    import torch
+
+    model, _, batches, loss_fn, _ = build(case)
+    model.load_state_dict(state)
+    model.eval()
+    x, y = batches[0]
+    m = case.microbatches * case.width
+    xs = [dict(zip(x, parts)) for parts in zip(*(v.chunk(m) for v in x.values()))] if isinstance(x, dict) else x.chunk(m)
+    ys = y.chunk(m) if y is not None else [None] * m
+    with torch.no_grad():
+        losses = [
+            (model(**xi).loss if loss_fn is None else loss_fn(model(xi), yi)) for xi, yi in zip(xs, ys)
+        ]
+    return float(sum(float(v) for v in losses) / m)

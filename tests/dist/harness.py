@@ -41,7 +41,8 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
                 )
                 losses = [pipe.step(x, y) for x, y in batches]
                 state = pipe.state_dict()
-                result = {"losses": losses, "state": state if rank == 0 else None, "error": None}
+                evaluated = pipe.eval_step(*batches[0])
+                result = {"losses": losses, "state": state if rank == 0 else None, "eval": evaluated, "error": None}
             except Exception:  # report, and keep the ranks in step for the next case
                 result = {"losses": None, "state": None, "error": traceback.format_exc()}
                 print(f"rank {rank} case {name} failed:\n{result['error']}", flush=True)

@@ -7,7 +7,7 @@ start-up costs seconds); every case must equal the single-device reference of it
 
 import pytest
 
-from tests.cases import CASES, compare
+from tests.cases import CASES, compare, eval_loss
 from tests.dist.harness import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]  # the harness kills ranks at 300 s
@@ -29,6 +29,10 @@ def _check(world, names, timeout):
         assert all(per_rank[r]["losses"] and None not in per_rank[r]["losses"] for r in last_ranks), name
         assert all(per_rank[r]["losses"] == [None] * case.steps for r in others), name
         failures += compare(case, per_rank[last_ranks[0]]["losses"], per_rank[0]["state"])
+        expected = eval_loss(case, per_rank[0]["state"])
+        got = per_rank[last_ranks[0]]["eval"]
+        if abs(got - expected) > 1e-5 * abs(expected):
+            failures.append(f"{name}: eval_step gave {got!r}, the trained weights in eval mode give {expected!r}")
     assert not failures, "\n".join(failures)
 
 

@@ -131,3 +131,22 @@ def test_dump_writes_every_phase(tmp_path):
         assert expected in names, expected
     assert "stage" in (tmp_path / "nodes.txt").read_text()
     assert "<svg" in (tmp_path / "timeline.svg").read_text()
+
+
+def test_eval_step_uses_newest_weights_with_dropout_off():
+    model, example = gpt2_tiny(batch=2, seq=8, labels=True, dropout=0.3)
+    pipe = fxpipe.compile(model, example, stages=2, microbatches=2,
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        ids = torch.randint(0, 100, (4, 8), generator=g)
+        pipe.step({"input_ids": ids, "labels": ids})
+    ids = torch.randint(0, 100, (4, 8), generator=g)
+    got = pipe.eval_step({"input_ids": ids, "labels": ids})
+    fresh, _ = gpt2_tiny(batch=2, seq=8, labels=True, dropout=0.3)
+    fresh.load_state_dict(pipe.state_dict())
+    fresh.eval()
+    with torch.no_grad():
+        expected = sum(float(fresh(input_ids=c, labels=c).loss) for c in ids.chunk(2)) / 2
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert pipe.eval_step({"input_ids": ids, "labels": ids}) == got  # deterministic: no dropout
