@@ -77,7 +77,11 @@ class StageWorker:
         self.slots = [stage.flat.buffers] + [stage.flat.clone_buffers() for _ in range(slots - 1)]
         # Leaves per slot: the tensors autograd sees. One set per slot, created once.
         self.leaves = [self._make_leaves(b) for b in self.slots]
-        self.grad_pool = [layout.zeros_like() for _ in range(2)]
+        # A stage with reductions to overlap (data parallel, tied weights, clipping) keeps two
+        # gradient buffers: batch t's is reduced while batch t+1 accumulates into the other.
+        # Without, UPDATE t runs before batch t+1's first backward and one buffer suffices.
+        reduces = cfg.width > 1 or bool(cfg.tied_groups) or cfg.max_grad_norm is not None
+        self.grad_pool = [layout.zeros_like() for _ in range(2 if reduces else 1)]
         self._grad_views = [layout.views(g) for g in self.grad_pool]
 
         # The optimizer's own Parameters: aliases that are pointed at the slot being written
@@ -138,9 +142,9 @@ class StageWorker:
         return version % len(self.slots)
 
     def _grads_slot(self, t: int) -> int:
-        """Which of the two flat gradient buffers accumulates batch ``t``: batch t-1's may still
-        be under reduction while batch t's backwards run."""
-        return t % 2
+        """Which flat gradient buffer accumulates batch ``t`` (with two, batch t-1's may still be
+        under reduction while batch t's backwards run)."""
+        return t % len(self.grad_pool)
 
     def _batch(self, k: int) -> int:
         return (k - 1) // self.cfg.microbatches + 1
