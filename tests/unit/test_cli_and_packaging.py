@@ -66,3 +66,26 @@ def test_kernels_import_as_fxpipe_kernels_from_an_install(tmp_path, editable):
     r = subprocess.run([py, "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["torch", "True"], r.stdout
+
+
+@pytest.mark.dist
+def test_run_launches_a_script_on_two_ranks_through_torchrun(tmp_path):
+    (tmp_path / "train.py").write_text(textwrap.dedent('''
+        import functools, torch, fxpipe
+        from fxpipe.demo import GPT, GPTConfig, fibonacci_batch, lm_loss
+        torch.manual_seed(0)
+        cfg = GPTConfig(n_layer=2, n_embd=32)
+        x, y = fibonacci_batch(8, 16, cfg.vocab_size, torch.Generator().manual_seed(0))
+        pipe = fxpipe.compile(GPT(cfg), (x[:2],), loss_fn=lm_loss, microbatches=4, stages=2, verbose=False,
+                              optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        losses = [pipe.step(x, y) for _ in range(3)]
+        pipe.flush()
+        print(f"rank {pipe.rank} of {pipe.world_size}: {losses}", flush=True)
+    '''))
+    r = _run(["fxpipe", "run", "--nproc", "2", "train.py"], tmp_path, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rank 0 of 2: [None, None, None]" in r.stdout
+    line = next(l for l in r.stdout.splitlines() if l.startswith("rank 1 of 2"))
+    losses = eval(line.split(": ", 1)[1])
+    # 2bw: batches 1 and 2 both compute on W(0), so the same batch gives the same loss twice
+    assert losses[0] == losses[1] and losses[2] < losses[1]
