@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from torch.func import functional_call
 
 from .comm import DistComm, LocalHub
 from .errors import FxpipeError, RuntimeMismatchError
-from .runtime import StageWorker, WorkerConfig, _model_loss
+from .runtime import StageWorker, WorkerConfig, compute_loss
 from .schedule import Action, Kind, format_actions, generate, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
@@ -280,14 +280,27 @@ class Pipeline:
             stage = wk.stage
             for j in range(m):
                 k = (t - 1) * m + j + 1
-                a, kw, tg = chunks[rep * m + j]
-                flat = self.trace_info.flatten_inputs(a, kw)
-                named = dict(zip(self.trace_info.input_names, flat))
+                named, tg = self._microbatch(chunks[rep * m + j])
                 wk.inputs[k] = {n: named[n] for n in stage.model_inputs}
                 if s == d - 1 and self.opts["loss_fn"] is not None:
                     wk.targets[k] = tg
         self._advance(limit_k=t * m)
         return self._batch_loss(t)
+
+    def _microbatch(self, chunk) -> tuple[dict[str, torch.Tensor], Any]:
+        """(model input name -> tensor, target) of one micro-batch chunk of ``_split_batch``."""
+        args, kwargs, target = chunk
+        return dict(zip(self.trace_info.input_names, self.trace_info.flatten_inputs(args, kwargs))), target
+
+    def _replica_mean(self, total: float) -> float:
+        """Mean loss over the global batch from this last-stage rank's sum over its micro-batches
+        (sums across the last-stage replicas under torchrun)."""
+        plan = self.plan
+        if self.distributed and plan.width > 1:
+            buf = torch.tensor([total], dtype=torch.float64)
+            next(iter(self.workers.values())).comm.all_reduce(buf, "last").wait()
+            total = float(buf)
+        return total / (plan.microbatches * plan.width)
 
     def _width_hint(self) -> int:
         """Data-parallel width before planning, to cut the first micro-batch at the right size:
@@ -360,13 +373,7 @@ class Pipeline:
         last = [wk for r, wk in self.workers.items() if stage_and_replica(r, d)[0] == d - 1]
         if not last:
             return None
-        total = sum(wk.losses.pop(k) for wk in last for k in ks)
-        if self.distributed and plan.width > 1:
-            buf = torch.tensor([total], dtype=torch.float64)
-            wk = last[0]
-            wk.comm.all_reduce(buf, "last").wait()
-            total = float(buf)
-        return total / (m * plan.width)
+        return self._replica_mean(sum(wk.losses.pop(k) for wk in last for k in ks))
 
     def flush(self) -> None:
         """Finish every micro-batch given so far and apply its update (2bw drains its pipeline)."""
@@ -414,16 +421,20 @@ class Pipeline:
             stage = self._eval.stages[s]
             missing = [n for n in stage.param_names if n not in wk.leaves[0]]
             if missing:
-                raise FxpipeError(f"eval stage {s} reads parameters {missing[:3]} that training stage {s} does not hold")
+                raise FxpipeError(
+                    f"eval stage {s} reads parameters {missing[:3]} that training stage {s} does not hold: the "
+                    f"eval-mode trace differs from the training one beyond dropout. Evaluate with the "
+                    f"state_dict() loaded into the plain model instead, and report the model to fxpipe."
+                )
             with torch.no_grad():
                 eval_buffers = dict(stage.module.named_buffers())
                 for name, buf in wk.stage.module.named_buffers():  # e.g. BatchNorm statistics
                     if name in eval_buffers:
                         eval_buffers[name].copy_(buf)
-                weights = {n: wk.leaves[wk._slot(wk.updates)][n].detach() for n in stage.param_names}
+                newest = wk.newest_weights()
+                weights = {n: newest[n] for n in stage.param_names}
                 for j in range(m):
-                    a, kw, tg = chunks[rep * m + j]
-                    named = dict(zip(self.trace_info.input_names, self.trace_info.flatten_inputs(a, kw)))
+                    named, tg = self._microbatch(chunks[rep * m + j])
                     boundary: list[torch.Tensor] = []
                     if s > 0:
                         if self.distributed:
@@ -439,16 +450,8 @@ class Pipeline:
                             handoff[(rep, j)] = list(out)
                     else:
                         last = True
-                        structured = self.trace_info.unflatten_output(list(out))
-                        loss = self.opts["loss_fn"](structured, tg) if self.opts["loss_fn"] else _model_loss(structured)
-                        total += float(loss)
-        if not last:
-            return None
-        if self.distributed and w > 1:
-            buf = torch.tensor([total], dtype=torch.float64)
-            next(iter(self.workers.values())).comm.all_reduce(buf, "last").wait()
-            total = float(buf)
-        return total / (m * w)
+                        total += float(compute_loss(self.trace_info, self.opts["loss_fn"], out, tg))
+        return self._replica_mean(total) if last else None
 
     def _build_eval(self):
         """Stages of an eval-mode trace, cut where the training stages are: each eval node takes

@@ -15,8 +15,9 @@ autograd saved, and an UPDATE never touches a version that is still in use: ``UP
 copies ``W(t-1)`` into the slot of the dead ``W(t-2)`` and steps the optimizer there.
 
 Gradients of micro-batch ``k`` accumulate (loss scaled by ``1/(m·w)``) into the flat gradient
-buffer of batch ``t(k)``; two such buffers rotate, so a batch's gradients can be reduced
-(data parallel, tied weights, global norm) while the next batch's backwards run.
+buffer of batch ``t(k)``. A stage with reductions (data parallel, tied weights, global norm)
+rotates two such buffers, so a batch's gradients are reduced while the next batch's backwards
+run; otherwise one suffices.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from torch.func import functional_call
 from .comm import Comm, Handle
 from .schedule import Action, Kind
 
-__all__ = ["StageWorker", "WorkerConfig"]
+__all__ = ["StageWorker", "WorkerConfig", "compute_loss"]
+
+_START_OF_WAIT = {Kind.DP_WAIT: Kind.DP_START, Kind.TIED_WAIT: Kind.TIED_START, Kind.NORM_WAIT: Kind.NORM_START}
 
 
 @dataclass
@@ -164,20 +167,8 @@ class StageWorker:
         return tuple(out)
 
     def _loss(self, k: int, outputs: Sequence[torch.Tensor], *, last_use: bool) -> torch.Tensor:
-        structured = self.trace_info.unflatten_output(list(outputs))
-        if self.cfg.loss_fn is not None:
-            target = self.targets[k]
-            if last_use:
-                del self.targets[k]
-            loss = self.cfg.loss_fn(structured, target)
-        else:
-            loss = _model_loss(structured)
-        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
-            raise TypeError(
-                f"the loss must be a scalar tensor; found {type(loss).__name__}"
-                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}. Make loss_fn return a mean/sum."
-            )
-        return loss
+        target = (self.targets.pop if last_use else self.targets.get)(k, None)
+        return compute_loss(self.trace_info, self.cfg.loss_fn, outputs, target)
 
     # ------------------------------------------------------------------ readiness
 
@@ -188,9 +179,8 @@ class StageWorker:
             return k not in self.recv_act or self.recv_act[k][1].ready()
         if a.kind is Kind.B:
             return k not in self.recv_grad or self.recv_grad[k][1].ready()
-        if a.kind in (Kind.DP_WAIT, Kind.TIED_WAIT, Kind.NORM_WAIT):
-            start = {Kind.DP_WAIT: Kind.DP_START, Kind.TIED_WAIT: Kind.TIED_START, Kind.NORM_WAIT: Kind.NORM_START}
-            h = self.reductions.get((start[a.kind], k))
+        if a.kind in _START_OF_WAIT:
+            h = self.reductions.get((_START_OF_WAIT[a.kind], k))
             return h is None or h.ready()
         return True
 
@@ -336,6 +326,13 @@ class StageWorker:
 
     # reductions ------------------------------------------------------------
 
+    def _join(self, t: int, starts: Sequence[Kind]) -> None:
+        """Wait for batch ``t``'s reductions of the given kinds that are still in flight."""
+        for kind in starts:
+            h = self.reductions.pop((kind, t), None)
+            if h is not None:
+                h.wait()
+
     def _do_dp_start(self, a: Action) -> None:
         grads = self.grad_pool[self._grads_slot(a.index)]
         handles = [self.comm.all_reduce(g, f"dp:{self.index}") for _, g in sorted(grads.items(), key=lambda kv: str(kv[0]))]
@@ -354,11 +351,8 @@ class StageWorker:
 
     def _do_norm_start(self, a: Action) -> None:
         t = a.index
-        # Reductions of batch t the schedule placed before this start must have finished.
-        for kind in (Kind.DP_START, Kind.TIED_START):
-            h = self.reductions.pop((kind, t), None)
-            if h is not None:
-                h.wait()
+        # The norm is that of the reduced gradient: batch t's earlier reductions must be done.
+        self._join(t, (Kind.DP_START, Kind.TIED_START))
         views = self._grad_views[self._grads_slot(t)]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, g in views.items():
@@ -380,10 +374,7 @@ class StageWorker:
 
     def _do_update(self, a: Action) -> None:
         t = a.index
-        for kind in (Kind.DP_START, Kind.TIED_START, Kind.NORM_START):
-            h = self.reductions.pop((kind, t), None)
-            if h is not None:
-                h.wait()
+        self._join(t, (Kind.DP_START, Kind.TIED_START, Kind.NORM_START))
         slot_g = self._grads_slot(t)
         grads = self.grad_pool[slot_g]
         coef = self.clip_coef.pop(t, 1.0)
@@ -431,10 +422,13 @@ class StageWorker:
         """Canonical names of everything this stage checkpoints: parameters, then buffers."""
         return [s.name for s in self.layout.slots] + [n for n, _ in self.stage.module.named_buffers()]
 
+    def newest_weights(self) -> dict[str, torch.Tensor]:
+        """Views of the newest weight version (after the last UPDATE), detached."""
+        return {n: v.detach() for n, v in self.leaves[self._slot(self.updates)].items()}
+
     def local_state(self) -> dict[str, torch.Tensor]:
         """This stage's newest weights and its buffers under canonical names (CPU copies)."""
-        views = self.layout.views(self.slots[self._slot(self.updates)])
-        sd = {n: v.detach().to("cpu", copy=True) for n, v in views.items()}
+        sd = {n: v.to("cpu", copy=True) for n, v in self.newest_weights().items()}
         for n, b in self.stage.module.named_buffers():
             sd[n] = b.detach().to("cpu", copy=True)
         return sd
@@ -461,6 +455,19 @@ class _Multi(Handle):
     def wait(self) -> None:
         for h in self.handles:
             h.wait()
+
+
+def compute_loss(trace_info, loss_fn: Callable | None, outputs: Sequence[torch.Tensor], target) -> torch.Tensor:
+    """The last stage's loss: ``loss_fn(model_output, target)``, or the model's own loss when
+    ``loss_fn`` is None; ``outputs`` are the flat outputs, restructured like the model's."""
+    structured = trace_info.unflatten_output(list(outputs))
+    loss = loss_fn(structured, target) if loss_fn is not None else _model_loss(structured)
+    if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+        raise TypeError(
+            f"the loss must be a scalar tensor; found {type(loss).__name__}"
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}. Make loss_fn return a mean/sum."
+        )
+    return loss
 
 
 def _model_loss(out) -> torch.Tensor:
