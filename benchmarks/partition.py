@@ -117,30 +117,33 @@ def bench_end_to_end(layers: int) -> None:
 
 
 def stage_times(staged, flat_inputs, repeats: int) -> list[float]:
-    """Median forward+backward seconds of each codegen stage, on its real inputs."""
+    """Median forward+backward seconds of each codegen stage, on its real inputs. The stages are
+    timed round-robin (one run of every stage per round), so a burst of background load on a
+    shared machine slows all stages alike instead of one."""
     env = dict(zip(staged.input_names, flat_inputs))
     carry: tuple = ()
-    out = []
+    runs = []
     for st in staged.stages:
         model_in = [env[n] for n in st.model_inputs]
         boundary = [x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
                     for x in carry]
 
-        def step():
+        def step(st=st, model_in=model_in, boundary=boundary):
             res = st.module(*model_in, *boundary)
             outs = [t for t in res if isinstance(t, torch.Tensor) and t.requires_grad]
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             return res
 
-        step()
-        samples = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            res = step()
-            samples.append(time.perf_counter() - t0)
-        out.append(statistics.median(samples))
+        res = step()  # warm-up, and the next stage's inputs
+        runs.append(step)
         carry = tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in res)
-    return out
+    samples: list[list[float]] = [[] for _ in runs]
+    for _ in range(repeats):
+        for i, step in enumerate(runs):
+            t0 = time.perf_counter()
+            step()
+            samples[i].append(time.perf_counter() - t0)
+    return [statistics.median(s) for s in samples]
 
 
 def bench_balance(repeats: int) -> None:

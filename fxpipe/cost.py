@@ -38,6 +38,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from .device import rng_devices
 from .errors import PlanError
 from .trace import NodeInfo, normalize_inputs
 
@@ -437,8 +438,12 @@ def _synth_inputs(gm: fx.GraphModule) -> list:
 
 def _measure(gm, example_inputs, torch_device, repeats: int, grad: dict[str, bool]) -> dict[str, tuple[float, float]]:
     """Median forward and backward seconds of every compute node, run one by one on real
-    tensors. Parameters are used in place (detached aliases, no copies); buffers are cloned so
-    in-place updates (BatchNorm statistics) leave the model untouched; the RNG is restored."""
+    tensors. A first pass runs every node once (warm-up, and the values the next nodes read);
+    then ``repeats`` passes time every node's forward and backward once each, so a burst of
+    background load costs one sample of many nodes instead of every sample of a few, and the
+    median discards it. Parameters are used in place (detached aliases, no copies); buffers are
+    cloned so in-place updates (BatchNorm statistics) leave the model untouched; the RNG is
+    restored."""
     dev = torch.device(torch_device) if torch_device is not None else torch.device("cpu")
     if example_inputs is None:
         flat = _synth_inputs(gm)
@@ -448,22 +453,18 @@ def _measure(gm, example_inputs, torch_device, repeats: int, grad: dict[str, boo
     flat = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     env: dict[str, Any] = {}
-    out: dict[str, tuple[float, float]] = {}
     it = iter(flat)
     params = dict(gm.named_parameters())
+    runs: dict[str, tuple[Any, Any]] = {}  # node -> (forward closure, backward closure or None)
 
-    def median_time(fn) -> float:
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
         fn()
-        samples = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+        sync()
+        return time.perf_counter() - t0
 
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+    with torch.random.fork_rng(devices=rng_devices(dev)):
         for node in gm.graph.nodes:
             if node.op == "output":
                 continue
@@ -483,15 +484,27 @@ def _measure(gm, example_inputs, torch_device, repeats: int, grad: dict[str, boo
             load = lambda a: env[a.name] if isinstance(a, fx.Node) else a  # noqa: E731
             args = pytree.tree_map(load, node.args)
             kwargs = pytree.tree_map(load, node.kwargs)
-            with torch.no_grad():
-                fwd = median_time(lambda: fn(*args, **kwargs))
-                env[node.name] = fn(*args, **kwargs)
-            bwd = _measure_backward(fn, args, kwargs, median_time) if grad[node.name] else 0.0
-            out[node.name] = (fwd, bwd)
-    return out
+
+            def forward(fn=fn, args=args, kwargs=kwargs):
+                with torch.no_grad():
+                    return fn(*args, **kwargs)
+
+            env[node.name] = forward()
+            backward = _backward_closure(fn, args, kwargs) if grad[node.name] else None
+            if backward is not None:
+                backward()
+            runs[node.name] = (forward, backward)
+        samples: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in runs}
+        for _ in range(repeats):
+            for name, (forward, backward) in runs.items():
+                samples[name][0].append(timed(forward))
+                samples[name][1].append(timed(backward) if backward is not None else 0.0)
+    return {n: (statistics.median(f), statistics.median(bw)) for n, (f, bw) in samples.items()}
 
 
-def _measure_backward(fn, args, kwargs, median_time) -> float:
+def _backward_closure(fn, args, kwargs):
+    """A callable running the backward of ``fn(*args, **kwargs)`` with respect to every floating
+    input (parameters included), or None when nothing is differentiable."""
     leaves: list[torch.Tensor] = []
 
     def leaf(x):
@@ -507,14 +520,17 @@ def _measure_backward(fn, args, kwargs, median_time) -> float:
             res = fn(*a, **k)
         outs = [t for t in pytree.tree_leaves(res) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outs or not leaves:
-            return 0.0
+            return None
         grads = [torch.ones_like(t) for t in outs]
-        return median_time(lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True))
+        return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True, allow_unused=True)
     except RuntimeError:
         # An in-place op on a leaf cannot be differentiated in isolation; its backward is
         # usually a copy of the incoming gradient, about as fast as its forward.
-        with torch.no_grad():
-            return median_time(lambda: fn(*args, **kwargs))
+        def as_forward():
+            with torch.no_grad():
+                fn(*args, **kwargs)
+
+        return as_forward
 
 
 def _callable(gm: fx.GraphModule, node: fx.Node):

@@ -27,6 +27,8 @@ from torch import nn
 from torch.func import functional_call
 
 from .comm import DistComm, LocalHub
+from .device import backend_for, check_backend, to_device
+from .device import choose as choose_device
 from .errors import FxpipeError, RuntimeMismatchError
 from .runtime import StageWorker, WorkerConfig, compute_loss
 from .schedule import Action, Kind, format_actions, generate, rank_of, stage_and_replica
@@ -59,6 +61,7 @@ def compile(
     check_batch: bool = True,
     cost_mode: str = "analytic",
     kernels: str = "auto",
+    device: str | torch.device | None = None,
     verbose: bool = True,
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
@@ -68,7 +71,8 @@ def compile(
     ``optimizer``: a callable taking ``[(original_name, parameter), ...]`` and returning a
     ``torch.optim.Optimizer`` (default: AdamW with torch's defaults). ``microbatches`` default
     8. ``stages``: pipeline depth d (None: the planner picks d and the data-parallel width w
-    for the world size; in one process that is d=1).
+    for the world size; in one process that is d=1). ``device``: ``"auto"``/None (CUDA when
+    available, ``cuda:LOCAL_RANK`` under torchrun; else CPU), ``"cpu"`` or ``"cuda[:i]"``.
     """
     return Pipeline(
         model,
@@ -86,6 +90,7 @@ def compile(
         check_batch=check_batch,
         cost_mode=cost_mode,
         kernels=kernels,
+        device=device,
         verbose=verbose,
     )
 
@@ -104,7 +109,7 @@ class Pipeline:
         self.opts = opts
         self.optimizer_factory = opts["optimizer"] or default_optimizer
         self._setup_done = False
-        self.distributed = _init_distributed()
+        self.distributed, self.device = _init_distributed(opts["device"])
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.plan = None
@@ -146,6 +151,7 @@ class Pipeline:
                     world_size=world,
                     cost_mode=o["cost_mode"],
                     recompute=o["recompute"],
+                    torch_device=self.device,
                 )
                 plan_json = made.to_json()
             if self.distributed:
@@ -177,7 +183,7 @@ class Pipeline:
         self.plan = plan
         ranks = [self.rank] if self.distributed else list(range(d * w))
         build = sorted({stage_and_replica(r, d)[0] for r in ranks})
-        self.staged = split(gm, plan.assignment, build=build)
+        self.staged = split(gm, plan.assignment, build=build, device=self.device)
         self.staged_graph = gm
         tied = [tp for tp in self.staged.tied if len(tp.stages) > 1]
         groups: dict[str, list[int]] = {}
@@ -190,7 +196,7 @@ class Pipeline:
         groups["last"] = [rank_of(d - 1, r, d) for r in range(w)]
         hub = None if self.distributed else LocalHub(d * w, groups)
         comm_for = (lambda r: DistComm(groups)) if self.distributed else hub.comm
-        kernels = _kernel_backend(o["kernels"])
+        kernels = _kernel_backend(o["kernels"], self.device)
         self.workers: dict[int, StageWorker] = {}
         for r in ranks:
             s, rep = stage_and_replica(r, d)
@@ -212,7 +218,8 @@ class Pipeline:
                 },
                 tied_owner={tp.name: s == tp.stages[0] for tp in tied if s in tp.stages},
             )
-            self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info)
+            self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
+                                          device=self.device)
         self._tied_stages = sorted({s for tp in tied for s in tp.stages})
         self._steps_generated = 0
         self._lists: dict[int, list[Action]] = {}
@@ -230,7 +237,8 @@ class Pipeline:
             f"{self.plan}\n"
             f"fxpipe: schedule={self.plan.schedule} stages={self.plan.stages} width={self.plan.width} "
             f"microbatches={self.plan.microbatches} optimizer={opt_name} "
-            f"max_grad_norm={o['max_grad_norm']} mode={'torchrun' if self.distributed else 'single-process'}"
+            f"max_grad_norm={o['max_grad_norm']} device={self.device} "
+            f"mode={'torchrun' if self.distributed else 'single-process'}"
         )
 
     def _ensure_lists(self, t: int) -> None:
@@ -258,10 +266,12 @@ class Pipeline:
 
     # ------------------------------------------------------------------ training
 
-    def step(self, inputs, target=None):
+    def step(self, inputs, target=None, *, sync: bool = True):
         """One optimizer step over one global batch (``microbatches * width`` micro-batches, split
         along dim 0). Every rank passes the same batch. Returns the batch's mean loss as a float
-        on the rank(s) holding the last stage, None elsewhere."""
+        on the rank(s) holding the last stage, None elsewhere. ``sync=False`` returns it as a 0-dim
+        float64 tensor on this rank's device instead, without waiting for the device (CUDA keeps
+        running ahead; read it later with ``float(loss)``)."""
         args, kwargs = normalize_inputs(inputs)
         if not self._setup_done:
             m = self.opts["microbatches"] or DEFAULT_MICROBATCHES
@@ -271,7 +281,7 @@ class Pipeline:
         m, w, d = plan.microbatches, plan.width, plan.stages
         chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
         if self.t == 0 and self.opts["check_batch"] and self.distributed:
-            _check_same_batch((args, kwargs, target), self.rank, self.world_size)
+            _check_same_batch((args, kwargs, target), self.rank, self.world_size, self.device)
         self.t += 1
         t = self.t
         self._ensure_lists(t)
@@ -285,21 +295,21 @@ class Pipeline:
                 if s == d - 1 and self.opts["loss_fn"] is not None:
                     wk.targets[k] = tg
         self._advance(limit_k=t * m)
-        return self._batch_loss(t)
+        return self._batch_loss(t, sync)
 
     def _microbatch(self, chunk) -> tuple[dict[str, torch.Tensor], Any]:
         """(model input name -> tensor, target) of one micro-batch chunk of ``_split_batch``."""
-        args, kwargs, target = chunk
+        args, kwargs, target = to_device(chunk, self.device)
         return dict(zip(self.trace_info.input_names, self.trace_info.flatten_inputs(args, kwargs))), target
 
-    def _replica_mean(self, total: float) -> float:
-        """Mean loss over the global batch from this last-stage rank's sum over its micro-batches
-        (sums across the last-stage replicas under torchrun)."""
+    def _replica_mean(self, total: torch.Tensor) -> torch.Tensor:
+        """Mean loss over the global batch (0-dim float64 tensor) from this last-stage rank's sum
+        over its micro-batches (summed across the last-stage replicas under torchrun)."""
         plan = self.plan
         if self.distributed and plan.width > 1:
-            buf = torch.tensor([total], dtype=torch.float64)
-            next(iter(self.workers.values())).comm.all_reduce(buf, "last").wait()
-            total = float(buf)
+            total = total.reshape(1).clone()
+            next(iter(self.workers.values())).comm.all_reduce(total, "last").wait()
+            total = total[0]
         return total / (plan.microbatches * plan.width)
 
     def _width_hint(self) -> int:
@@ -366,14 +376,16 @@ class Pipeline:
         if self.record:
             self.timeline.append((r, str(a), start - self._t0, time.perf_counter() - self._t0))
 
-    def _batch_loss(self, t: int):
+    def _batch_loss(self, t: int, sync: bool):
         plan = self.plan
         m, d = plan.microbatches, plan.stages
         ks = range((t - 1) * m + 1, t * m + 1)
         last = [wk for r, wk in self.workers.items() if stage_and_replica(r, d)[0] == d - 1]
         if not last:
             return None
-        return self._replica_mean(sum(wk.losses.pop(k) for wk in last for k in ks))
+        total = sum(wk.losses.pop(k).double() for wk in last for k in ks)  # in micro-batch order
+        mean = self._replica_mean(total)
+        return float(mean) if sync else mean
 
     def flush(self) -> None:
         """Finish every micro-batch given so far and apply its update (2bw drains its pipeline)."""
@@ -414,7 +426,7 @@ class Pipeline:
         args, kwargs = normalize_inputs(inputs)
         chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
         handoff: dict[tuple[int, int], list[torch.Tensor]] = {}
-        total, last = 0.0, False
+        total, last = torch.zeros((), dtype=torch.float64, device=self.device), False
         for r in sorted(self.workers, key=lambda r: stage_and_replica(r, d)[0]):
             wk = self.workers[r]
             s, rep = stage_and_replica(r, d)
@@ -438,7 +450,8 @@ class Pipeline:
                     boundary: list[torch.Tensor] = []
                     if s > 0:
                         if self.distributed:
-                            boundary = [torch.empty(x.shape, dtype=x.torch_dtype) for x in stage.input_specs]
+                            boundary = [torch.empty(x.shape, dtype=x.torch_dtype, device=self.device)
+                                        for x in stage.input_specs]
                             wk.comm.irecv(boundary, wk.prev).wait()
                         else:
                             boundary = handoff.pop((rep, j))
@@ -450,8 +463,8 @@ class Pipeline:
                             handoff[(rep, j)] = list(out)
                     else:
                         last = True
-                        total += float(compute_loss(self.trace_info, self.opts["loss_fn"], out, tg))
-        return self._replica_mean(total) if last else None
+                        total += compute_loss(self.trace_info, self.opts["loss_fn"], out, tg).double()
+        return float(self._replica_mean(total)) if last else None
 
     def _build_eval(self):
         """Stages of an eval-mode trace, cut where the training stages are: each eval node takes
@@ -556,18 +569,21 @@ class Pipeline:
 # helpers
 
 
-def _init_distributed() -> bool:
-    """Use the default process group, or create it when torchrun's environment says so."""
+def _init_distributed(requested_device) -> tuple[bool, torch.device]:
+    """(multi-process?, this process's device). Uses the default process group, or creates it
+    (gloo for CPU, NCCL for CUDA) when torchrun's environment says so."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size() > 1
+        device = choose_device(requested_device, distributed=True)
+        check_backend(dist.get_backend(), device)
+        return dist.get_world_size() > 1, device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-        return True
-    return False
+        device = choose_device(requested_device, distributed=True)
+        dist.init_process_group(backend_for(device))
+        return True, device
+    return False, choose_device(requested_device, distributed=False)
 
 
-def _kernel_backend(choice: str):
+def _kernel_backend(choice: str, device: torch.device):
     """The seam between torch.optim and fxpipe.kernels' fused flat-buffer path.
 
     ``"auto"``: the fused Triton kernels on CUDA, plain ``torch.optim`` on the CPU. ``"triton"``
@@ -577,7 +593,7 @@ def _kernel_backend(choice: str):
     if choice not in ("auto", "triton", "torch", "off"):
         raise ValueError(f"kernels must be 'auto', 'triton', 'torch' or 'off', found {choice!r}")
     if choice == "auto":
-        return "triton" if torch.cuda.is_available() else None
+        return "triton" if device.type == "cuda" else None
     return None if choice == "off" else choice
 
 
@@ -599,7 +615,7 @@ def _split_batch(batch, n: int, *, what: str) -> list:
     return [pytree.tree_unflatten([s[i] for s in split], spec) for i in range(n)]
 
 
-def _check_same_batch(batch, rank: int, world: int) -> None:
+def _check_same_batch(batch, rank: int, world: int, device: torch.device) -> None:
     """Every rank must pass the same global batch; compare cheap checksums across ranks."""
     sums = []
     for x in pytree.tree_leaves(batch):
@@ -607,7 +623,7 @@ def _check_same_batch(batch, rank: int, world: int) -> None:
             flat = x.detach().reshape(-1).double().cpu()
             weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
             sums += [float(flat.numel()), float(flat.sum()), float((flat * weights).sum())]
-    mine = torch.tensor(sums, dtype=torch.float64)
+    mine = torch.tensor(sums, dtype=torch.float64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
     bad = [r for r in range(world) if not torch.equal(everyone[r], everyone[0])]

@@ -31,6 +31,7 @@ import torch
 from torch.func import functional_call
 
 from .comm import Comm, Handle
+from .device import rng_devices
 from .schedule import Action, Kind
 
 __all__ = ["StageWorker", "WorkerConfig", "compute_loss"]
@@ -126,7 +127,7 @@ class StageWorker:
         self.reductions: dict[tuple[Kind, int], Handle] = {}
         self.norm_sq: dict[int, torch.Tensor] = {}
         self.clip_coef: dict[int, float] = {}
-        self.losses: dict[int, float] = {}
+        self.losses: dict[int, torch.Tensor] = {}
         self.input_specs = list(stage.input_specs)
         self.output_specs = list(stage.output_specs)
         # Gradients flow through floating-point boundary values only; both ends agree from specs.
@@ -157,7 +158,7 @@ class StageWorker:
         """Dropout and other randomness: one stream per (seed, micro-batch, stage), so the same
         numbers come out in one process, in many, and when a forward is recomputed."""
         digest = hashlib.sha256(f"{self.cfg.seed}:{k}:{self.index}".encode()).digest()
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+        with torch.random.fork_rng(devices=rng_devices(self.device)):
             torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
             yield
 
@@ -230,7 +231,7 @@ class StageWorker:
         else:
             ctx = {"boundary": boundary, "outputs": outputs, "loss": loss}
         if loss is not None:
-            self.losses[k] = float(loss.detach())
+            self.losses[k] = loss.detach()  # a tensor: reading it here would wait for the device
         self.ctx[k] = ctx
 
     def _do_r(self, a: Action) -> None:

@@ -1,0 +1,77 @@
+"""device: where a rank computes — the one seam between fxpipe's CPU and CUDA paths.
+
+Every device-specific decision of the runtime is made here, so the rest of fxpipe reads the same
+on both: which device a rank uses, which process-group backend goes with it, how a batch gets
+there, which RNGs a forked random stream must cover, and where collective tensors live.
+
+On CUDA the stream scheduling of :func:`fxpipe.schedule.lower_to_streams` is carried out by
+``torch.distributed``'s NCCL process group itself, which needs no code here: every point-to-point
+operation between two ranks runs on the one NCCL stream of that pair (both directions, in the
+order posted — the schedule's channel order, so each send meets its receive one-for-one and no
+pair can deadlock); posting an operation makes that stream wait for the compute stream as it is
+at that moment (``SEND_ACT k`` waits for ``F k``); and ``Handle.wait()`` makes the compute stream
+wait for the operation's completion event without blocking the host (``F k`` waits for
+``RECV_ACT k``). A send's tensor is kept alive by the runtime until its handle has been waited.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = ["choose", "backend_for", "to_device", "rng_devices", "check_backend"]
+
+
+def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.device:
+    """The device this process computes on.
+
+    ``None`` or ``"auto"``: CUDA when available — ``cuda:LOCAL_RANK`` under torchrun, the current
+    CUDA device otherwise — else the CPU. ``"cuda"`` without an index means the same local-rank
+    device. The chosen CUDA device becomes the current one (NCCL and ``broadcast_object_list``
+    use it).
+    """
+    if requested is None or requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(requested)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device={requested!r} asks for CUDA, but torch.cuda.is_available() is False here "
+                f"(torch {torch.__version__}). Pass device='cpu', or install a CUDA build of torch."
+            )
+        if dev.index is None:
+            local = int(os.environ.get("LOCAL_RANK", "0")) if distributed else torch.cuda.current_device()
+            dev = torch.device("cuda", local % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
+    elif dev.type != "cpu":
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]'; found {requested!r}")
+    return dev
+
+
+def backend_for(device: torch.device) -> str:
+    """The process-group backend that carries tensors of ``device``."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """An existing process group must be able to move this device's tensors."""
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"the default process group uses NCCL, which only moves CUDA tensors, but fxpipe was asked "
+            f"to compute on {device}. Pass device='cuda', or initialise the process group with 'gloo'."
+        )
+
+
+def to_device(tree: Any, device: torch.device) -> Any:
+    """Every tensor of ``tree`` on ``device`` (asynchronous copies from pinned memory on CUDA)."""
+    return pytree.tree_map(
+        lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x, tree
+    )
+
+
+def rng_devices(device: torch.device) -> list[torch.device]:
+    """The devices whose RNG state ``torch.random.fork_rng`` must save and restore."""
+    return [device] if device.type == "cuda" else []
