@@ -150,3 +150,38 @@ def test_eval_step_uses_newest_weights_with_dropout_off():
         expected = sum(float(fresh(input_ids=c, labels=c).loss) for c in ids.chunk(2)) / 2
     assert got == pytest.approx(expected, rel=1e-6)
     assert pipe.eval_step({"input_ids": ids, "labels": ids}) == got  # deterministic: no dropout
+
+
+def test_step_without_sync_returns_the_same_loss_as_a_device_tensor():
+    case = CASES["2bw_sgd"]
+    synced, batches = _compile(case)
+    lazy, _ = _compile(case)
+    for x, y in batches[:3]:
+        a = synced.step(x, y)
+        b = lazy.step(x, y, sync=False)
+        assert isinstance(a, float)
+        assert isinstance(b, torch.Tensor) and b.dim() == 0 and b.device == lazy.device
+        assert float(b) == a
+
+
+def test_device_is_chosen_and_placed():
+    case = CASES["1f1b_sgd"]
+    pipe, _ = _compile(case, device="cpu")
+    assert pipe.device == torch.device("cpu")
+    for wk in pipe.workers.values():
+        assert all(t.device.type == "cpu" for t in wk.slots[0].values())
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda"):
+        _compile(case, device="mps")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="asks for CUDA, but torch.cuda.is_available\\(\\) is False"):
+            _compile(case, device="cuda")
+
+
+def test_nccl_group_with_cpu_device_is_refused():
+    from fxpipe.device import backend_for, check_backend
+
+    assert backend_for(torch.device("cpu")) == "gloo"
+    assert backend_for(torch.device("cuda", 0)) == "nccl"
+    check_backend("gloo", torch.device("cpu"))
+    with pytest.raises(ValueError, match="NCCL, which only moves CUDA tensors"):
+        check_backend("nccl", torch.device("cpu"))
