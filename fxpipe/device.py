@@ -12,6 +12,12 @@ pair can deadlock); posting an operation makes that stream wait for the compute 
 at that moment (``SEND_ACT k`` waits for ``F k``); and ``Handle.wait()`` makes the compute stream
 wait for the operation's completion event without blocking the host (``F k`` waits for
 ``RECV_ACT k``). A send's tensor is kept alive by the runtime until its handle has been waited.
+
+Sends and receives are deliberately not grouped with ``batch_isend_irecv``: that is what keeps
+unordered send/receive pairs from deadlocking, but fxpipe's channels are ordered already, and
+NCCL returns ONE work for a group, so waiting for a send would also wait for a receive grouped
+with it — one the schedule posts early, for a later micro-batch — and could stall compute on
+it (with gloo the same grouping, tried, deadlocked the reaping of finished sends).
 """
 
 from __future__ import annotations
