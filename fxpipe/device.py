@@ -17,7 +17,8 @@ Sends and receives are deliberately not grouped with ``batch_isend_irecv``: that
 unordered send/receive pairs from deadlocking, but fxpipe's channels are ordered already, and
 NCCL returns ONE work for a group, so waiting for a send would also wait for a receive grouped
 with it — one the schedule posts early, for a later micro-batch — and could stall compute on
-it (with gloo the same grouping, tried, deadlocked the reaping of finished sends).
+it (tried on gloo with one completion shared by a group's handles, as NCCL has it: reaping a
+finished send then waited for a receive whose message the peer sends only later — a deadlock).
 """
 
 from __future__ import annotations
