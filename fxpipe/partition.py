@@ -15,7 +15,7 @@ optimum of::
     subject to M_s(l, r) <= memory limit for every stage
 
     M_s(l, r) = sum of the distinct parameters/buffers the stage reads, each costing
-                versions*bytes + grad accumulator + optimizer state (parameters) or bytes (buffers)
+                versions*bytes + grad accumulator(s) + optimizer state (parameters) or bytes (buffers)
               + k_s * A(l, r) + j_s * I(l) + I(l)                             # stash, receive buffer
 
 with ``A(l, r)`` the bytes of every output of the stage's nodes (what autograd may save; it
@@ -379,12 +379,13 @@ def min_memory(chain: Chain, model: StageModel) -> float:
 
 
 def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedule: str = "2bw",
-                     optimizer_bytes_per_param: float = 8.0) -> Chain:
+                     optimizer_bytes_per_param: float = 8.0, grad_buffers: int = 1) -> Chain:
     """The chain of ``gm``'s compute nodes with costs at micro-batch size ``batch``.
 
-    A parameter costs ``versions * bytes`` (2 under 2bw) + ``bytes`` (gradient accumulator) +
-    ``optimizer_bytes_per_param * numel`` (AdamW: two fp32 moments = 8) on each stage reading it;
-    a frozen parameter or a buffer costs its bytes.
+    A parameter costs ``versions * bytes`` (2 under 2bw) + ``grad_buffers * bytes`` (gradient
+    accumulators: the runtime keeps two when a reduction of batch t's gradients overlaps batch
+    t+1's backwards) + ``optimizer_bytes_per_param * numel`` (AdamW: two fp32 moments = 8) on each
+    stage reading it; a frozen parameter or a buffer costs its bytes.
     """
     compute = [nd for nd in gm.graph.nodes if nd.op in _COMPUTE]
     n = len(compute)
@@ -426,7 +427,7 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
         if t in params:
             p = params[t]
             nbytes = p.numel() * p.element_size()
-            g, o = (nbytes, optimizer_bytes_per_param * p.numel()) if p.requires_grad else (0.0, 0.0)
+            g, o = (grad_buffers * nbytes, optimizer_bytes_per_param * p.numel()) if p.requires_grad else (0.0, 0.0)
             copies = versions * nbytes if p.requires_grad else nbytes
             tparam.append(nbytes)
         elif t in buffers:
@@ -479,6 +480,7 @@ class _Candidate:
     recompute: bool
     model: StageModel
     part: Partition
+    chain: Chain
 
     def key(self):
         # best first; ties: shallower, narrower, larger b, no recomputation
@@ -512,6 +514,7 @@ def plan(
     costs: GraphCosts | None = None,
     optimizer_bytes_per_param: float = 8.0,
     torch_device: str | torch.device | None = None,
+    clip: bool = False,
 ) -> Plan:
     """Trace (if needed), cost and partition a model; return the best :class:`Plan`.
 
@@ -521,6 +524,8 @@ def plan(
     makes the planner also choose the micro-batch size b, with ``m = global_batch / (b * w)``;
     otherwise b is the traced batch size and m is ``microbatches``. ``device_memory`` (bytes)
     overrides ``device.memory_bytes``. ``costs`` reuses an earlier :func:`fxpipe.cost.annotate`.
+    ``clip``: training clips by the global gradient norm; like data parallelism (w > 1) this makes
+    every stage keep a second gradient buffer, which the memory model then counts.
     """
     if schedule not in _SCHEDULES:
         raise PlanError(f"schedule must be one of {_SCHEDULES}, found {schedule!r}")
@@ -601,13 +606,15 @@ def plan(
             f"use more micro-batches (m >= d for {schedule!r}) or a smaller world size"
         )
 
-    chains: dict[int, Chain] = {}
+    chains: dict[tuple[int, int], Chain] = {}
     candidates: list[_Candidate] = []
     smallest_fit = math.inf
     for d, w, bb, m in configs:
-        if bb not in chains:
-            chains[bb] = chain_from_graph(gm, costs, bb, schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param)
-        chain = chains[bb]
+        grad_buffers = 2 if (w > 1 or clip) else 1
+        if (bb, grad_buffers) not in chains:
+            chains[bb, grad_buffers] = chain_from_graph(gm, costs, bb, schedule=schedule, grad_buffers=grad_buffers,
+                                                        optimizer_bytes_per_param=optimizer_bytes_per_param)
+        chain = chains[bb, grad_buffers]
         for rc in ([False, True] if recompute is None else [bool(recompute)]):
             sm = StageModel.for_schedule(schedule, d, m, rc, device, limit)
             if rc and not any(sm.recompute) and recompute is None:
@@ -625,7 +632,7 @@ def plan(
             # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the
             # next batch (PipeDream-2BW §3.1); flushing schedules wait for it.
             step = max(pipe, ar) if schedule == "2bw" else pipe + ar
-            candidates.append(_Candidate(bb * m * w / step, step, ar, d, w, bb, m, rc, sm, part))
+            candidates.append(_Candidate(bb * m * w / step, step, ar, d, w, bb, m, rc, sm, part, chain))
     if not candidates:
         raise PlanError(
             f"no configuration fits in {limit / 1e6:.1f} MB per device (searched d in {sorted({c[0] for c in configs})}, "
@@ -636,7 +643,7 @@ def plan(
     candidates.sort(key=_Candidate.key)
     best = candidates[0]
     runner = next((c for c in candidates[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
-    chain = chains[best.b]
+    chain = best.chain
     sps = tuple(_stage_plan(gm, chain, best.model, s, l, r) for s, (l, r) in enumerate(best.part.bounds))
     return Plan(
         schedule=schedule,

@@ -152,6 +152,7 @@ class Pipeline:
                     cost_mode=o["cost_mode"],
                     recompute=o["recompute"],
                     torch_device=self.device,
+                    clip=o["max_grad_norm"] is not None,
                 )
                 plan_json = made.to_json()
             if self.distributed:

@@ -50,7 +50,7 @@ class StagePlan:
     memory_weights: float  #: parameter and buffer copies (2 versions of parameters under 2bw)
     memory_activations: float  #: stashed activations of the in-flight micro-batches
     memory_optimizer: float  #: optimizer state (AdamW: 2 fp32 moments per parameter)
-    memory_grads: float  #: the gradient accumulator (one copy of the parameters)
+    memory_grads: float  #: gradient accumulators (two copies of the parameters when reductions overlap: w > 1 or clipping)
     memory_buffers: float  #: receive buffer for the activations crossing its input cut
     param_bytes: float  #: bytes of the parameters the stage owns (tied ones counted here too)
     send_bytes: float  #: bytes crossing its output cut per micro-batch

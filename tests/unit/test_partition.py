@@ -236,6 +236,18 @@ def test_memory_limit_respected_on_graph():
     assert all(sp.memory <= limit * (1 + 1e-9) for sp in p.stage_plans)
 
 
+def test_overlapped_reductions_count_a_second_gradient_buffer(gpt_gm):
+    # data parallelism or clipping: the runtime reduces batch t's gradients while batch t+1's
+    # accumulate, in a second flat buffer; the memory model must count it
+    one = plan(gpt_gm, stages=2, microbatches=4, recompute=False)
+    clipped = plan(gpt_gm, stages=2, microbatches=4, recompute=False, clip=True)
+    wide = plan(gpt_gm, stages=2, world_size=4, microbatches=4, recompute=False)
+    for a, b, c in zip(one.stage_plans, clipped.stage_plans, wide.stage_plans):
+        assert a.memory_grads > 0
+        assert b.memory_grads == c.memory_grads == 2 * a.memory_grads
+        assert b.memory == a.memory + a.memory_grads
+
+
 # --------------------------------------------------------------------------------------------
 # bad input
 
