@@ -374,21 +374,45 @@ def _core_list(
     order = _compute_order(schedule, stage, d, m, steps)
     last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind is Kind.B}
     pending: list[int] = []  # batches whose reductions started but whose UPDATE is still due
+    joined: set[int] = set()  # pending batches whose gradient reductions were joined (norm posted)
 
-    def finish(t: int) -> None:
+    def join(t: int) -> None:
+        if t in joined:
+            return
+        joined.add(t)
         if dp:
             out.append(Action(stage, Kind.DP_WAIT, t))
         if tied:
             out.append(Action(stage, Kind.TIED_WAIT, t))
+        if clip and (dp or tied):
+            # The norm is that of the summed, replica-averaged gradient: start it after both waits.
+            out.append(Action(stage, Kind.NORM_START, t))
+
+    def finish(t: int) -> None:
+        join(t)
         if clip:
-            if dp or tied:
-                # The norm is that of the summed, replica-averaged gradient: start it after both waits.
-                out.append(Action(stage, Kind.NORM_START, t))
             out.append(Action(stage, Kind.NORM_WAIT, t))
         out.append(Action(stage, Kind.UPDATE, t))
 
+    def norm_cut(t: int) -> int:
+        """The micro-batch before whose forward this stage joins batch t's reductions and posts
+        its norm (2bw with clipping after other reductions). Stage 0 waits for the norm right
+        there (before batch t+2's first forward, F((t+1)m+1)); stage s posts it s forwards
+        earlier, which in 1F1B order is the same consistent cut (no p2p message crosses it
+        backwards) but reached about s backward-times sooner, so stage 0 finds every stage's part
+        posted instead of waiting for the last stage's final forward and backward of the batch.
+        A tied weight's all-reduce joined there needs stage 0's TIED_START t, posted after its
+        B(tm), which precedes its F(tm+d): never earlier than that."""
+        cut = (t + 1) * m + 1 - stage
+        return max(cut, t * m + d) if tied else cut
+
+    early_norm = schedule == "2bw" and clip and (dp or tied) and stage > 0
     for pos, (kind, k) in enumerate(order):
         t = batch_of(k, m)
+        if early_norm and kind is Kind.F:
+            for p in pending:
+                if k >= norm_cut(p):
+                    join(p)
         # Join point of pending reductions: as late as the version rule allows, i.e. before a
         # forward that needs W(t) (flush: batch t+1; 2bw: batch t+2, the window of arXiv
         # 2006.09503 section 3.1), so 2bw overlaps the reductions with a batch of compute.

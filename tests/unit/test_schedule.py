@@ -483,3 +483,25 @@ def test_fake_streams_communication_does_not_wait_for_unrelated_compute():
     pos = {a: i for i, (_, _, a) in enumerate(order)}
     assert pos["1RECV_ACT4"] < pos["1F1v0"]
     assert pos["0SEND_ACT4"] < pos["1F1v0"]
+
+
+@pytest.mark.parametrize("d,m,width,tied", [(2, 4, 1, True), (3, 6, 2, True), (4, 8, 2, False), (3, 3, 1, True)])
+def test_later_stages_post_the_norm_at_an_earlier_consistent_cut(d, m, width, tied):
+    # Stage 0 waits for the norm right before F((t+1)m+1); stage s posts its part s forwards
+    # earlier (not before stage 0 can have started a tied all-reduce), so stage 0 does not wait
+    # for the last stage's final forward and backward of the batch. The lists stay deadlock-free.
+    lists = generate("2bw", d, m, 4, width=width, tied=tied, clip=True)
+    validate(lists, "2bw", d, m, 4, width=width, tied=tied, clip=True)
+    for s, lst in lists.items():
+        pos = {str(a): i for i, a in enumerate(lst)}
+        for t in (1, 2):
+            cut = (t + 1) * m + 1 - s
+            if tied and s > 0:
+                cut = max(cut, t * m + d)
+            first_f = (t + 1) * m + 1
+            norm = pos[f"{s}NORM_START{t}"]
+            assert norm < pos[f"{s}F{cut}v{version_of('2bw', cut, m)}"]
+            assert pos[f"{s}UPDATE{t}"] < pos[f"{s}F{first_f}v{version_of('2bw', first_f, m)}"]
+            joins_first = width > 1 or (tied and s == d - 1)  # else the norm is posted at the last B
+            if s > 0 and cut < first_f and joins_first:
+                assert pos[f"{s}F{cut - 1}v{version_of('2bw', cut - 1, m)}"] < norm  # not earlier than needed
