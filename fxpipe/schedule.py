@@ -63,10 +63,14 @@ alone, ``NORM_START t``: its local gradient is already final), and joins — ``D
 ``TIED_WAIT t``, ``NORM_START t`` (after those waits: the norm is that of the reduced gradient),
 ``NORM_WAIT t``, ``UPDATE t`` — as late as the rules allow: before its first forward of batch
 ``t+2`` (2bw; flush: ``t+1``) or before issuing batch ``t+1``'s reductions, whichever comes
-first. In 2bw every stage thus joins right before the forward of micro-batch ``(t+1)*m+1`` (the
-last stage right after its last backward of batch ``t+1``): a cut that no p2p message crosses
-backwards, so the global norm all-reduce cannot deadlock, and a whole batch of compute overlaps
+first. In 2bw every stage thus waits right before the forward of micro-batch ``(t+1)*m+1`` (the
+last stage right after its last backward of batch ``t+1``), and a whole batch of compute overlaps
 the reductions (PipeDream-2BW, arXiv 2006.09503, section 3.1: the update is delayed by one step).
+With ``clip`` after other reductions, stage ``s > 0`` joins them and posts ``NORM_START t``
+earlier, before ``F((t+1)*m+1-s)`` (a tied stage: not before ``F(t*m+d)``, so stage 0 has
+started the tied all-reduce), keeping ``NORM_WAIT t`` and ``UPDATE t`` in place: the posts form a
+cut that no p2p message crosses backwards, so the norm all-reduce cannot deadlock, and stage 0,
+which waits for it first, finds the later stages' parts already posted.
 
 Point-to-point posting semantics (what the runtime must do)
 -----------------------------------------------------------
@@ -429,8 +433,7 @@ def _core_list(
                 # buffers (the accumulator and the one being reduced).
                 finish(pending.pop(0))
             if dp or tied or clip:
-                # The norm is a barrier over all stages: every stage joins at the same cut (before
-                # the forward of micro-batch (t+1)*m+1 in 2bw), which no p2p message crosses backwards.
+                # The norm is a barrier over all stages, joined at a consistent cut (norm_cut).
                 if dp:
                     out.append(Action(stage, Kind.DP_START, t))
                 if tied:
