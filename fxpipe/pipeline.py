@@ -27,6 +27,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .comm import DistComm, LocalHub
+from .cost import DeviceModel
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from .errors import FxpipeError, RuntimeMismatchError
@@ -60,6 +61,7 @@ def compile(
     seed: int = 0,
     check_batch: bool = True,
     cost_mode: str = "analytic",
+    device_model=None,
     kernels: str = "auto",
     device: str | torch.device | None = None,
     verbose: bool = True,
@@ -89,6 +91,7 @@ def compile(
         seed=seed,
         check_batch=check_batch,
         cost_mode=cost_mode,
+        device_model=device_model,
         kernels=kernels,
         device=device,
         verbose=verbose,
@@ -138,18 +141,24 @@ class Pipeline:
         plan = o["plan"]
         if plan is None:
             plan_json = None
+            device_model = o["device_model"]
+            if device_model is None and self.distributed and o["cost_mode"] == "measured":
+                # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are
+                # broadcast), so the planner prices a cut with this machine's links.
+                device_model = DeviceModel.for_device(self.device).measure_p2p()
             if self.rank == 0:
                 from .partition import plan as make_plan
 
                 world = self.world_size if self.distributed else (o["stages"] or 1)
                 made = make_plan(
                     gm,
-                    None,
+                    self._example,
                     stages=o["stages"] if o["stages"] is not None else (None if self.distributed else 1),
                     microbatches=m,
                     schedule=o["schedule"],
                     world_size=world,
                     cost_mode=o["cost_mode"],
+                    device=device_model,
                     recompute=o["recompute"],
                     torch_device=self.device,
                     clip=o["max_grad_norm"] is not None,

@@ -9,6 +9,7 @@ after ``timeout`` seconds, so a deadlock fails the test instead of hanging it.
 from __future__ import annotations
 
 import faulthandler
+import importlib
 import os
 import sys
 import tempfile
@@ -54,25 +55,49 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
         dist.destroy_process_group()
 
 
+def _function_main(rank: int, world: int, store: str, out_dir: str, target: str, timeout: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(max(timeout - 5, 1), exit=False, file=sys.stderr)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        module, name = target.split(":")
+        fn = getattr(importlib.import_module(module), name)
+        result = {"value": fn(rank, world), "error": None}
+    except Exception:
+        result = {"value": None, "error": traceback.format_exc()}
+    torch.save(result, os.path.join(out_dir, f"fn.rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def _spawn(main, world: int, args: tuple, what: str, timeout: float, tmp: str) -> None:
+    store = os.path.join(tmp, "store")
+    ctx = mp.start_processes(main, args=(world, store, tmp, *args, timeout), nprocs=world, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world} ranks did not finish {what} within {timeout:.0f} s (deadlock?)")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+
+
 def run_ranks(world: int, case_names: list[str], timeout: float = 240.0) -> dict[str, list[dict]]:
     """Run the named cases on ``world`` spawned ranks; returns case -> [result per rank]."""
     with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        ctx = mp.start_processes(
-            _rank_main, args=(world, store, tmp, case_names, timeout), nprocs=world, join=False, start_method="spawn"
-        )
-        deadline = time.monotonic() + timeout
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"{world} ranks did not finish {case_names} within {timeout:.0f} s (deadlock?)"
-                    )
-        finally:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
+        _spawn(_rank_main, world, (case_names,), str(case_names), timeout, tmp)
         return {
             name: [torch.load(os.path.join(tmp, f"{name}.rank{r}.pt"), weights_only=False) for r in range(world)]
             for name in case_names
         }
+
+
+def run_function(world: int, target: str, timeout: float = 120.0) -> list[dict]:
+    """Run ``target`` ("module:function", called as ``fn(rank, world)`` inside an initialised
+    gloo group) on ``world`` spawned ranks; returns ``[{"value", "error"} per rank]``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        _spawn(_function_main, world, (target,), target, timeout, tmp)
+        return [torch.load(os.path.join(tmp, f"fn.rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -1,0 +1,45 @@
+"""Measured costs under torchrun-like ranks: the link figures come from a real ping-pong between
+ranks 0 and 1, rank 0 profiles and plans, and every rank trains on the one broadcast plan."""
+
+import json
+
+import pytest
+
+from tests.dist.harness import run_function
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+
+def measured_compile(rank, world):
+    import functools
+
+    import torch
+
+    import fxpipe
+    from fxpipe.demo import GPT, GPTConfig, fibonacci_batch, lm_loss
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_embd=32)
+    x, y = fibonacci_batch(8, 16, cfg.vocab_size, torch.Generator().manual_seed(0))
+    pipe = fxpipe.compile(GPT(cfg), (x[:2],), loss_fn=lm_loss, microbatches=4, stages=2, cost_mode="measured",
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False)
+    losses = [pipe.step(x, y) for _ in range(2)]
+    return {"plan": pipe.plan.to_json(), "losses": losses}
+
+
+def test_measured_mode_measures_links_and_shares_one_plan():
+    from fxpipe.cost import DeviceModel
+
+    results = run_function(2, "tests.dist.test_measured_plan:measured_compile", timeout=240)
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if res["error"]]
+    assert not errors, "\n".join(errors)
+    plans = [res["value"]["plan"] for res in results]
+    assert plans[0] == plans[1], "the ranks trained on different plans"
+    plan = json.loads(plans[0])
+    assert plan["cost_mode"] == "measured"
+    default = DeviceModel.cpu()
+    link = plan["device"]
+    assert link["p2p_latency"] > 0 and link["p2p_bandwidth"] > 0
+    assert (link["p2p_latency"], link["p2p_bandwidth"]) != (default.p2p_latency, default.p2p_bandwidth)
+    assert results[0]["value"]["losses"] == [None, None]
+    assert all(isinstance(v, float) for v in results[1]["value"]["losses"])
