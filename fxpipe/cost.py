@@ -17,9 +17,10 @@ that depends on the model inputs scales with the number of samples it processes 
 c) / B``, with ``c`` the fixed per-op overhead for times and 0 for FLOPs and bytes); a node that
 only reads parameters and constants is ``b``-independent (``a = 0``). The batch dimension is
 independent in every standard layer, so this is exact for FLOPs and activation bytes (a scalar loss
-output is kept constant); for measured times it assumes throughput-bound kernels, which holds
-when ``b`` stays within a few times ``B`` on a device that the traced batch already fills.
-Re-tracing at a second batch size would cost a second export of the whole model; this does not.
+output is kept constant). For measured times one size assumes a fixed part of ``op_latency`` and
+throughput-bound kernels; when the planner searches ``b`` (``fxpipe.plan(model, ...,
+global_batch=N, cost_mode="measured")``) it measures the model traced at a second size too and
+:func:`fit_two_sizes` puts each time on the line through both measurements.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from .device import rng_devices
 from .errors import PlanError
 from .trace import NodeInfo, normalize_inputs
 
-__all__ = ["DeviceModel", "Linear", "NodeCost", "GraphCosts", "annotate", "b"]
+__all__ = ["DeviceModel", "Linear", "NodeCost", "GraphCosts", "annotate", "fit_two_sizes", "b"]
 
 #: The micro-batch size, the one free symbol of every cost expression.
 b = sympy.Symbol("b", positive=True, integer=True)
@@ -279,6 +280,45 @@ def annotate(
         )
         node.meta["fxpipe_cost"] = costs[node.name]
     return GraphCosts(mode=mode, batch_size=batch, device=device, nodes=costs)
+
+
+def fit_two_sizes(gm: fx.GraphModule, costs: GraphCosts, other: GraphCosts) -> GraphCosts:
+    """``costs`` with every measured time of a batch-dependent node replaced by the line through
+    its measurement at ``costs.batch_size`` and ``other``'s at ``other.batch_size`` (the same
+    model traced and measured at a second micro-batch size; nodes match by name). The line is
+    kept non-negative: a negative slope (noise) becomes flat, a negative intercept proportional.
+    Updates ``node.meta["fxpipe_cost"]`` of ``gm`` and returns the new costs."""
+    if costs.mode != "measured" or other.mode != "measured":
+        raise PlanError("fit_two_sizes needs two sets of measured costs (annotate(..., mode='measured'))")
+    b1, b2 = costs.batch_size, other.batch_size
+    if b1 == b2:
+        raise PlanError(f"fit_two_sizes needs two different micro-batch sizes; both are {b1}")
+    mismatched = sorted(set(costs.nodes) ^ set(other.nodes))
+    if mismatched:
+        raise PlanError(
+            f"the traces at micro-batch sizes {b1} and {b2} differ in nodes {mismatched[:5]}: the model's graph "
+            f"depends on the batch size, so costs cannot be fitted across sizes; plan with microbatches= instead"
+        )
+
+    def line(t1: float, t2: float) -> Linear:
+        a = max((t2 - t1) / (b2 - b1), 0.0)
+        c = t1 - a * b1
+        return Linear(a, c) if c >= 0 else Linear(t1 / b1, 0.0)
+
+    nodes = dict(costs.nodes)
+    for name, c in costs.nodes.items():
+        if not c.batch_dependent:
+            continue
+        o = other.nodes[name]
+        nodes[name] = dataclasses.replace(
+            c,
+            fwd_time=line(c.fwd_time(b1), o.fwd_time(b2)),
+            bwd_time=line(c.bwd_time(b1), o.bwd_time(b2)),
+        )
+    for node in gm.graph.nodes:
+        if node.name in nodes:
+            node.meta["fxpipe_cost"] = nodes[node.name]
+    return dataclasses.replace(costs, nodes=nodes)
 
 
 def _dependence(gm: fx.GraphModule) -> tuple[dict[str, bool], dict[str, bool]]:

@@ -50,9 +50,10 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
-from .cost import DeviceModel, GraphCosts, annotate
+from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes
 from .errors import PlanError
 from .plan import Plan, RunnerUp, StagePlan, graph_fingerprint
 
@@ -564,6 +565,9 @@ def plan(
     limit = float(device_memory) if device_memory is not None else device.memory_bytes
     if costs is None:
         costs = annotate(gm, example_inputs, mode=cost_mode, device=device, torch_device=torch_device)
+        if cost_mode == "measured" and global_batch is not None and isinstance(model_or_gm, nn.Module) \
+                and not isinstance(model_or_gm, fx.GraphModule):
+            costs = _measure_second_size(model_or_gm, gm, example_inputs, costs, device, torch_device)
     traced_b = costs.batch_size
 
     n_compute = sum(1 for nd in gm.graph.nodes if nd.op in _COMPUTE)
@@ -665,6 +669,25 @@ def plan(
         memory_limit=limit,
         graph_hash=graph_fingerprint(gm),
     )
+
+
+def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, costs: GraphCosts,
+                         device: DeviceModel, torch_device) -> GraphCosts:
+    """The planner is about to search b: trace and measure the model at a second micro-batch
+    size (half the traced one, or twice a batch of one) and fit every measured time to both."""
+    from .trace import trace
+
+    big = costs.batch_size
+
+    def resize(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == big:
+            return x[: big // 2] if big > 1 else torch.cat([x, x])
+        return x
+
+    second = pytree.tree_map(resize, example_inputs)
+    gm2 = trace(model, second)
+    other = annotate(gm2, second, mode="measured", device=device, torch_device=torch_device)
+    return fit_two_sizes(gm, costs, other)
 
 
 def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: int, r: int) -> StagePlan:

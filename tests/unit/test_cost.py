@@ -106,3 +106,46 @@ def test_measured_plan_end_to_end():
     x = torch.randn(8, 32)
     p = plan(model, (x,), stages=2, microbatches=4, cost_mode="measured")
     assert p.cost_mode == "measured" and p.stages == 2
+
+
+def test_measured_times_fit_two_batch_sizes():
+    from fxpipe.cost import fit_two_sizes
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    gm8 = fxpipe.trace(model, (torch.randn(8, 64),))
+    gm4 = fxpipe.trace(model, (torch.randn(4, 64),))
+    c8 = annotate(gm8, (torch.randn(8, 64),), mode="measured", repeats=3)
+    c4 = annotate(gm4, (torch.randn(4, 64),), mode="measured", repeats=3)
+    fitted = fit_two_sizes(gm8, c8, c4)
+    for name, c in fitted.nodes.items():
+        if not c.batch_dependent or c.fwd_time(8) == 0:
+            continue
+        # the line passes through both measurements (or is the non-negative clamp of it)
+        assert c.fwd_time.a >= 0 and c.fwd_time.c >= 0
+        if c.fwd_time.c > 0 and c8.nodes[name].fwd_time(8) >= c4.nodes[name].fwd_time(4):
+            assert math.isclose(c.fwd_time(8), c8.nodes[name].fwd_time(8), rel_tol=1e-9)
+            assert math.isclose(c.fwd_time(4), c4.nodes[name].fwd_time(4), rel_tol=1e-9)
+    node = next(n for n in gm8.graph.nodes if n.name in fitted.nodes and fitted.nodes[n.name].batch_dependent)
+    assert node.meta["fxpipe_cost"] is fitted.nodes[node.name]
+    with pytest.raises(PlanError, match="two different micro-batch sizes"):
+        fit_two_sizes(gm8, c8, c8)
+    with pytest.raises(PlanError, match="two sets of measured costs"):
+        fit_two_sizes(gm8, c8, annotate(gm4))
+
+
+def test_planner_searching_b_with_measured_costs_measures_a_second_size(monkeypatch):
+    import fxpipe.partition as partition
+
+    seen = []
+    real = partition.annotate
+
+    def spy(gm, example_inputs=None, **kw):
+        costs = real(gm, example_inputs, **kw)
+        seen.append((costs.mode, costs.batch_size))
+        return costs
+
+    monkeypatch.setattr(partition, "annotate", spy)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    p = partition.plan(model, (torch.randn(4, 16),), global_batch=16, cost_mode="measured", world_size=1)
+    assert seen == [("measured", 4), ("measured", 2)]
+    assert p.microbatch_size * p.microbatches == 16
