@@ -31,6 +31,7 @@ __all__ = [
     "rmsnorm_residual",
     "gpt2_tiny",
     "bert_tiny",
+    "llama_tiny",
     "ZOO",
     "HF",
 ]
@@ -202,6 +203,38 @@ def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[0, -3:] = 0  # some padding, so the mask matters
     return model, {"input_ids": ids, "attention_mask": mask}
+
+
+def llama_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):
+    """Hugging Face ``LlamaForCausalLM`` (2 layers, 32 wide, 4 query heads sharing 2 key/value
+    heads, rotary positions, RMSNorm — ``x * weight``, saved by reference — SwiGLU, untied
+    ``lm_head``, vocab 100), keyword inputs ``input_ids`` (and ``labels`` when asked).
+
+    Not in :data:`ZOO`, whose trace and codegen tests demand bitwise-equal gradients: the
+    exported Llama graph's forward is bitwise equal to eager, but its gradients differ at the
+    rounding level (~1e-11 absolute, autograd summing some contributions in another order). The
+    training cases (``tests/cases.py``) compare it with the references at 1e-5, like every case."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=dropout,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = tf.LlamaForCausalLM(config)
+    ids = torch.randint(0, 100, (batch, seq))
+    inputs = {"input_ids": ids}
+    if labels:
+        inputs["labels"] = ids.clone()
+    return model, inputs
 
 
 # name -> factory; each factory takes keyword arguments seed, batch, dropout.
