@@ -180,7 +180,7 @@ def gpt2_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 
     return model, inputs
 
 
-def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0):
+def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):
     """Hugging Face ``BertForMaskedLM`` (2 layers, 32 wide, 4 heads, vocab 100; the decoder is
     tied to the word embeddings), keyword inputs ``input_ids`` and ``attention_mask`` (the
     mask is a model input that stages other than the first read)."""
@@ -202,7 +202,10 @@ def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 
     ids = torch.randint(0, 100, (batch, seq))
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[0, -3:] = 0  # some padding, so the mask matters
-    return model, {"input_ids": ids, "attention_mask": mask}
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if labels:  # masked-LM targets: every token, padding ignored
+        inputs["labels"] = ids.masked_fill(mask == 0, -100)
+    return model, inputs
 
 
 def llama_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):

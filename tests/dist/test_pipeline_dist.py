@@ -38,7 +38,7 @@ def _check(world, names, timeout):
 
 def test_two_ranks():
     _check(2, ["2bw_sgd", "2bw_adamw_clip", "2bw_groups", "2bw_recompute", "1f1b_adamw", "gpipe_sgd", "gpt2_2bw",
-                "gpt2_2bw_adamw", "llama_2bw_adamw"], 300)
+                "gpt2_2bw_adamw", "llama_2bw_adamw", "bert_2bw"], 300)
 
 
 def test_three_ranks():
