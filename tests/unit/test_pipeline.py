@@ -185,3 +185,22 @@ def test_nccl_group_with_cpu_device_is_refused():
     check_backend("gloo", torch.device("cpu"))
     with pytest.raises(ValueError, match="NCCL, which only moves CUDA tensors"):
         check_backend("nccl", torch.device("cpu"))
+
+
+def test_auto_device_picks_the_local_rank_gpu_under_torchrun(monkeypatch):
+    # The CUDA branch of the seam, without a GPU: availability, count and set_device faked.
+    from fxpipe import device as seam
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: chosen.append(d))
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert seam.choose(None, distributed=True) == torch.device("cuda", 3)
+    assert seam.choose("cuda", distributed=True) == torch.device("cuda", 3)
+    assert seam.choose("cuda:1", distributed=True) == torch.device("cuda", 1)
+    assert seam.choose("auto", distributed=False) == torch.device("cuda", 0)
+    assert chosen == [torch.device("cuda", 3), torch.device("cuda", 3), torch.device("cuda", 1), torch.device("cuda", 0)]
+    assert seam.choose("cpu", distributed=True) == torch.device("cpu")
+    assert seam.backend_for(seam.choose(None, distributed=True)) == "nccl"
