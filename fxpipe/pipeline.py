@@ -199,8 +199,11 @@ class Pipeline:
         groups: dict[str, list[int]] = {}
         for r in range(w):
             groups[f"pipe:{r}"] = [rank_of(s, r, d) for s in range(d)]
-            for tp in tied:
-                groups[f"tied:{r}:{'-'.join(map(str, tp.stages))}"] = [rank_of(s, r, d) for s in tp.stages]
+        # A tied weight's copies on every stage of every replica are summed in ONE all-reduce (the
+        # data-parallel all-reduce leaves them out): two in-place reductions of the same
+        # gradient running at once would race.
+        for tp in tied:
+            groups[f"tied:{'-'.join(map(str, tp.stages))}"] = [rank_of(s, r, d) for r in range(w) for s in tp.stages]
         for s in range(d):
             groups[f"dp:{s}"] = [rank_of(s, r, d) for r in range(w)]
         groups["last"] = [rank_of(d - 1, r, d) for r in range(w)]
@@ -223,9 +226,7 @@ class Pipeline:
                 max_grad_norm=o["max_grad_norm"],
                 seed=o["seed"],
                 kernels=kernels,
-                tied_groups={
-                    tp.name: f"tied:{rep}:{'-'.join(map(str, tp.stages))}" for tp in tied if s in tp.stages
-                },
+                tied_groups={tp.name: f"tied:{'-'.join(map(str, tp.stages))}" for tp in tied if s in tp.stages},
                 tied_owner={tp.name: s == tp.stages[0] for tp in tied if s in tp.stages},
             )
             self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,

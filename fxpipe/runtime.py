@@ -87,6 +87,7 @@ class StageWorker:
         reduces = cfg.width > 1 or bool(cfg.tied_groups) or cfg.max_grad_norm is not None
         self.grad_pool = [layout.zeros_like() for _ in range(2 if reduces else 1)]
         self._grad_views = [layout.views(g) for g in self.grad_pool]
+        self.dp_ranges = self._dp_ranges() if cfg.width > 1 else []
 
         # The optimizer's own Parameters: aliases that are pointed at the slot being written
         # right before each step. They never enter a forward, so re-pointing them is safe.
@@ -334,9 +335,24 @@ class StageWorker:
             if h is not None:
                 h.wait()
 
+    def _dp_ranges(self) -> list[tuple[torch.dtype, int, int]]:
+        """(dtype, start, end) runs of the flat gradient buffers that the data-parallel
+        all-reduce sums: everything but tied weights, whose own all-reduce spans the replicas."""
+        tied = sorted((s.dtype, s.offset, s.offset + s.numel) for s in self.layout.slots if s.name in self.cfg.tied_groups)
+        runs = []
+        for dt, n in sorted(self.layout.sizes, key=lambda kv: str(kv[0])):
+            start = 0
+            for _, lo, hi in (t for t in sorted(tied, key=lambda t: t[1]) if t[0] == dt):
+                if lo > start:
+                    runs.append((dt, start, lo))
+                start = max(start, hi)
+            if start < n:
+                runs.append((dt, start, n))
+        return runs
+
     def _do_dp_start(self, a: Action) -> None:
         grads = self.grad_pool[self._grads_slot(a.index)]
-        handles = [self.comm.all_reduce(g, f"dp:{self.index}") for _, g in sorted(grads.items(), key=lambda kv: str(kv[0]))]
+        handles = [self.comm.all_reduce(grads[dt][lo:hi], f"dp:{self.index}") for dt, lo, hi in self.dp_ranges]
         self.reductions[(Kind.DP_START, a.index)] = _Multi(handles)
 
     def _do_dp_wait(self, a: Action) -> None:

@@ -160,6 +160,7 @@ CASES = {
         # data parallel: w = 2 replicas of a 2-stage pipeline (4 ranks)
         Case("w2_2bw_adamw", schedule="2bw", stages=2, width=2, optimizer="adamw", max_grad_norm=0.5),
         Case("w2_1f1b_sgd", schedule="1f1b", stages=2, width=2, optimizer="sgd"),
+        Case("w2_gpt2_2bw", model="gpt2", schedule="2bw", stages=2, width=2, optimizer="sgd", max_grad_norm=1.0),
     ]
 }
 

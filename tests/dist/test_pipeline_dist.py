@@ -46,4 +46,4 @@ def test_three_ranks():
 
 
 def test_two_replicas_of_two_stages():
-    _check(4, ["w2_2bw_adamw", "w2_1f1b_sgd"], 300)
+    _check(4, ["w2_2bw_adamw", "w2_1f1b_sgd", "w2_gpt2_2bw"], 300)
