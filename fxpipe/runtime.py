@@ -127,7 +127,7 @@ class StageWorker:
         self.sends: list[tuple[Handle, list[torch.Tensor]]] = []
         self.reductions: dict[tuple[Kind, int], Handle] = {}
         self.norm_sq: dict[int, torch.Tensor] = {}
-        self.clip_coef: dict[int, float] = {}
+        self.clip_coef: dict[int, torch.Tensor] = {}  # batch -> 0-dim factor on the device
         self.losses: dict[int, torch.Tensor] = {}
         self.input_specs = list(stage.input_specs)
         self.output_specs = list(stage.output_specs)
@@ -385,17 +385,18 @@ class StageWorker:
             self._do_norm_start(Action(self.index, Kind.NORM_START, t))
             h = self.reductions.pop((Kind.NORM_START, t))
         h.wait()
-        total = float(self.norm_sq.pop(t).sqrt())
-        # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up.
-        self.clip_coef[t] = min(1.0, self.cfg.max_grad_norm / (total + 1e-6))
+        total = self.norm_sq.pop(t).sqrt()
+        # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up. Kept
+        # a device tensor (no host sync on CUDA); multiplying by exactly 1.0 changes no gradient.
+        self.clip_coef[t] = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
 
     def _do_update(self, a: Action) -> None:
         t = a.index
         self._join(t, (Kind.DP_START, Kind.TIED_START, Kind.NORM_START))
         slot_g = self._grads_slot(t)
         grads = self.grad_pool[slot_g]
-        coef = self.clip_coef.pop(t, 1.0)
-        if coef < 1.0 and self.kops is None:  # the fused update applies the clip factor itself
+        coef = self.clip_coef.pop(t, None)
+        if coef is not None and self.kops is None:  # the fused update applies the clip factor itself
             for g in grads.values():
                 g.mul_(coef)
         if self.kops is not None:
@@ -420,7 +421,7 @@ class StageWorker:
             g.zero_()
         self.updates = t
 
-    def _update_fused(self, t: int, grads: dict, coef: float) -> None:
+    def _update_fused(self, t: int, grads: dict, coef: torch.Tensor | None) -> None:
         """One fused launch per dtype: read W(t-1) and the gradient, write W(t) into its slot."""
         src = self.slots[self._slot(max(t - 1, 0))]
         dst = self.slots[self._slot(t)]
@@ -428,7 +429,7 @@ class StageWorker:
         with torch.no_grad():
             for dt in dst:
                 self.kops.update(self.kspec, t, grads[dt], src[dt], dst[dt], self.kstate[dt],
-                                 clip=coef if coef < 1.0 else None, lr=lr)
+                                 clip=coef, lr=lr)
         self._accumulated.pop(t, None)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
