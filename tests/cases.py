@@ -98,18 +98,29 @@ def build(case: Case):
     return model, example, batches, loss_fn, optimizer_factory(case.optimizer)
 
 
-def reference(case: Case):
-    """(per-step losses, final state dict) of the single-device reference."""
+def reference(case: Case, device: str = "cpu"):
+    """(per-step losses, final state dict on the CPU) of the single-device reference, trained on
+    ``device``."""
     model, _, batches, loss_fn, opt = build(case)
+    if device != "cpu":
+        model = model.to(device)
+        batches = [tuple(_to(part, device) for part in batch) for batch in batches]
     train = train_2bw if case.schedule == "2bw" else train_flush
     m = case.microbatches * case.width  # w replicas of m micro-batches = one batch of m*w
     losses, trained = train(model, batches, m, loss_fn, opt, max_grad_norm=case.max_grad_norm)
-    return losses, trained.state_dict()
+    return losses, {k: v.cpu() for k, v in trained.state_dict().items()}
 
 
-def compare(case: Case, losses, state, rtol: float = 1e-5) -> list[str]:
-    """Mismatches between a pipelined run and the reference, each naming the step or key."""
-    ref_losses, ref_state = reference(case)
+def _to(x, device):
+    if isinstance(x, dict):
+        return {k: v.to(device) for k, v in x.items()}
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def compare(case: Case, losses, state, rtol: float = 1e-5, device: str = "cpu") -> list[str]:
+    """Mismatches between a pipelined run and the reference (trained on ``device``), each naming
+    the step or key."""
+    ref_losses, ref_state = reference(case, device)
     bad = []
     for t, (a, b) in enumerate(zip(losses, ref_losses), start=1):
         if abs(a - b) > rtol * max(abs(b), 1e-12):
