@@ -21,15 +21,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list[str], timeout: float) -> None:
+def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list[str], backend: str,
+               timeout: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["LOCAL_RANK"] = str(rank)  # as torchrun sets it: fxpipe picks cuda:LOCAL_RANK under NCCL
     torch.set_num_threads(1)
     import fxpipe
     from tests.cases import CASES, build
 
     # If the parent is about to kill us for a deadlock, say where every rank is stuck.
     faulthandler.dump_traceback_later(max(timeout - 5, 1), exit=False, file=sys.stderr)
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         for name in case_names:
             case = CASES[name]
@@ -85,10 +89,11 @@ def _spawn(main, world: int, args: tuple, what: str, timeout: float, tmp: str) -
                 p.kill()
 
 
-def run_ranks(world: int, case_names: list[str], timeout: float = 240.0) -> dict[str, list[dict]]:
-    """Run the named cases on ``world`` spawned ranks; returns case -> [result per rank]."""
+def run_ranks(world: int, case_names: list[str], timeout: float = 240.0, backend: str = "gloo") -> dict[str, list[dict]]:
+    """Run the named cases on ``world`` spawned ranks (``backend="nccl"``: one GPU per rank);
+    returns case -> [result per rank]."""
     with tempfile.TemporaryDirectory() as tmp:
-        _spawn(_rank_main, world, (case_names,), str(case_names), timeout, tmp)
+        _spawn(_rank_main, world, (case_names, backend), str(case_names), timeout, tmp)
         return {
             name: [torch.load(os.path.join(tmp, f"{name}.rank{r}.pt"), weights_only=False) for r in range(world)]
             for name in case_names

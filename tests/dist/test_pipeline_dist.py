@@ -13,8 +13,11 @@ from tests.dist.harness import run_ranks
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]  # the harness kills ranks at 300 s
 
 
-def _check(world, names, timeout):
-    results = run_ranks(world, names, timeout=timeout)
+def check_cases(world, names, timeout, backend="gloo"):
+    """Run ``names`` on ``world`` ranks and compare every case with its reference (trained on the
+    GPU for NCCL runs)."""
+    device = "cuda" if backend == "nccl" else "cpu"
+    results = run_ranks(world, names, timeout=timeout, backend=backend)
     failures = []
     for name in names:
         per_rank = results[name]
@@ -28,7 +31,7 @@ def _check(world, names, timeout):
         others = [r for r in range(world) if r % d != d - 1]
         assert all(per_rank[r]["losses"] and None not in per_rank[r]["losses"] for r in last_ranks), name
         assert all(per_rank[r]["losses"] == [None] * case.steps for r in others), name
-        failures += compare(case, per_rank[last_ranks[0]]["losses"], per_rank[0]["state"])
+        failures += compare(case, per_rank[last_ranks[0]]["losses"], per_rank[0]["state"], device=device)
         expected = eval_loss(case, per_rank[0]["state"])
         got = per_rank[last_ranks[0]]["eval"]
         if abs(got - expected) > 1e-5 * abs(expected):
@@ -37,13 +40,13 @@ def _check(world, names, timeout):
 
 
 def test_two_ranks():
-    _check(2, ["2bw_sgd", "2bw_adamw_clip", "2bw_groups", "2bw_recompute", "1f1b_adamw", "gpipe_sgd", "gpt2_2bw",
+    check_cases(2, ["2bw_sgd", "2bw_adamw_clip", "2bw_groups", "2bw_recompute", "1f1b_adamw", "gpipe_sgd", "gpt2_2bw",
                 "gpt2_2bw_adamw", "llama_2bw_adamw", "bert_2bw"], 300)
 
 
 def test_three_ranks():
-    _check(3, ["d3_2bw_sgd", "d3_2bw_adamw", "d3_gpt2_2bw", "d3_gpt2_2bw_adamw", "d3_llama_2bw_adamw"], 300)
+    check_cases(3, ["d3_2bw_sgd", "d3_2bw_adamw", "d3_gpt2_2bw", "d3_gpt2_2bw_adamw", "d3_llama_2bw_adamw"], 300)
 
 
 def test_two_replicas_of_two_stages():
-    _check(4, ["w2_2bw_adamw", "w2_1f1b_sgd", "w2_gpt2_2bw"], 300)
+    check_cases(4, ["w2_2bw_adamw", "w2_1f1b_sgd", "w2_gpt2_2bw"], 300)

@@ -29,3 +29,12 @@ def test_cuda_pipeline_matches_the_reference_on_the_gpu(name):
     assert all(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in losses)
     mismatches = compare(case, [float(v) for v in losses], pipe.state_dict(), device="cuda")
     assert not mismatches, "\n".join(mismatches)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.timeout(600)
+def test_nccl_ranks_match_the_reference():
+    # One process per GPU, NCCL between them, exactly as under torchrun.
+    from tests.dist.test_pipeline_dist import check_cases
+
+    check_cases(2, ["2bw_adamw_clip", "1f1b_adamw", "gpt2_2bw", "llama_2bw_adamw"], 500, backend="nccl")
