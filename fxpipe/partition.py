@@ -482,6 +482,7 @@ class _Candidate:
     model: StageModel
     part: Partition
     chain: Chain
+    two_buffers: bool  # the chain counts two gradient buffers on every stage
 
     def key(self):
         # best first; ties: shallower, narrower, larger b, no recomputation
@@ -625,6 +626,16 @@ def plan(
                 continue  # d == 1 under 1f1b/2bw: recomputation is off everywhere, same as rc=False
             try:
                 part = partition_chain(chain, sm)
+                if grad_buffers == 1 and _over_with_tied_buffers(chain, sm, part, limit):
+                    # A stage holding a copy of a tied weight keeps a second gradient buffer (its
+                    # tied all-reduce overlaps the next batch); where that breaks the limit, plan
+                    # every stage with two, a safe bound the chain formulation can express.
+                    if (bb, 2) not in chains:
+                        chains[bb, 2] = chain_from_graph(gm, costs, bb, schedule=schedule, grad_buffers=2,
+                                                         optimizer_bytes_per_param=optimizer_bytes_per_param)
+                    chain = chains[bb, 2]
+                    part = partition_chain(chain, sm)
+                two_buffers = chain is chains.get((bb, 2))
             except PlanError as e:
                 if "smallest memory" not in str(e):
                     raise
@@ -636,7 +647,7 @@ def plan(
             # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the
             # next batch (PipeDream-2BW §3.1); flushing schedules wait for it.
             step = max(pipe, ar) if schedule == "2bw" else pipe + ar
-            candidates.append(_Candidate(bb * m * w / step, step, ar, d, w, bb, m, rc, sm, part, chain))
+            candidates.append(_Candidate(bb * m * w / step, step, ar, d, w, bb, m, rc, sm, part, chain, two_buffers))
     if not candidates:
         raise PlanError(
             f"no configuration fits in {limit / 1e6:.1f} MB per device (searched d in {sorted({c[0] for c in configs})}, "
@@ -648,7 +659,10 @@ def plan(
     best = candidates[0]
     runner = next((c for c in candidates[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
     chain = best.chain
-    sps = tuple(_stage_plan(gm, chain, best.model, s, l, r) for s, (l, r) in enumerate(best.part.bounds))
+    # with one buffer counted per stage, the stages of a tied weight still keep a second one
+    tied = set() if best.two_buffers else _stages_with_shared_tensors(chain, best.part.bounds)
+    sps = tuple(_stage_plan(gm, chain, best.model, s, l, r, extra_grads=s in tied)
+                for s, (l, r) in enumerate(best.part.bounds))
     return Plan(
         schedule=schedule,
         stages=best.d,
@@ -690,7 +704,34 @@ def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, c
     return fit_two_sizes(gm, costs, other)
 
 
-def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: int, r: int) -> StagePlan:
+def _stages_with_shared_tensors(chain: Chain, bounds: Sequence[tuple[int, int]]) -> set[int]:
+    """Stages holding a copy of a tensor that other stages read too (a tied weight): the runtime
+    all-reduces its gradient between them, and such a stage keeps two gradient buffers."""
+    stage_of = np.empty(chain.n, dtype=np.int64)
+    for s, (l, r) in enumerate(bounds):
+        stage_of[l : r + 1] = s
+    out: set[int] = set()
+    for p, readers in enumerate(chain.tensor_readers):
+        if chain.tensor_grad_bytes[p] > 0:
+            stages = set(stage_of[np.asarray(readers)].tolist())
+            if len(stages) > 1:
+                out |= stages
+    return out
+
+
+def _over_with_tied_buffers(chain: Chain, model: StageModel, part: "Partition", limit: float) -> bool:
+    """Whether a stage of ``part`` breaks ``limit`` once its second gradient buffer (held by
+    stages with a tied weight) is counted."""
+    for s in _stages_with_shared_tensors(chain, part.bounds):
+        l, r = part.bounds[s]
+        extra = float(sum(chain.tensor_grad_bytes[p] for p in _held(chain, l, r)))
+        if stage_memory(chain, model, s, l, r) + extra > limit:
+            return True
+    return False
+
+
+def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: int, r: int, *,
+                extra_grads: bool = False) -> StagePlan:
     from .trace import module_path
 
     nodes = {nd.name: nd for nd in gm.graph.nodes}
@@ -704,6 +745,9 @@ def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: 
     grads = float(sum(chain.tensor_grad_bytes[p] for p in held))
     opt = float(sum(chain.tensor_optim_bytes[p] for p in held))
     copies = weights - grads - opt
+    if extra_grads:  # a tied weight's stage: a second gradient buffer (see _stages_with_shared_tensors)
+        weights += grads
+        grads *= 2
     k, j = (1, model.inflight[s]) if rc else (model.inflight[s], 0)
     inp = float(chain.cross[l - 1]) if l > 0 else 0.0
     acts = k * float(chain.act[l : r + 1].sum()) + j * inp

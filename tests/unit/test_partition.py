@@ -236,16 +236,35 @@ def test_memory_limit_respected_on_graph():
     assert all(sp.memory <= limit * (1 + 1e-9) for sp in p.stage_plans)
 
 
-def test_overlapped_reductions_count_a_second_gradient_buffer(gpt_gm):
+def test_overlapped_reductions_count_a_second_gradient_buffer():
     # data parallelism or clipping: the runtime reduces batch t's gradients while batch t+1's
     # accumulate, in a second flat buffer; the memory model must count it
-    one = plan(gpt_gm, stages=2, microbatches=4, recompute=False)
-    clipped = plan(gpt_gm, stages=2, microbatches=4, recompute=False, clip=True)
-    wide = plan(gpt_gm, stages=2, world_size=4, microbatches=4, recompute=False)
+    from fxpipe.demo import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, tie_weights=False))
+    gm = fxpipe.trace(model, (torch.randint(0, 32, (2, 16)),))
+    one = plan(gm, stages=2, microbatches=4, recompute=False)
+    clipped = plan(gm, stages=2, microbatches=4, recompute=False, clip=True)
+    wide = plan(gm, stages=2, world_size=4, microbatches=4, recompute=False)
     for a, b, c in zip(one.stage_plans, clipped.stage_plans, wide.stage_plans):
         assert a.memory_grads > 0
         assert b.memory_grads == c.memory_grads == 2 * a.memory_grads
         assert b.memory == a.memory + a.memory_grads
+
+
+def test_tied_weight_stages_count_a_second_gradient_buffer(gpt_gm):
+    # GPT-2's tied embedding/lm_head lands on the first and last stage, which all-reduce its
+    # gradient and so keep two gradient buffers; a stage between them keeps one
+    p = plan(gpt_gm, stages=3, microbatches=4, recompute=False)
+    held = [sp.memory_grads for sp in p.stage_plans]
+    untied_bytes = [sp.param_bytes * 1.0 for sp in p.stage_plans]  # fp32: grad bytes == param bytes
+    assert held[0] == 2 * untied_bytes[0] and held[2] == 2 * untied_bytes[2]
+    assert held[1] == untied_bytes[1]
+    # with a limit that only the one-buffer count would meet, the plan still fits for real
+    limit = max(sp.memory for sp in p.stage_plans) * 0.97
+    safe = plan(gpt_gm, stages=3, microbatches=4, recompute=False, device_memory=limit)
+    assert all(sp.memory <= limit for sp in safe.stage_plans)
 
 
 # --------------------------------------------------------------------------------------------
