@@ -172,6 +172,9 @@ CASES = {
         Case("w2_2bw_adamw", schedule="2bw", stages=2, width=2, optimizer="adamw", max_grad_norm=0.5),
         Case("w2_1f1b_sgd", schedule="1f1b", stages=2, width=2, optimizer="sgd"),
         Case("w2_gpt2_2bw", model="gpt2", schedule="2bw", stages=2, width=2, optimizer="sgd", max_grad_norm=1.0),
+        Case("w2_gpipe_recompute", schedule="gpipe", stages=2, width=2, optimizer="sgd", recompute=True),
+        # four stages: the tied weight spans stages 0 and 3, recomputation everywhere
+        Case("d4_gpt2_2bw", model="gpt2", schedule="2bw", stages=4, optimizer="sgd", max_grad_norm=1.0, recompute=True),
     ]
 }
 

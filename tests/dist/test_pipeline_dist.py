@@ -48,5 +48,5 @@ def test_three_ranks():
     check_cases(3, ["d3_2bw_sgd", "d3_2bw_adamw", "d3_gpt2_2bw", "d3_gpt2_2bw_adamw", "d3_llama_2bw_adamw"], 300)
 
 
-def test_two_replicas_of_two_stages():
-    check_cases(4, ["w2_2bw_adamw", "w2_1f1b_sgd", "w2_gpt2_2bw"], 300)
+def test_four_ranks_two_replicas_or_four_stages():
+    check_cases(4, ["w2_2bw_adamw", "w2_1f1b_sgd", "w2_gpt2_2bw", "w2_gpipe_recompute", "d4_gpt2_2bw"], 300)
