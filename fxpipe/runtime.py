@@ -17,7 +17,9 @@ copies ``W(t-1)`` into the slot of the dead ``W(t-2)`` and steps the optimizer t
 Gradients of micro-batch ``k`` accumulate (loss scaled by ``1/(m·w)``) into the flat gradient
 buffer of batch ``t(k)``. A stage with reductions (data parallel, tied weights, global norm)
 rotates two such buffers, so a batch's gradients are reduced while the next batch's backwards
-run; otherwise one suffices.
+run; otherwise one suffices. The reductions never touch the same memory at once: the data-
+parallel all-reduce sums every gradient but those of tied weights, whose copies on all stages of
+all replicas are summed by their own all-reduce; the norm waits for both.
 """
 
 from __future__ import annotations
