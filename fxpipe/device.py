@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["choose", "backend_for", "to_device", "rng_devices", "check_backend"]
+__all__ = ["choose", "backend_for", "to_device", "rng_devices", "seed", "check_backend"]
 
 
 def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.device:
@@ -82,3 +82,12 @@ def to_device(tree: Any, device: torch.device) -> Any:
 def rng_devices(device: torch.device) -> list[torch.device]:
     """The devices whose RNG state ``torch.random.fork_rng`` must save and restore."""
     return [device] if device.type == "cuda" else []
+
+
+def seed(value: int, device: torch.device) -> None:
+    """Seed the CPU generator and ``device``'s. Unlike ``torch.manual_seed`` this does not queue a
+    lazy seed for every accelerator backend, each with a captured stack trace: that cost ~0.7 ms
+    per call on a CPU-only machine, paid per forward."""
+    torch.default_generator.manual_seed(value)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(value)

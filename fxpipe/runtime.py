@@ -33,7 +33,7 @@ import torch
 from torch.func import functional_call
 
 from .comm import Comm, Handle
-from .device import rng_devices
+from .device import rng_devices, seed
 from .schedule import Action, Kind
 
 __all__ = ["StageWorker", "WorkerConfig", "compute_loss"]
@@ -162,7 +162,7 @@ class StageWorker:
         numbers come out in one process, in many, and when a forward is recomputed."""
         digest = hashlib.sha256(f"{self.cfg.seed}:{k}:{self.index}".encode()).digest()
         with torch.random.fork_rng(devices=rng_devices(self.device)):
-            torch.manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+            seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1), self.device)
             yield
 
     def _run_module(self, k: int, version: int, args: Sequence[torch.Tensor]):

@@ -40,6 +40,9 @@ class Case:
     # contributions in another order than eager (~1e-11 apart), which Adam lifts to ~1e-5. In
     # float64 the noise is far below eps and the comparison is as sharp as for every other case.
     dtype: torch.dtype = torch.float32
+    # With dropout no single-device reference draws the same masks: such a case is compared with
+    # the same pipeline run in ONE process (fxpipe seeds per (seed, micro-batch, stage)).
+    dropout: float = 0.0
 
 
 def _groups_factory(named, lr=2e-2):
@@ -69,7 +72,7 @@ def build(case: Case):
     g = torch.Generator().manual_seed(1234)
     n = case.microbatches * case.width * case.mb
     if case.model == "rmsnorm":
-        model, example = rmsnorm_residual(batch=case.mb)
+        model, example = rmsnorm_residual(batch=case.mb, dropout=case.dropout)
         batches = [
             (torch.randint(0, 50, (n, 8), generator=g), torch.randint(0, 50, (n, 8), generator=g))
             for _ in range(case.steps)
@@ -86,7 +89,7 @@ def build(case: Case):
         loss_fn = None
     elif case.model in ("gpt2", "llama"):
         factory = gpt2_tiny if case.model == "gpt2" else llama_tiny
-        model, example = factory(batch=case.mb, seq=8, labels=True)
+        model, example = factory(batch=case.mb, seq=8, labels=True, dropout=case.dropout)
         batches = []
         for _ in range(case.steps):
             ids = torch.randint(0, 100, (n, 8), generator=g)
@@ -96,6 +99,19 @@ def build(case: Case):
         raise ValueError(case.model)
     model = model.to(case.dtype)
     return model, example, batches, loss_fn, optimizer_factory(case.optimizer)
+
+
+def single_process(case: Case, **extra):
+    """(per-step losses, state dict) of ``case`` pipelined with every stage in this process."""
+    import fxpipe
+
+    model, example, batches, loss_fn, opt = build(case)
+    pipe = fxpipe.compile(
+        model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches, schedule=case.schedule,
+        stages=case.stages, max_grad_norm=case.max_grad_norm, recompute=case.recompute or None, verbose=False,
+        **extra,
+    )
+    return [pipe.step(x, y) for x, y in batches], pipe.state_dict()
 
 
 def reference(case: Case, device: str = "cpu"):
@@ -173,6 +189,9 @@ CASES = {
         Case("w2_1f1b_sgd", schedule="1f1b", stages=2, width=2, optimizer="sgd"),
         Case("w2_gpt2_2bw", model="gpt2", schedule="2bw", stages=2, width=2, optimizer="sgd", max_grad_norm=1.0),
         Case("w2_gpipe_recompute", schedule="gpipe", stages=2, width=2, optimizer="sgd", recompute=True),
+        # dropout: compared with the single-process run, not the references
+        Case("dropout_2bw", model="gpt2", schedule="2bw", optimizer="adamw", dropout=0.2, recompute=True),
+        Case("d3_dropout_1f1b", schedule="1f1b", stages=3, optimizer="sgd", dropout=0.3),
         # four stages: the tied weight spans stages 0 and 3, recomputation everywhere
         Case("d4_gpt2_2bw", model="gpt2", schedule="2bw", stages=4, optimizer="sgd", max_grad_norm=1.0, recompute=True),
     ]
