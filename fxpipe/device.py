@@ -70,6 +70,12 @@ def check_backend(backend: str, device: torch.device) -> None:
             f"the default process group uses NCCL, which only moves CUDA tensors, but fxpipe was asked "
             f"to compute on {device}. Pass device='cuda', or initialise the process group with 'gloo'."
         )
+    if backend == "gloo" and device.type == "cuda":
+        raise ValueError(
+            f"the default process group uses gloo, whose point-to-point operations move CPU tensors, but "
+            f"fxpipe was asked to compute on {device}. Initialise the process group with 'nccl' "
+            f"(or let fxpipe create it under torchrun), or pass device='cpu'."
+        )
 
 
 def to_device(tree: Any, device: torch.device) -> Any:

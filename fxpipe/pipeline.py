@@ -584,8 +584,11 @@ def _init_distributed(requested_device) -> tuple[bool, torch.device]:
     """(multi-process?, this process's device). Uses the default process group, or creates it
     (gloo for CPU, NCCL for CUDA) when torchrun's environment says so."""
     if dist.is_available() and dist.is_initialized():
+        backend = dist.get_backend()
+        if requested_device in (None, "auto") and backend != "nccl":
+            requested_device = "cpu"  # "auto" follows the existing group: gloo moves CPU tensors
         device = choose_device(requested_device, distributed=True)
-        check_backend(dist.get_backend(), device)
+        check_backend(backend, device)
         return dist.get_world_size() > 1, device
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = choose_device(requested_device, distributed=True)

@@ -177,7 +177,7 @@ def test_device_is_chosen_and_placed():
             _compile(case, device="cuda")
 
 
-def test_nccl_group_with_cpu_device_is_refused():
+def test_backend_and_device_must_agree():
     from fxpipe.device import backend_for, check_backend
 
     assert backend_for(torch.device("cpu")) == "gloo"
@@ -185,6 +185,8 @@ def test_nccl_group_with_cpu_device_is_refused():
     check_backend("gloo", torch.device("cpu"))
     with pytest.raises(ValueError, match="NCCL, which only moves CUDA tensors"):
         check_backend("nccl", torch.device("cpu"))
+    with pytest.raises(ValueError, match="gloo, whose point-to-point operations move CPU tensors"):
+        check_backend("gloo", torch.device("cuda", 0))
 
 
 def test_auto_device_picks_the_local_rank_gpu_under_torchrun(monkeypatch):
