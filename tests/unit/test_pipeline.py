@@ -227,3 +227,17 @@ def test_dropout_masks_do_not_depend_on_recomputation():
     assert with_r[0] == without_r[0]
     assert all(torch.equal(with_r[1][k], without_r[1][k]) for k in with_r[1])
     assert with_r[0] != no_dropout[0]
+
+
+def test_data_parallel_ranges_leave_out_tied_weights():
+    # The DP all-reduce must not touch a tied weight's gradient, which its own all-reduce sums at
+    # the same time (both in place: they would race).
+    pipe, _ = _compile(CASES["gpt2_2bw"])
+    wk = pipe.workers[0]
+    tied = {s.name: s for s in wk.layout.slots if s.name in wk.cfg.tied_groups}
+    assert list(tied) == ["transformer.wte.weight"]
+    runs = wk._dp_ranges()
+    covered = sum(hi - lo for _, lo, hi in runs)
+    assert covered == sum(n for _, n in wk.layout.sizes) - sum(s.numel for s in tied.values())
+    for s in tied.values():
+        assert all(hi <= s.offset or lo >= s.offset + s.numel for dt, lo, hi in runs if dt == s.dtype)
