@@ -16,6 +16,7 @@ finishes inside the next ``step`` or in :meth:`Pipeline.flush`.
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from typing import Any, Callable, Mapping
@@ -593,8 +594,16 @@ def _init_distributed(requested_device) -> tuple[bool, torch.device]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = choose_device(requested_device, distributed=True)
         dist.init_process_group(backend_for(device))
+        # The group is fxpipe's, so fxpipe tears it down: a gloo group still alive when the
+        # interpreter finalises aborts the process ("terminate called without an active exception").
+        atexit.register(_destroy_process_group)
         return True, device
     return False, choose_device(requested_device, distributed=False)
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _kernel_backend(choice: str, device: torch.device):
