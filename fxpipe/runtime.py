@@ -340,11 +340,12 @@ class StageWorker:
     def _dp_ranges(self) -> list[tuple[torch.dtype, int, int]]:
         """(dtype, start, end) runs of the flat gradient buffers that the data-parallel
         all-reduce sums: everything but tied weights, whose own all-reduce spans the replicas."""
-        tied = sorted((s.dtype, s.offset, s.offset + s.numel) for s in self.layout.slots if s.name in self.cfg.tied_groups)
         runs = []
         for dt, n in sorted(self.layout.sizes, key=lambda kv: str(kv[0])):
             start = 0
-            for _, lo, hi in (t for t in sorted(tied, key=lambda t: t[1]) if t[0] == dt):
+            tied = sorted((s.offset, s.offset + s.numel) for s in self.layout.slots
+                          if s.dtype == dt and s.name in self.cfg.tied_groups)
+            for lo, hi in tied:
                 if lo > start:
                     runs.append((dt, start, lo))
                 start = max(start, hi)
