@@ -59,13 +59,14 @@ def _rank(rank: int, world: int, store: str, out: str, steps: int, width: int) -
         pipe.step(x, y)
         times.append(time.perf_counter() - t0)
     pipe.flush()
-    def family(action_name: str) -> str:  # "0TIED_WAIT12" -> "TIED"
-        return action_name.lstrip("0123456789").rstrip("0123456789").rsplit("_", 1)[0]
 
-    reduction_kinds = {k.value for k in STARTS | WAITS}
+    def family(a: Action) -> str:  # TIED_WAIT -> "TIED"
+        return a.kind.value.rsplit("_", 1)[0]
+
     exposed: dict[str, float] = {}
-    for _, a, start, end in pipe.timeline:
-        if a.lstrip("0123456789").rstrip("0123456789") in reduction_kinds:
+    for _, name, start, end in pipe.timeline:
+        a = Action.parse(name)
+        if a.kind in STARTS or a.kind in WAITS:
             exposed[family(a)] = exposed.get(family(a), 0.0) + (end - start) / len(times)
     # The same reductions alone: replay one batch's START/WAIT actions, in list order, as a batch
     # number no step uses, every rank together; each action timed, summed per reduction.
@@ -79,7 +80,7 @@ def _rank(rank: int, world: int, store: str, out: str, steps: int, width: int) -
         for a in mine:
             t0 = time.perf_counter()
             wk.run(Action(a.stage, a.kind, batch))
-            spent[family(str(a))] = spent.get(family(str(a)), 0.0) + time.perf_counter() - t0
+            spent[family(a)] = spent.get(family(a), 0.0) + time.perf_counter() - t0
         if rep:  # the first repetition warms up
             for k, v in spent.items():
                 alone.setdefault(k, []).append(v)

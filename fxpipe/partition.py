@@ -482,7 +482,7 @@ class _Candidate:
     model: StageModel
     part: Partition
     chain: Chain
-    two_buffers: bool  # the chain counts two gradient buffers on every stage
+    grad_buffers: int  # gradient buffers the chain counts on every stage
 
     def key(self):
         # best first; ties: shallower, narrower, larger b, no recomputation
@@ -566,8 +566,7 @@ def plan(
     limit = float(device_memory) if device_memory is not None else device.memory_bytes
     if costs is None:
         costs = annotate(gm, example_inputs, mode=cost_mode, device=device, torch_device=torch_device)
-        if cost_mode == "measured" and global_batch is not None and isinstance(model_or_gm, nn.Module) \
-                and not isinstance(model_or_gm, fx.GraphModule):
+        if cost_mode == "measured" and global_batch is not None and gm is not model_or_gm:  # traced here
             costs = _measure_second_size(model_or_gm, gm, example_inputs, costs, device, torch_device)
     traced_b = costs.batch_size
 
@@ -612,15 +611,19 @@ def plan(
         )
 
     chains: dict[tuple[int, int], Chain] = {}
-    candidates: list[_Candidate] = []
-    smallest_fit = math.inf
-    for d, w, bb, m in configs:
-        grad_buffers = 2 if (w > 1 or clip) else 1
+
+    def chain_for(bb: int, grad_buffers: int) -> Chain:
         if (bb, grad_buffers) not in chains:
             chains[bb, grad_buffers] = chain_from_graph(gm, costs, bb, schedule=schedule, grad_buffers=grad_buffers,
                                                         optimizer_bytes_per_param=optimizer_bytes_per_param)
-        chain = chains[bb, grad_buffers]
+        return chains[bb, grad_buffers]
+
+    candidates: list[_Candidate] = []
+    smallest_fit = math.inf
+    for d, w, bb, m in configs:
         for rc in ([False, True] if recompute is None else [bool(recompute)]):
+            grad_buffers = 2 if (w > 1 or clip) else 1
+            chain = chain_for(bb, grad_buffers)
             sm = StageModel.for_schedule(schedule, d, m, rc, device, limit)
             if rc and not any(sm.recompute) and recompute is None:
                 continue  # d == 1 under 1f1b/2bw: recomputation is off everywhere, same as rc=False
@@ -630,12 +633,9 @@ def plan(
                     # A stage holding a copy of a tied weight keeps a second gradient buffer (its
                     # tied all-reduce overlaps the next batch); where that breaks the limit, plan
                     # every stage with two, a safe bound the chain formulation can express.
-                    if (bb, 2) not in chains:
-                        chains[bb, 2] = chain_from_graph(gm, costs, bb, schedule=schedule, grad_buffers=2,
-                                                         optimizer_bytes_per_param=optimizer_bytes_per_param)
-                    chain = chains[bb, 2]
+                    grad_buffers = 2
+                    chain = chain_for(bb, grad_buffers)
                     part = partition_chain(chain, sm)
-                two_buffers = chain is chains.get((bb, 2))
             except PlanError as e:
                 if "smallest memory" not in str(e):
                     raise
@@ -647,7 +647,7 @@ def plan(
             # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the
             # next batch (PipeDream-2BW §3.1); flushing schedules wait for it.
             step = max(pipe, ar) if schedule == "2bw" else pipe + ar
-            candidates.append(_Candidate(bb * m * w / step, step, ar, d, w, bb, m, rc, sm, part, chain, two_buffers))
+            candidates.append(_Candidate(bb * m * w / step, step, ar, d, w, bb, m, rc, sm, part, chain, grad_buffers))
     if not candidates:
         raise PlanError(
             f"no configuration fits in {limit / 1e6:.1f} MB per device (searched d in {sorted({c[0] for c in configs})}, "
@@ -660,7 +660,7 @@ def plan(
     runner = next((c for c in candidates[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
     chain = best.chain
     # with one buffer counted per stage, the stages of a tied weight still keep a second one
-    tied = set() if best.two_buffers else _stages_with_shared_tensors(chain, best.part.bounds)
+    tied = set() if best.grad_buffers == 2 else _stages_with_shared_tensors(chain, best.part.bounds)
     sps = tuple(_stage_plan(gm, chain, best.model, s, l, r, extra_grads=s in tied)
                 for s, (l, r) in enumerate(best.part.bounds))
     return Plan(

@@ -603,6 +603,15 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
     started: dict[tuple[Kind, int], int] = {}
     limit = m if schedule == "gpipe" else d - s
     max_versions = 2 if schedule == "2bw" else 1
+
+    def check_versions(alive: set[int], where: str) -> None:
+        if len(alive) > max_versions:
+            ck.fail(
+                s, pos, f"{len(alive)} weight versions alive{where} ({', '.join(f'W({v})' for v in sorted(alive))}), "
+                f"expected at most {max_versions} for {schedule}",
+                "Run the UPDATE after the backwards of the micro-batches that use the oldest version",
+            )
+
     for pos, a in enumerate(lst):
         if not isinstance(a, Action):
             ck.fail(s, pos, f"expected an Action, found {type(a).__name__} {a!r}", "Build lists with Action(...)")
@@ -685,13 +694,8 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
         if a.kind in WAITS and (_START_OF[a.kind], t) not in started:
             ck.fail(s, pos, f"waits for {_START_OF[a.kind]}{t}, which was not issued before", f"Insert {s}{_START_OF[a.kind]}{t} after the last backward of batch {t}")
         if a.kind is Kind.UPDATE:
-            alive = {t} | set(in_flight.values())
-            if len(alive) > max_versions:
-                ck.fail(
-                    s, pos, f"{len(alive)} weight versions alive after it ({', '.join(f'W({v})' for v in sorted(alive))}), "
-                    f"expected at most {max_versions} for {schedule}",
-                    "Run the UPDATE after the backwards of the micro-batches that use the oldest version",
-                )
+            # the new version counts before the update's other checks report (their order matters)
+            check_versions({t} | set(in_flight.values()), " after it")
             if not 1 <= t <= steps:
                 ck.fail(s, pos, f"batch {t} is outside 1..{steps}", "Fix the index")
             if t != newest + 1:
@@ -702,13 +706,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                 if tb == t and (_WAIT_OF[kind], t) not in done:
                     ck.fail(s, pos, f"{kind}{t} (position {p}) is not waited for before UPDATE{t}", f"Insert {s}{_WAIT_OF[kind]}{t} before the update")
             newest = t
-        alive = {newest} | set(in_flight.values())
-        if len(alive) > max_versions:
-            ck.fail(
-                s, pos, f"{len(alive)} weight versions alive ({', '.join(f'W({v})' for v in sorted(alive))}), "
-                f"expected at most {max_versions} for {schedule}",
-                "Run the UPDATE after the backwards of the micro-batches that use the oldest version",
-            )
+        check_versions({newest} | set(in_flight.values()), "")
     # Windows and completeness once the whole list is known.
     ahead = 2 if schedule == "2bw" else 1
     for t in range(1, steps + 1):

@@ -151,6 +151,13 @@ def _transformers():
     return transformers
 
 
+def _token_inputs(batch: int, seq: int, labels: bool) -> dict:
+    """``input_ids`` over the tiny vocabulary (100), and ``labels`` = the ids when asked (causal
+    LMs shift them themselves and return their own loss)."""
+    ids = torch.randint(0, 100, (batch, seq))
+    return {"input_ids": ids, "labels": ids.clone()} if labels else {"input_ids": ids}
+
+
 def gpt2_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):
     """Hugging Face ``GPT2LMHeadModel`` (2 layers, 32 wide, 4 heads, vocab 100, tied
     ``lm_head``/``wte``), keyword inputs ``input_ids`` (and ``labels`` when asked, so the
@@ -173,11 +180,7 @@ def gpt2_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 
         attn_pdrop=dropout,
     )
     model = GPT2LMHeadModel(config)
-    ids = torch.randint(0, 100, (batch, seq))
-    inputs = {"input_ids": ids}
-    if labels:
-        inputs["labels"] = ids.clone()
-    return model, inputs
+    return model, _token_inputs(batch, seq, labels)
 
 
 def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):
@@ -233,11 +236,7 @@ def llama_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float =
         eos_token_id=0,
     )
     model = tf.LlamaForCausalLM(config)
-    ids = torch.randint(0, 100, (batch, seq))
-    inputs = {"input_ids": ids}
-    if labels:
-        inputs["labels"] = ids.clone()
-    return model, inputs
+    return model, _token_inputs(batch, seq, labels)
 
 
 # name -> factory; each factory takes keyword arguments seed, batch, dropout.

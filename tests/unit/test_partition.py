@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.cost import DeviceModel
 from fxpipe.errors import PlanError
 from fxpipe.partition import (
     Chain, StageModel, chain_from_graph, min_memory, partition_chain, plan, stage_memory, stage_time,
