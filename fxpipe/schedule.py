@@ -113,12 +113,16 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+from fxpipe.deps import CommOp, CommOrderError, Rendezvous
 from fxpipe.errors import ScheduleError
 
 __all__ = [
     "SCHEDULES",
     "Action",
     "Kind",
+    "KindSpec",
+    "Program",
+    "SPEC",
     "StreamOp",
     "actions_by_rank",
     "batch_of",
@@ -128,8 +132,10 @@ __all__ = [
     "lower_to_streams",
     "rank_of",
     "stage_and_replica",
+    "stream_of",
     "validate",
     "version_of",
+    "waits_for",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "2bw")
@@ -152,19 +158,50 @@ class Kind(str, enum.Enum):
     TIED_WAIT = "TIED_WAIT"
     NORM_START = "NORM_START"
     NORM_WAIT = "NORM_WAIT"
+    END_STEP = "END_STEP"  # step t's segment ends: return to the caller, the rest needs batch t+1
 
     def __str__(self) -> str:  # "F", not "Kind.F"
         return self.value
 
 
+class KindSpec(NamedTuple):
+    """What one kind of action is. Each kind is declared once, in :data:`SPEC`; the validator, the
+    simulator, the stream lowering and the runtime all read it from there."""
+
+    stream: str  # "compute" (in list order), "p2p" (one queue per peer pair), "reduce"
+    per_batch: bool  # the index is a batch t (else a micro-batch k)
+    comm: str | None  # "send", "recv", "collective" or None: what it posts
+    waits: "Kind | None"  # the action of the same index on the same rank it consumes (waits_for)
+    cost: str | None  # the simulate.Costs field that times it
+
+
+SPEC: dict[Kind, KindSpec] = {
+    Kind.F: KindSpec("compute", False, None, Kind.RECV_ACT, "forward"),
+    Kind.R: KindSpec("compute", False, None, None, "recompute"),
+    Kind.B: KindSpec("compute", False, None, Kind.RECV_GRAD, "backward"),
+    Kind.SEND_ACT: KindSpec("p2p", False, "send", None, "p2p"),
+    Kind.RECV_ACT: KindSpec("p2p", False, "recv", None, "p2p"),
+    Kind.SEND_GRAD: KindSpec("p2p", False, "send", None, "p2p"),
+    Kind.RECV_GRAD: KindSpec("p2p", False, "recv", None, "p2p"),
+    Kind.UPDATE: KindSpec("compute", True, None, None, "update"),
+    Kind.DP_START: KindSpec("reduce", True, "collective", None, "reduce"),
+    Kind.DP_WAIT: KindSpec("compute", True, None, Kind.DP_START, None),
+    Kind.TIED_START: KindSpec("reduce", True, "collective", None, "reduce"),
+    Kind.TIED_WAIT: KindSpec("compute", True, None, Kind.TIED_START, None),
+    Kind.NORM_START: KindSpec("reduce", True, "collective", None, "reduce"),
+    Kind.NORM_WAIT: KindSpec("compute", True, None, Kind.NORM_START, None),
+    Kind.END_STEP: KindSpec("compute", True, None, None, None),
+}
+assert set(SPEC) == set(Kind), "every Kind needs its SPEC entry"
+
 COMPUTE = frozenset({Kind.F, Kind.R, Kind.B})
-SENDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
-RECVS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
+SENDS = frozenset(k for k, v in SPEC.items() if v.comm == "send")
+RECVS = frozenset(k for k, v in SPEC.items() if v.comm == "recv")
 P2P = SENDS | RECVS
-STARTS = frozenset({Kind.DP_START, Kind.TIED_START, Kind.NORM_START})
-WAITS = frozenset({Kind.DP_WAIT, Kind.TIED_WAIT, Kind.NORM_WAIT})
-PER_BATCH = STARTS | WAITS | {Kind.UPDATE}
-_WAIT_OF = {Kind.DP_START: Kind.DP_WAIT, Kind.TIED_START: Kind.TIED_WAIT, Kind.NORM_START: Kind.NORM_WAIT}
+STARTS = frozenset(k for k, v in SPEC.items() if v.comm == "collective")
+WAITS = frozenset(k for k, v in SPEC.items() if v.waits in STARTS)
+PER_BATCH = frozenset(k for k, v in SPEC.items() if v.per_batch)
+_WAIT_OF = {SPEC[w].waits: w for w in WAITS}
 _START_OF = {w: s for s, w in _WAIT_OF.items()}
 # The p2p counterpart on the neighbouring stage, and which neighbour it is (+1 = next stage).
 _COUNTERPART = {
@@ -232,6 +269,24 @@ class Action(NamedTuple):
             raise ScheduleError(f"{self} is not a SEND/RECV: only p2p actions have a counterpart")
         kind, delta = _COUNTERPART[self.kind]
         return Action(self.stage + delta, kind, self.index)
+
+
+def waits_for(a: Action, stages: int) -> Action | None:
+    """The action of ``a``'s own list that must have completed before ``a`` runs (its only wait):
+    ``F k`` consumes ``RECV_ACT k`` (not on the first stage), ``B k`` consumes ``RECV_GRAD k``
+    (not on the last), ``X_WAIT t`` joins ``X_START t``; None for everything else."""
+    kind = SPEC[a.kind].waits
+    if kind is None or (kind is Kind.RECV_ACT and a.stage == 0) or (kind is Kind.RECV_GRAD and a.stage == stages - 1):
+        return None
+    return Action(a.stage, kind, a.index)
+
+
+def stream_of(a: Action) -> str:
+    """The stream an action runs on: compute, reduce, or p2p_prev / p2p_next (one per peer)."""
+    stream = SPEC[a.kind].stream
+    if stream == "p2p":
+        return "p2p_next" if a.peer > a.stage else "p2p_prev"
+    return stream
 
 
 def batch_of(k: int, microbatches: int) -> int:
@@ -332,6 +387,16 @@ def _tied_group(tied: bool | Sequence[int] | None, d: int) -> tuple[int, ...]:
     return group if len(group) >= 2 else ()  # a tied weight on one stage needs no cross-stage sum
 
 
+def _options(schedule, stages, microbatches, steps, width, recompute, tied) -> tuple[list[bool], tuple[int, ...]]:
+    _check_args(schedule, stages, microbatches, steps, width)
+    if recompute is None or isinstance(recompute, bool):
+        recompute = [bool(recompute)] * stages
+    recompute = list(recompute)
+    if len(recompute) != stages:
+        raise ScheduleError(f"recompute needs one bool per stage: expected {stages}, found {len(recompute)}")
+    return recompute, _tied_group(tied, stages)
+
+
 def generate(
     schedule: str,
     stages: int,
@@ -343,156 +408,311 @@ def generate(
     tied: bool | Sequence[int] | None = None,
     clip: bool = False,
 ) -> dict[int, list[Action]]:
-    """Action lists ``{stage: [Action, ...]}`` of one pipeline replica for ``steps`` optimizer steps.
+    """Action lists ``{stage: [Action, ...]}`` of one pipeline replica for ``steps`` optimizer
+    steps followed by a flush: exactly what the runtime executes for ``steps`` calls of
+    ``Pipeline.step`` and one ``flush`` (the segments of :class:`Program`, concatenated).
 
     ``schedule``: "gpipe", "1f1b" or "2bw"; ``stages`` = d; ``microbatches`` = m per step.
     ``width``: data-parallel width w (adds DP_START/DP_WAIT when w > 1; every replica runs the
     same lists, see :func:`actions_by_rank`). ``recompute``: one bool, or one per stage (adds
     ``R k`` before ``B k``). ``tied``: True for a tied weight on the first and last stage, or the
     stages holding copies (adds TIED_START/TIED_WAIT there). ``clip``: global gradient-norm
-    clipping (adds NORM_START/NORM_WAIT on every stage). The orders are drawn in the module
-    docstring; ``validate`` accepts every list this returns.
+    clipping (adds NORM_START/NORM_WAIT on every stage). ``END_STEP t`` marks where step t's
+    segment ends. The orders are drawn in the module docstring; ``validate`` accepts every list
+    this returns.
 
     >>> [str(a) for a in generate("2bw", 2, 2, 2)[1] if a.kind in COMPUTE | {Kind.UPDATE}]
     ['1F1v0', '1B1v0', '1F2v0', '1B2v0', '1UPDATE1', '1F3v0', '1B3v0', '1F4v0', '1B4v0', '1UPDATE2']
     """
-    _check_args(schedule, stages, microbatches, steps, width)
-    d, m = stages, microbatches
-    if recompute is None or isinstance(recompute, bool):
-        recompute = [bool(recompute)] * d
-    recompute = list(recompute)
-    if len(recompute) != d:
-        raise ScheduleError(f"recompute needs one bool per stage: expected {d}, found {len(recompute)}")
-    group = _tied_group(tied, d)
-    cores = {
-        s: _core_list(schedule, s, d, m, steps, recompute[s], width > 1, s in group, clip) for s in range(d)
-    }
+    recompute, group = _options(schedule, stages, microbatches, steps, width, recompute, tied)
+    return _build(schedule, stages, microbatches, steps, recompute, width > 1, group, clip)
+
+
+def _raw(schedule, d, m, steps, recompute, dp, group, clip) -> dict[int, list[Action]]:
+    """Lists of a run of exactly ``steps`` batches with END_STEP 1..steps-1 and p2p inserted."""
+    cores = {s: _core_list(schedule, s, d, m, steps, recompute[s], dp, group, clip) for s in range(d)}
     return _with_p2p(cores, d)
 
 
+def _build(schedule, d, m, steps, recompute, dp, group, clip) -> dict[int, list[Action]]:
+    """Steps 1..``steps`` as a longer run executes them (its lists through ``END_STEP steps``),
+    then the drain: what a run of exactly ``steps`` batches still has to do, in its order. The
+    two parts agree on every channel at the boundary (validate checks it), so stopping there and
+    draining never reorders a rank pair's posts."""
+    longer = _raw(schedule, d, m, steps + 1, recompute, dp, group, clip)
+    exact = _raw(schedule, d, m, steps, recompute, dp, group, clip)
+    out = {}
+    for s in range(d):
+        cut = longer[s].index(Action(s, Kind.END_STEP, steps)) + 1
+        done = set(longer[s][:cut])
+        out[s] = longer[s][:cut] + [a for a in exact[s] if a not in done]
+    return out
+
+
+def _shift(a: Action, steps: int, schedule: str, m: int) -> Action:
+    """``a`` moved ``steps`` batches later (versions follow the global rule)."""
+    if steps == 0:
+        return a
+    if a.kind in PER_BATCH:
+        return a._replace(index=a.index + steps)
+    k = a.index + steps * m
+    return a._replace(index=k, version=None if a.version is None else version_of(schedule, k, m))
+
+
+class Program:
+    """One pipeline replica's schedule as bounded, periodic data, generated step by step.
+
+    A run is a sequence of *epochs*: the pipeline fills at the epoch's first step and drains at a
+    flush. Within an epoch, :meth:`segment` gives what a stage does for step ``t`` (ending with
+    ``END_STEP t``) and :meth:`drain` what it does to finish every batch given so far. From the
+    epoch's :attr:`PERIOD_FROM`-th step on, a segment is the previous one moved by one batch
+    (tests/unit/test_schedule.py checks it), so memory and time per step do not depend on how
+    long the run is: segments are cut from lists of at most ``PERIOD_FROM + 1`` steps and moved.
+    """
+
+    PERIOD_FROM = 4
+
+    def __init__(self, schedule: str, stages: int, microbatches: int, *, width: int = 1,
+                 recompute: bool | Sequence[bool] | None = None, tied: bool | Sequence[int] | None = None,
+                 clip: bool = False):
+        self.schedule, self.stages, self.microbatches = schedule, stages, microbatches
+        recompute, group = _options(schedule, stages, microbatches, 1, width, recompute, tied)
+        self._args = (schedule, stages, microbatches, recompute, width > 1, group, clip)
+        self._parts: dict[int, dict[int, tuple[list[Action], list[Action]]]] = {}
+
+    def _local(self, j: int) -> dict[int, tuple[list[Action], list[Action]]]:
+        """{stage: (segment j, drain after j)} of an epoch starting at batch 1 (j <= PERIOD_FROM)."""
+        if j not in self._parts:
+            schedule, d, m, recompute, dp, group, clip = self._args
+            lists = _build(schedule, d, m, j, recompute, dp, group, clip)
+            parts = {}
+            for s, lst in lists.items():
+                end = lst.index(Action(s, Kind.END_STEP, j)) + 1
+                start = lst.index(Action(s, Kind.END_STEP, j - 1)) + 1 if j > 1 else 0
+                parts[s] = (lst[start:end], lst[end:])
+            self._parts[j] = parts
+        return self._parts[j]
+
+    def _moved(self, stage: int, t: int, epoch_start: int, which: int) -> list[Action]:
+        j = t - epoch_start
+        if j < 1:
+            raise ScheduleError(f"step {t} is not after the epoch start {epoch_start}")
+        base = min(j, self.PERIOD_FROM)
+        by = epoch_start + j - base
+        return [_shift(a, by, self.schedule, self.microbatches) for a in self._local(base)[stage][which]]
+
+    def segment(self, stage: int, t: int, epoch_start: int = 0) -> list[Action]:
+        """Stage ``stage``'s actions for step ``t`` of the epoch that began after batch ``epoch_start``."""
+        return self._moved(stage, t, epoch_start, 0)
+
+    def drain(self, stage: int, t: int, epoch_start: int = 0) -> list[Action]:
+        """What stage ``stage`` runs at a flush after step ``t`` (empty when nothing is in flight)."""
+        return self._moved(stage, t, epoch_start, 1)
+
+
 def _core_list(
-    schedule: str, stage: int, d: int, m: int, steps: int, recompute: bool, dp: bool, tied: bool, clip: bool
-) -> list[Action]:
-    """Compute, reductions and UPDATEs of one stage, without SEND/RECV."""
+    schedule: str, stage: int, d: int, m: int, steps: int, recompute: bool, dp: bool, group: tuple[int, ...], clip: bool
+) -> tuple[list[Action], list[tuple[str, int]]]:
+    """Compute, reductions, UPDATEs and END_STEP markers of one stage (no SEND/RECV), and its
+    *cuts*: ``(label, i)``, the stage's list from index i on lies after the cut.
+
+    A cut is a point of the run that every stage reaches in the same order: END_STEP t, and the
+    post of each cross-stage collective (TIED_START t, NORM_START t), which a stage outside the
+    collective's group still marks. :func:`_with_p2p` posts every p2p message on both of its
+    sides between the same two cuts, so each collective sits at one consistent point of every
+    rank's post order (NCCL's rule (b), docs/design.md).
+
+    Positions, as "right before the stage's forward of micro-batch c" (for stage s of d):
+
+    * END_STEP t: c = tm + 1 on every stage: the first forward that needs batch t+1's data.
+    * 2bw TIED_START t: c = tm + d - s, right after stage 0's last backward of batch t.
+    * 2bw NORM_START t: c = (t+1)m + 1 - s, not before tm + d with a tied weight: on stage 0 this
+      is where it must have the norm (before batch t+2's first forward); later stages post sooner,
+      so stage 0 finds their parts posted. 1f1b/gpipe: both right after batch t's backwards.
+
+    Neighbouring stages' positions differ by 0 or 1 forward, which in 1F1B order is exactly what
+    a consistent cut needs: a message sent before it is received before it or posted early.
+    """
     out: list[Action] = []
+    cuts: list[tuple[str, int]] = []
+    tied = stage in group
+    reduces = dp or tied or clip
+    two_bw = schedule == "2bw"
     order = _compute_order(schedule, stage, d, m, steps)
     last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind is Kind.B}
-    pending: list[int] = []  # batches whose reductions started but whose UPDATE is still due
-    joined: set[int] = set()  # pending batches whose gradient reductions were joined (norm posted)
+    pending: list[int] = []  # batches whose gradients are handed to reductions, UPDATE still due
+    cut_due: list[int] = []  # 2bw: batches done here whose TIED/NORM cuts are still ahead
+    posted: set[tuple[str, int]] = set()
+    b_done = 0  # the newest micro-batch whose backward ran here (1F1B order: increasing)
 
-    def join(t: int) -> None:
-        if t in joined:
-            return
-        joined.add(t)
-        if dp:
-            out.append(Action(stage, Kind.DP_WAIT, t))
-        if tied:
-            out.append(Action(stage, Kind.TIED_WAIT, t))
-        if clip and (dp or tied):
-            # The norm is that of the summed, replica-averaged gradient: start it after both waits.
+    def cut(label: str, t: int) -> None:
+        posted.add((label, t))
+        cuts.append((f"{label}{t}", len(out)))
+
+    def post_tied(t: int) -> None:
+        if group and ("TIED", t) not in posted:
+            if tied:
+                out.append(Action(stage, Kind.TIED_START, t))
+            cut("TIED", t)
+
+    def post_norm(t: int) -> None:
+        if clip and ("NORM", t) not in posted:
+            post_tied(t)
+            # The norm is that of the summed, replica-averaged gradient: join those first.
+            if dp:
+                out.append(Action(stage, Kind.DP_WAIT, t))
+            if tied:
+                out.append(Action(stage, Kind.TIED_WAIT, t))
             out.append(Action(stage, Kind.NORM_START, t))
+            cut("NORM", t)
 
     def finish(t: int) -> None:
-        join(t)
+        post_tied(t)
         if clip:
+            post_norm(t)
             out.append(Action(stage, Kind.NORM_WAIT, t))
+        else:
+            if dp:
+                out.append(Action(stage, Kind.DP_WAIT, t))
+            if tied:
+                out.append(Action(stage, Kind.TIED_WAIT, t))
         out.append(Action(stage, Kind.UPDATE, t))
 
-    def norm_cut(t: int) -> int:
-        """The micro-batch before whose forward this stage joins batch t's reductions and posts
-        its norm (2bw with clipping after other reductions). Stage 0 waits for the norm right
-        there (before batch t+2's first forward, F((t+1)m+1)); stage s posts it s forwards
-        earlier, which in 1F1B order is the same consistent cut (no p2p message crosses it
-        backwards) but reached about s backward-times sooner, so stage 0 finds every stage's part
-        posted instead of waiting for the last stage's final forward and backward of the batch.
-        A tied weight's all-reduce joined there needs stage 0's TIED_START t, posted after its
-        B(tm), which precedes its F(tm+d): never earlier than that."""
-        cut = (t + 1) * m + 1 - stage
-        return max(cut, t * m + d) if tied else cut
+    def reached(c: int) -> bool:
+        """Whether the point right before F(c) is behind us: in 1F1B order B(c - w) directly
+        precedes F(c), so in the cool-down, where F(c) no longer exists, it is after B(c - w)."""
+        return b_done >= c - (d - stage)
 
-    early_norm = schedule == "2bw" and clip and (dp or tied) and stage > 0
     for pos, (kind, k) in enumerate(order):
         t = batch_of(k, m)
-        if early_norm and kind is Kind.F:
-            for p in pending:
-                if k >= norm_cut(p):
-                    join(p)
-        # Join point of pending reductions: as late as the version rule allows, i.e. before a
-        # forward that needs W(t) (flush: batch t+1; 2bw: batch t+2, the window of arXiv
-        # 2006.09503 section 3.1), so 2bw overlaps the reductions with a batch of compute.
-        need = t - (1 if schedule == "2bw" else 0)
-        while pending and kind is Kind.F and pending[0] < need:
-            finish(pending.pop(0))
+        if two_bw:
+            for p in list(cut_due):
+                if reached(max((p + 1) * m + 1 - stage, p * m + d if group else 0)):
+                    post_norm(p)
+        if kind is Kind.F and k > 1 and (k - 1) % m == 0:
+            out.append(Action(stage, Kind.END_STEP, t - 1))
+            cut("END", t - 1)
+        if two_bw:
+            for p in list(cut_due):
+                if reached(p * m + d - stage):
+                    post_tied(p)
+                if ("TIED", p) in posted or not group:
+                    if ("NORM", p) in posted or not clip:
+                        cut_due.remove(p)
+        if kind is Kind.F:
+            # Join pending reductions as late as the version rule allows: before a forward that
+            # needs W(p) (flush: batch p+1; 2bw: batch p+2, the window of arXiv 2006.09503 §3.1),
+            # so 2bw overlaps the reductions with a batch of compute.
+            need = t - (1 if two_bw else 0)
+            while pending and pending[0] < need:
+                finish(pending.pop(0))
         v = version_of(schedule, k, m)
         if kind is Kind.B and recompute:
             out.append(Action(stage, Kind.R, k, v))
         out.append(Action(stage, kind, k, v))
+        if kind is Kind.B:
+            b_done = k
         if kind is Kind.B and last_b[t] == pos:
+            # Batch t-1's reductions end before batch t's start: at most two gradient buffers.
             while pending:
-                # Batch t-1's reduction must end before batch t's starts: at most two gradient
-                # buffers (the accumulator and the one being reduced).
                 finish(pending.pop(0))
-            if dp or tied or clip:
-                # The norm is a barrier over all stages, joined at a consistent cut (norm_cut).
+            if reduces:
                 if dp:
                     out.append(Action(stage, Kind.DP_START, t))
-                if tied:
-                    out.append(Action(stage, Kind.TIED_START, t))
-                if clip and not (dp or tied):
-                    out.append(Action(stage, Kind.NORM_START, t))  # the local gradient is final
                 pending.append(t)
             else:
-                finish(t)  # nothing to overlap: update at once, as in DESIGN.md's example
-    while pending:
-        finish(pending.pop(0))
-    return out
+                out.append(Action(stage, Kind.UPDATE, t))  # nothing to overlap: as in DESIGN's example
+            if two_bw:
+                cut_due.append(t)
+            else:
+                post_tied(t)  # flush schedules: every stage is past batch t here
+    for t in sorted(set(pending) | set(cut_due)):
+        post_tied(t)
+        if t in pending:
+            finish(t)
+    return out, cuts
 
 
-def _with_p2p(cores: dict[int, list[Action]], d: int) -> dict[int, list[Action]]:
-    """Insert SEND after each F/B and each RECV right after its channel predecessor (module doc)."""
+def _with_p2p(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]], d: int) -> dict[int, list[Action]]:
+    """Insert SEND after each F/B and each RECV right after its channel predecessor (module doc).
+
+    The cuts of :func:`_core_list` split the run into phases. The channel between stages i and
+    i+1 carries the messages of phase 0, then phase 1, ...: a message belongs to the phase of
+    the F or B that sends it; within a phase, stage i's compute order decides. Each side posts a
+    receive in its sender's phase, right after its previous operation on the channel (or at the
+    phase's start), so at every cut both sides of every channel have posted the same operations.
+    """
+    labels = {s: [label for label, _ in cuts] for s, (_, cuts) in cores.items()}
+    if any(v != labels[0] for v in labels.values()):
+        raise ScheduleError(f"internal: stages disagree on the order of their cuts: {labels}")
     lists: dict[int, list[Action]] = {}
-    for s, core in cores.items():
+    phase_of: dict[tuple[int, Kind, int], int] = {}  # (stage, F|B, k) -> phase
+    opens: dict[int, dict[int, Action | None]] = {}  # stage -> phase -> first action (None: end)
+    for s, (core, cuts) in cores.items():
         lst: list[Action] = []
-        for a in core:
+        bounds = [i for _, i in cuts]
+        phase = 0
+        opens[s] = {}
+        for i, a in enumerate(core):
+            while phase < len(bounds) and bounds[phase] <= i:
+                phase += 1
+                opens[s][phase] = a
             lst.append(a)
             if a.kind is Kind.F and s < d - 1:
                 lst.append(Action(s, Kind.SEND_ACT, a.index))
             elif a.kind is Kind.B and s > 0:
                 lst.append(Action(s, Kind.SEND_GRAD, a.index))
+            if a.kind in (Kind.F, Kind.B):
+                phase_of[s, a.kind, a.index] = phase
+        while phase < len(bounds):
+            phase += 1
+            opens[s][phase] = None
         lists[s] = lst
-    # Channel (i, i+1) follows stage i's compute order. Receives are then placed, per channel, right
-    # after the previous channel operation of the same rank: as early as FIFO matching allows.
     for i in range(d - 1):
-        channel = [
-            (Kind.SEND_ACT, a.index) if a.kind is Kind.F else (Kind.RECV_GRAD, a.index)
-            for a in cores[i]
-            if a.kind in (Kind.F, Kind.B)
-        ]
-        for s, mine in ((i, channel), (i + 1, [(_COUNTERPART[k][0], idx) for k, idx in channel])):
-            lists[s] = _place_receives(lists[s], s, mine)
+        messages = sorted(
+            (phase_of[i, Kind.F, a.index] if a.kind is Kind.F else phase_of[i + 1, Kind.B, a.index], pos,
+             Kind.SEND_ACT if a.kind is Kind.F else Kind.RECV_GRAD, a.index)
+            for pos, a in enumerate(cores[i][0]) if a.kind in (Kind.F, Kind.B)
+        )
+        channel = [(phase, kind, k) for phase, _, kind, k in messages]
+        lists[i] = _place_receives(lists[i], i, channel, opens[i])
+        mirrored = [(phase, _COUNTERPART[k][0], idx) for phase, k, idx in channel]
+        lists[i + 1] = _place_receives(lists[i + 1], i + 1, mirrored, opens[i + 1])
     return lists
 
 
-def _place_receives(lst: list[Action], stage: int, channel: list[tuple[Kind, int]]) -> list[Action]:
-    after: dict[Action | None, list[Action]] = defaultdict(list)
-    prev: Action | None = None
-    for kind, idx in channel:
+def _place_receives(
+    lst: list[Action], stage: int, channel: list[tuple[int, Kind, int]], opens: Mapping[int, Action | None]
+) -> list[Action]:
+    after: dict[Action, list[Action]] = defaultdict(list)  # receive follows this action directly
+    before: dict[Action | None, list[tuple[int, Action]]] = defaultdict(list)  # opens a phase
+    prev: tuple[int, Action] | None = None
+    for phase, kind, idx in channel:
         a = Action(stage, kind, idx)
         if kind in RECVS:
-            after[prev].append(a)
-        prev = a
+            if prev is not None and prev[0] == phase:
+                after[prev[1]].append(a)
+            else:  # first message of its phase on this channel: post it where the phase opens
+                before[opens[phase] if phase else lst[0] if lst else None].append((phase, a))
+        prev = (phase, a)
     out: list[Action] = []
 
-    def emit_after(anchor: Action | None) -> None:
+    def emit_after(anchor: Action) -> None:
         # A receive anchored on another receive follows it directly (anchors chain in order).
         for r in after.get(anchor, ()):
             out.append(r)
             emit_after(r)
 
-    emit_after(None)
+    def emit_before(a: Action | None) -> None:
+        for _, r in sorted(before.get(a, ()), key=lambda pr: pr[0]):
+            out.append(r)
+            emit_after(r)
+
     for a in lst:
+        emit_before(a)
         out.append(a)
         emit_after(a)
+    emit_before(None)
     return out
 
 
@@ -588,7 +808,8 @@ def validate(
     group = _tied_group(tied, d) if tied is not None else None
     for s in range(d):
         _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, width)
-    _check_collective_order(ck, d)
+    if any(a.kind is Kind.END_STEP for lst in actions_by_stage.values() for a in lst):
+        _check_boundaries(ck)
     _replay(ck)
 
 
@@ -602,6 +823,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
     newest = 0
     started: dict[tuple[Kind, int], int] = {}
     limit = m if schedule == "gpipe" else d - s
+    reduced = {a.index for a in lst if a.kind in STARTS}  # batches whose gradient is reduced
     max_versions = 2 if schedule == "2bw" else 1
 
     def check_versions(alive: set[int], where: str) -> None:
@@ -663,7 +885,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             first_b.setdefault(t, pos)
             last_b[t] = pos
             in_flight.pop(k, None)
-            handed_off = any((kind, t - 1) in started for kind in STARTS)
+            handed_off = (t - 1) in reduced  # a second gradient buffer holds batch t-1's
             if t > 1 and (Kind.UPDATE, t - 1) not in done and not handed_off:
                 ck.fail(
                     s, pos, f"first backward of batch {t} before UPDATE{t - 1}",
@@ -741,100 +963,86 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                 ck.fail(s, len(lst) - 1, f"no {kind}{k} on stage {s}", f"Insert {s}{kind}{k} (see the posting rules in fxpipe.schedule)")
 
 
-def _groups(by_stage: Mapping[int, Sequence[Action]]) -> dict[Kind, list[int]]:
-    """Which stages take part in each cross-stage collective (DP stays inside one stage)."""
-    members: dict[Kind, list[int]] = {Kind.TIED_START: [], Kind.NORM_START: []}
-    for s, lst in by_stage.items():
-        for kind in members:
-            if any(a.kind is kind for a in lst):
-                members[kind].append(s)
-    return members
+def _groups(by_stage: Mapping[int, Sequence[Action]]) -> dict[str, list[int]]:
+    """Collective groups of one replica: the stages issuing each cross-stage kind, and each stage's
+    data-parallel group (its replicas run the same list, so one stage stands for all of them)."""
+    groups: dict[str, list[int]] = {}
+    for kind in (Kind.TIED_START, Kind.NORM_START):
+        groups[kind.value] = [s for s, lst in by_stage.items() if any(a.kind is kind for a in lst)]
+    groups.update({f"{Kind.DP_START.value}:{s}": [s] for s in by_stage})
+    return groups
 
 
-def _check_collective_order(ck: _Checker, d: int) -> None:
-    seqs: dict[int, list[tuple[Kind, int, int]]] = {
-        s: [(a.kind, a.index, p) for p, a in enumerate(ck.by_stage[s]) if a.kind in (Kind.TIED_START, Kind.NORM_START)]
-        for s in range(d)
-    }
-    for kind, members in _groups(ck.by_stage).items():
-        ref = None
-        for s in members:
-            batches = [(t, p) for k, t, p in seqs[s] if k is kind]
-            if ref is None:
-                ref = (s, batches)
-            elif [t for t, _ in batches] != [t for t, _ in ref[1]]:
-                pos = next((p for (t, p), (u, _) in zip(batches, ref[1]) if t != u), batches[-1][1] if batches else 0)
-                ck.fail(s, pos, f"{kind} batches {[t for t, _ in batches]} differ from stage {ref[0]}'s {[t for t, _ in ref[1]]}", "Every member of a collective group must issue the same collectives in the same order")
+def comm_op(a: Action, rank: int | None = None, peer_rank: int | None = None) -> CommOp:
+    """The :class:`~fxpipe.deps.CommOp` that posting ``a`` makes in the validator's replay."""
+    spec = SPEC[a.kind]
+    rank = a.stage if rank is None else rank
+    if spec.comm == "collective":
+        group = f"{a.kind.value}:{a.stage}" if a.kind is Kind.DP_START else a.kind.value
+        return CommOp(rank, "collective", str(a), (a.kind, a.index), group=group)
+    data = "act" if a.kind in (Kind.SEND_ACT, Kind.RECV_ACT) else "grad"
+    return CommOp(rank, spec.comm, str(a), (data, a.index), peer=a.peer if peer_rank is None else peer_rank)
+
+
+def _check_boundaries(ck: _Checker) -> None:
+    """At every END_STEP t, both sides of every channel have posted the same operations: a rank
+    that stops there (the caller has no batch t+1 yet) leaves no post without its counterpart."""
+    lists = ck.by_stage
+    for i in range(ck.d - 1):
+        for me, peer in ((i, i + 1), (i + 1, i)):
+            count = 0
+            for pos, a in enumerate(lists[me]):
+                if a.kind in P2P and a.peer == peer:
+                    count += 1
+                elif a.kind is Kind.END_STEP:
+                    theirs = 0
+                    for b in lists[peer]:
+                        if b == Action(peer, Kind.END_STEP, a.index):
+                            break
+                        theirs += b.kind in P2P and b.peer == me
+                    else:
+                        ck.fail(me, pos, f"stage {peer} has no END_STEP{a.index}", "Every stage ends every step")
+                    if theirs != count:
+                        ck.fail(
+                            me, pos, f"{count} operations with stage {peer} are posted before this boundary, but stage "
+                            f"{peer} posts {theirs} before its END_STEP{a.index}",
+                            "A receive belongs to the step of its send: post it after END_STEP on both sides",
+                        )
 
 
 def _replay(ck: _Checker) -> None:
-    """Run all stages together with blocking semantics; raise on mismatch or deadlock."""
-    d = ck.d
-    lists = ck.by_stage
+    """Run all stages together under the dependency model of :mod:`fxpipe.deps` (local waits,
+    NCCL's pairing and one global post order); raise on a mismatch or a deadlock."""
+    d, lists = ck.d, ck.by_stage
+    engine = Rendezvous(_groups(lists))
+    posted: dict[Action, CommOp] = {}
     pc = [0] * d
-    posted: dict[tuple[int, int], list[Action]] = defaultdict(list)  # (me, peer) -> my p2p posts
-    matched: dict[tuple[int, int], int] = defaultdict(int)  # (low, high) -> completed count
-    complete: set[Action] = set()
-    coll_posted: dict[Kind, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-    members = _groups(lists)
-
-    def pump(lo: int, hi: int) -> None:
-        a_side, b_side = posted[lo, hi], posted[hi, lo]
-        n = matched[lo, hi]
-        while n < len(a_side) and n < len(b_side):
-            a, b = a_side[n], b_side[n]
-            if a.counterpart() != b:
-                pos = lists[lo].index(a)
-                ck.fail(
-                    lo, pos, f"p2p order mismatch with stage {hi}: this is operation {n + 1} between the two "
-                    f"stages, but stage {hi}'s operation {n + 1} is {b}",
-                    f"Post the p2p operations of a stage pair in the same order on both ranks (here: {a.counterpart()})",
-                )
-            complete.update((a, b))
-            n += 1
-        matched[lo, hi] = n
-
     progress = True
     while progress:
         progress = False
         for s in range(d):
             while pc[s] < len(lists[s]):
                 a = lists[s][pc[s]]
-                need: Action | None = None
-                if a.kind is Kind.F and s > 0:
-                    need = Action(s, Kind.RECV_ACT, a.index)
-                elif a.kind is Kind.B and s < d - 1:
-                    need = Action(s, Kind.RECV_GRAD, a.index)
-                elif a.kind in WAITS:
-                    need = Action(s, _START_OF[a.kind], a.index)
-                if need is not None and need not in complete:
+                need = waits_for(a, d)
+                if need is not None and not (need in posted and posted[need].done):
                     break
-                if a.kind in P2P:
-                    posted[s, a.peer].append(a)
-                    pump(min(s, a.peer), max(s, a.peer))
-                elif a.kind is Kind.DP_START:
-                    complete.add(a)  # replicas run identical lists: the all-reduce meets itself
-                elif a.kind in STARTS:
-                    seq = coll_posted[a.kind]
-                    seq[s].append(a.index)
-                    n = len(seq[s])
-                    if all(len(seq[g]) >= n for g in members[a.kind]):
-                        complete.update(Action(g, a.kind, a.index) for g in members[a.kind])
+                if SPEC[a.kind].comm is not None:
+                    try:
+                        posted[a] = engine.post(comm_op(a))
+                    except CommOrderError as e:
+                        ck.fail(s, pc[s], str(e), "See the posting rules in fxpipe.schedule")
                 pc[s] += 1
                 progress = True
     stuck = [s for s in range(d) if pc[s] < len(lists[s])]
-    if stuck:
+    if stuck or len(engine.queue):
         blocked = "; ".join(f"stage {s} at {lists[s][pc[s]]} (position {pc[s]})" for s in stuck)
-        s = stuck[0]
+        s = stuck[0] if stuck else min(engine.queue)
+        pos = pc[s] if stuck else lists[s].index(Action.parse(engine.queue[s][0].label))
         ck.fail(
-            s, pc[s], f"deadlock: every unfinished stage is blocked ({blocked})",
-            "A receive's matching send is never reached: post sends right after their F/B and receives before their consumer, in channel order",
+            s, pos, f"deadlock: {blocked or 'every list ended'}; posts never completed: {' | '.join(engine.blocked())}",
+            "A receive's matching send is never reached, or two ranks post in orders that form a cycle: post sends "
+            "right after their F/B and receives before their consumer, in channel order",
         )
-    for (lo, hi), n in list(matched.items()):
-        for me, peer in ((lo, hi), (hi, lo)):
-            if len(posted[me, peer]) > n:
-                a = posted[me, peer][n]
-                ck.fail(me, lists[me].index(a), f"never matched: stage {peer} posts no {a.counterpart()}", f"Insert {a.counterpart()} on stage {peer}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,163 @@
+"""deps: the one dependency model of an action list, shared by the validator, the simulator and
+the single-process driver.
+
+Two things decide when an action of :mod:`fxpipe.schedule` may run or finish:
+
+* **Local waits** (:func:`waits_for`): ``F k`` consumes ``RECV_ACT k``, ``B k`` consumes
+  ``RECV_GRAD k``, ``X_WAIT t`` joins ``X_START t``. Nothing else in a rank's list waits: posts
+  return at once, compute runs in list order.
+* **Communication** (:class:`Rendezvous`): NCCL's matching rules, which fxpipe adopts as its
+  contract (docs/design.md, "The NCCL contract"):
+
+  (a) between two ranks, both directions form ONE ordered queue: the n-th operation rank a posts
+      towards b is matched with the n-th operation b posts towards a, which must be its
+      counterpart (a send against a receive of the same tensors);
+  (b) every rank's posts, collectives included, fit one global order. The engine enforces this
+      by completing each rank's posts strictly in post order, an operation only once every
+      participant has it at the head of its own queue: a cycle in the posting order is then a
+      deadlock here, as it can be on GPUs.
+
+  gloo matches per direction and tag and runs collectives on their own threads, so a gloo run
+  cannot show a violation; this engine does, in one process and without tensors.
+
+:func:`fxpipe.schedule.validate` runs it with labels only (zero cost), :class:`fxpipe.comm.LocalHub`
+with real tensors (the single-process driver), and :func:`fxpipe.simulate.simulate` reads the
+same :func:`waits_for`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fxpipe.errors import ScheduleError
+
+__all__ = ["CommOp", "Rendezvous", "CommOrderError"]
+
+
+class CommOrderError(ScheduleError):
+    """Two ranks' posts break the NCCL matching contract (names both ranks and both ops)."""
+
+
+@dataclass(eq=False)
+class CommOp:
+    """One posted communication operation of one rank.
+
+    ``kind``: "send", "recv" or "collective"; ``peer`` for p2p, ``group`` for collectives.
+    ``signature``: what must agree with the matched operation(s) (tensor shapes and dtypes, or
+    for the validator the action's kind and index); ``label`` names it in errors (an action).
+    ``payload``: whatever the owner needs at completion (tensors in :class:`fxpipe.comm.LocalHub`).
+    """
+
+    rank: int
+    kind: str
+    label: str
+    signature: Hashable = None
+    peer: int | None = None
+    group: str | None = None
+    payload: Any = None
+    partners: list["CommOp"] = field(default_factory=list)
+    done: bool = False
+
+    def __str__(self) -> str:
+        where = f"to rank {self.peer}" if self.kind == "send" else (
+            f"from rank {self.peer}" if self.kind == "recv" else f"on group {self.group!r}")
+        return f"rank {self.rank}: {self.kind} {where} ({self.label})"
+
+
+class Rendezvous:
+    """Matches and completes posts under rules (a) and (b) (module docstring).
+
+    ``groups``: collective group name -> member ranks. ``on_complete(ops)`` is called once per
+    completed operation with every participant's :class:`CommOp` (the two halves of a p2p
+    transfer, or all members of a collective, in rank order). Raises :class:`CommOrderError` the
+    moment a post cannot be matched with its counterpart.
+    """
+
+    def __init__(self, groups: Mapping[str, Sequence[int]], on_complete: Callable[[list[CommOp]], None] | None = None):
+        self.groups = {name: sorted(ranks) for name, ranks in groups.items()}
+        self.on_complete = on_complete
+        self.queue: dict[int, deque[CommOp]] = defaultdict(deque)  # rank -> posted, not complete
+        self._unmatched: dict[tuple, deque[CommOp]] = defaultdict(deque)  # (rank, peer|group) -> posts
+
+    def post(self, op: CommOp) -> CommOp:
+        if op.kind in ("send", "recv"):
+            if op.peer == op.rank or op.peer is None:
+                raise CommOrderError(f"{op}: a point-to-point operation needs another rank as its peer")
+            self.queue[op.rank].append(op)
+            mine, theirs = self._unmatched[op.rank, op.peer], self._unmatched[op.peer, op.rank]
+            mine.append(op)
+            if theirs:
+                self._pair(mine.popleft(), theirs.popleft())
+        else:
+            members = self.groups.get(op.group)
+            if members is None or op.rank not in members:
+                raise CommOrderError(f"{op}: rank {op.rank} is not a member of group {op.group!r} {members}")
+            self.queue[op.rank].append(op)
+            self._unmatched[op.rank, op.group].append(op)
+            waiting = [self._unmatched[r, op.group] for r in members]
+            if all(waiting):
+                ops = [q.popleft() for q in waiting]
+                for o in ops[1:]:
+                    if o.signature != ops[0].signature:
+                        raise CommOrderError(
+                            f"collective mismatch on group {op.group!r}: {ops[0]} is matched with {o}, "
+                            f"which differs ({ops[0].signature} vs {o.signature}). Every member must post the "
+                            f"same collectives in the same order"
+                        )
+                for o in ops:
+                    o.partners = ops
+        self.pump()
+        return op
+
+    def _pair(self, a: CommOp, b: CommOp) -> None:
+        if {a.kind, b.kind} != {"send", "recv"} or a.signature != b.signature:
+            n = "the same position"
+            raise CommOrderError(
+                f"point-to-point order mismatch between ranks {a.rank} and {b.rank}: {a} is matched with {b} "
+                f"(both are at {n} of the queue between the two ranks, which NCCL pairs in post order; "
+                f"expected a {'receive' if a.kind == 'send' else 'send'} of {a.signature}, found a {b.kind} of "
+                f"{b.signature}). Post each pair's operations in the same order on both ranks"
+            )
+        ops = sorted((a, b), key=lambda o: o.rank)
+        a.partners = b.partners = ops
+
+    def pump(self) -> bool:
+        """Complete every operation whose participants all have it at the head of their queue."""
+        progress = any_progress = True
+        while progress:
+            progress = False
+            for rank in list(self.queue):
+                q = self.queue[rank]
+                if not q or not q[0].partners:
+                    continue
+                ops = q[0].partners
+                if all(self.queue[o.rank] and self.queue[o.rank][0] is o for o in ops):
+                    for o in ops:
+                        self.queue[o.rank].popleft()
+                        o.done = True
+                    if self.on_complete is not None:
+                        self.on_complete(ops)
+                    progress = any_progress = True
+            for rank in [r for r, q in self.queue.items() if not q]:
+                del self.queue[rank]
+        return any_progress
+
+    def blocked(self) -> list[str]:
+        """One line per rank with posts still incomplete: the head op and what it waits for."""
+        lines = []
+        for rank in sorted(self.queue):
+            head = self.queue[rank][0]
+            if not head.partners:
+                why = "no matching post yet"
+            else:
+                late = [o for o in head.partners if self.queue[o.rank][0] is not o]
+                why = "; ".join(f"rank {o.rank} first completes {self.queue[o.rank][0].label}" for o in late)
+            lines.append(f"{head} waits: {why}")
+        return lines
+
+    def __len__(self) -> int:
+        """Posts not yet completed, summed over ranks (bounded-state tests read it)."""
+        return sum(len(q) for q in self.queue.values()) + sum(len(q) for q in self._unmatched.values())
