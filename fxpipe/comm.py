@@ -6,9 +6,11 @@ a :class:`Handle`. Two implementations share every line of the runtime:
 
 * :class:`DistComm` — ``torch.distributed`` (gloo on CPU, NCCL on CUDA). One process per rank;
   ``Handle.ready()`` is always true because ``wait()`` blocks on the real work object.
-* :class:`LocalHub` / :class:`LocalComm` — every rank in ONE process (the debugging mode). A send
-  completes at once into a mailbox; a receive or reduction is ready once its peers have posted.
-  The driver interleaves the ranks, running each until its next action is not ready, so the
+* :class:`LocalHub` / :class:`LocalComm` — every rank in ONE process (the debugging mode), under
+  NCCL's matching rules, which it enforces (:mod:`fxpipe.deps`): an operation completes only
+  against its counterpart at the same position of the pair's queue, each rank's posts complete
+  in post order, and a collective once every member posted it. The driver interleaves the
+  ranks, running each until its next action waits for an incomplete operation, so the
   single-process mode executes the very same action lists, in the same per-rank order, and
   computes the same numbers.
 
@@ -18,11 +20,12 @@ same order on every rank, before training starts.
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
+
+from .deps import CommOp, Rendezvous
 
 __all__ = ["Handle", "Comm", "DistComm", "LocalHub", "LocalComm"]
 
@@ -38,29 +41,31 @@ class Handle:
 
 
 class _DistHandle(Handle):
-    def __init__(self, works):
+    def __init__(self, works, tensors=()):
         self.works = [w for w in works if w is not None]
+        self.tensors = tensors  # kept alive until the operation completed
 
     def ready(self) -> bool:
-        return True  # wait() blocks; one process per rank, so blocking is the right thing
+        return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         for w in self.works:
             w.wait()
-        self.works = []
+        self.works, self.tensors = [], ()
 
 
 class Comm:
     rank: int
     world_size: int
 
-    def isend(self, tensors: Sequence[torch.Tensor], peer: int) -> Handle:
+    # ``label`` names the operation (the action that posts it) in errors and recordings.
+    def isend(self, tensors: Sequence[torch.Tensor], peer: int, label: str = "") -> Handle:
         raise NotImplementedError
 
-    def irecv(self, tensors: Sequence[torch.Tensor], peer: int) -> Handle:
+    def irecv(self, tensors: Sequence[torch.Tensor], peer: int, label: str = "") -> Handle:
         raise NotImplementedError
 
-    def all_reduce(self, tensor: torch.Tensor, group: str) -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, group: str, label: str = "") -> Handle:
         raise NotImplementedError
 
 
@@ -86,80 +91,66 @@ class DistComm(Comm):
         DistComm._instances += 1
         self.tag = DistComm._instances
 
-    def isend(self, tensors, peer):
-        return _DistHandle([dist.isend(t.contiguous(), peer, tag=self.tag) for t in tensors])
+    def isend(self, tensors, peer, label=""):
+        tensors = [t.contiguous() for t in tensors]
+        return _DistHandle([dist.isend(t, peer, tag=self.tag) for t in tensors], tensors)
 
-    def irecv(self, tensors, peer):
+    def irecv(self, tensors, peer, label=""):
         return _DistHandle([dist.irecv(t, peer, tag=self.tag) for t in tensors])
 
-    def all_reduce(self, tensor, group):
+    def all_reduce(self, tensor, group, label=""):
         g, ranks = self.groups[group]
         if len(ranks) == 1:
             return Handle()
         return _DistHandle([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g, async_op=True)])
 
 
-class _LocalRecv(Handle):
-    def __init__(self, hub: "LocalHub", key, tensors):
-        self.hub, self.key, self.tensors, self.done = hub, key, list(tensors), False
-
-    def ready(self) -> bool:
-        if not self.done and self.hub.mail[self.key]:
-            payload = self.hub.mail[self.key].popleft()
-            if len(payload) != len(self.tensors):
-                raise RuntimeError(f"message of {len(payload)} tensors for a receive of {len(self.tensors)}")
-            for dst, src in zip(self.tensors, payload):
-                dst.copy_(src)
-            self.done = True
-        return self.done
-
-    def wait(self) -> None:
-        if not self.ready():
-            raise RuntimeError(f"receive {self.key} waited on before its send was posted")
-
-
-class _LocalReduce(Handle):
-    def __init__(self, op: "_ReduceOp"):
+class _LocalHandle(Handle):
+    def __init__(self, op: CommOp):
         self.op = op
 
     def ready(self) -> bool:
-        return self.op.complete()
+        return self.op.done
 
     def wait(self) -> None:
-        if not self.ready():
-            raise RuntimeError("all_reduce waited on before every member posted")
+        if not self.op.done:
+            raise RuntimeError(
+                f"{self.op} waited on before it could complete: in one process this would block forever "
+                f"(a schedule whose wait comes before its peer's post); this is a bug in fxpipe's schedule"
+            )
 
 
-class _ReduceOp:
-    def __init__(self, size: int):
-        self.size = size
-        self.posted: dict[int, torch.Tensor] = {}  # rank -> its tensor
-        self.reduced = False
+def _signature(tensors: Sequence[torch.Tensor]) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
-    def complete(self) -> bool:
-        if not self.reduced and len(self.posted) == self.size:
-            # Sum in rank order, whatever order the driver interleaved the ranks in; every
-            # member gets the same bits.
-            tensors = [self.posted[r] for r in sorted(self.posted)]
-            total = tensors[0].clone()
-            for t in tensors[1:]:
-                total += t
-            for t in tensors:
-                t.copy_(total)
-            self.reduced = True
-        return self.reduced
+
+def _complete(ops: list[CommOp]) -> None:
+    """Move the data of one completed operation (all participants, in rank order)."""
+    if ops[0].kind == "collective":
+        # Sum in rank order, whatever order the driver interleaved the ranks in; every member
+        # gets the same bits.
+        tensors = [o.payload[0] for o in ops]
+        total = tensors[0].clone()
+        for t in tensors[1:]:
+            total += t
+        for t in tensors:
+            t.copy_(total)
+        return
+    send, recv = (ops[0], ops[1]) if ops[0].kind == "send" else (ops[1], ops[0])
+    for dst, src in zip(recv.payload, send.payload):
+        dst.copy_(src)
 
 
 class LocalHub:
-    """Shared state of all ranks living in one process."""
+    """Every rank in one process, under NCCL's rules (:class:`fxpipe.deps.Rendezvous`): each
+    rank's posts complete in post order, a p2p operation only against its counterpart at the
+    same position of the pair's queue, a collective once every member posted it. A violation
+    raises at once, naming both ranks and both operations."""
 
     def __init__(self, world_size: int, groups: dict[str, Sequence[int]]):
         self.world_size = world_size
         self.groups = {k: sorted(v) for k, v in groups.items()}
-        self.mail: dict[tuple[int, int], deque] = defaultdict(deque)
-        # per group: a FIFO of reductions; the n-th all_reduce of each member joins the n-th op
-        self.reduce_ops: dict[str, list[_ReduceOp]] = defaultdict(list)
-        self.reduce_count: dict[tuple[str, int], int] = defaultdict(int)
+        self.engine = Rendezvous(self.groups, on_complete=_complete)
 
     def comm(self, rank: int) -> "LocalComm":
         return LocalComm(self, rank)
@@ -169,26 +160,20 @@ class LocalComm(Comm):
     def __init__(self, hub: LocalHub, rank: int):
         self.hub, self.rank, self.world_size = hub, rank, hub.world_size
 
-    def isend(self, tensors, peer):
-        # Copy now: the sender may reuse its buffers, as after a completed real send.
-        self.hub.mail[(self.rank, peer)].append([t.detach().clone() for t in tensors])
-        return Handle()
+    def _post(self, kind, tensors, label, peer=None, group=None) -> Handle:
+        op = CommOp(self.rank, kind, label, _signature(tensors), peer=peer, group=group, payload=list(tensors))
+        return _LocalHandle(self.hub.engine.post(op))
 
-    def irecv(self, tensors, peer):
-        return _LocalRecv(self.hub, (peer, self.rank), tensors)
+    def isend(self, tensors, peer, label=""):
+        return self._post("send", tensors, label, peer=peer)
 
-    def all_reduce(self, tensor, group):
+    def irecv(self, tensors, peer, label=""):
+        return self._post("recv", tensors, label, peer=peer)
+
+    def all_reduce(self, tensor, group, label=""):
         ranks = self.hub.groups[group]
         if self.rank not in ranks:
             raise RuntimeError(f"rank {self.rank} is not in group {group!r} {ranks}")
         if len(ranks) == 1:
             return Handle()
-        # The n-th all_reduce a member posts on a group joins that group's n-th operation.
-        n = self.hub.reduce_count[(group, self.rank)]
-        self.hub.reduce_count[(group, self.rank)] += 1
-        ops = self.hub.reduce_ops[group]
-        while len(ops) <= n:
-            ops.append(_ReduceOp(len(ranks)))
-        op = ops[n]
-        op.posted[self.rank] = tensor
-        return _LocalReduce(op)
+        return self._post("collective", [tensor], label, group=group)

@@ -33,7 +33,7 @@ from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from .errors import FxpipeError, RuntimeMismatchError
 from .runtime import StageWorker, WorkerConfig, compute_loss
-from .schedule import Action, Kind, format_actions, generate, rank_of, stage_and_replica
+from .schedule import Action, Program, format_actions, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
 __all__ = ["compile", "Pipeline", "DEFAULT_MICROBATCHES"]
@@ -118,7 +118,7 @@ class Pipeline:
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.plan = None
         self.t = 0  # batches given to step() so far
-        self.flushed_through = 0
+        self.epoch_start = 0  # the pipeline was last empty after this batch (a flush)
         # (rank, action, start s, end s) of every executed action while ``record`` is True;
         # fxpipe.simulate draws it like a simulated schedule (``Pipeline.dump``).
         self.record = False
@@ -233,10 +233,9 @@ class Pipeline:
             self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
                                           device=self.device)
         self._tied_stages = sorted({s for tp in tied for s in tp.stages})
-        self._steps_generated = 0
-        self._lists: dict[int, list[Action]] = {}
-        self._done: dict[int, set[Action]] = {r: set() for r in ranks}
-        self._pos: dict[int, int] = {r: 0 for r in ranks}
+        self.hub = hub
+        self.program = Program(plan.schedule, d, plan.microbatches, width=w, recompute=list(plan.recompute),
+                               tied=self._tied_stages or None, clip=o["max_grad_norm"] is not None)
         self._setup_done = True
         if self.opts["verbose"] and self.rank == 0:
             print(self.describe())
@@ -252,29 +251,6 @@ class Pipeline:
             f"max_grad_norm={o['max_grad_norm']} device={self.device} "
             f"mode={'torchrun' if self.distributed else 'single-process'}"
         )
-
-    def _ensure_lists(self, t: int) -> None:
-        """Generate action lists for at least ``t + 2`` batches (a lookahead: 2bw's step t runs
-        into batch t+1's warm-up). Lists for more steps agree with shorter ones on every action
-        before the shorter one's cool-down, so regenerating keeps what already ran valid."""
-        need = t + 2
-        if self._steps_generated >= need:
-            return
-        steps = max(need, 2 * self._steps_generated, 4)
-        plan = self.plan
-        by_stage = generate(
-            plan.schedule,
-            plan.stages,
-            plan.microbatches,
-            steps,
-            width=plan.width,
-            recompute=list(plan.recompute),
-            tied=self._tied_stages or None,
-            clip=self.opts["max_grad_norm"] is not None,
-        )
-        for r in self.workers:
-            self._lists[r] = by_stage[stage_and_replica(r, plan.stages)[0]]
-        self._steps_generated = steps
 
     # ------------------------------------------------------------------ training
 
@@ -296,7 +272,6 @@ class Pipeline:
             _check_same_batch((args, kwargs, target), self.rank, self.world_size, self.device)
         self.t += 1
         t = self.t
-        self._ensure_lists(t)
         for r, wk in self.workers.items():
             s, rep = stage_and_replica(r, d)
             stage = wk.stage
@@ -306,7 +281,7 @@ class Pipeline:
                 wk.inputs[k] = {n: named[n] for n in stage.model_inputs}
                 if s == d - 1 and self.opts["loss_fn"] is not None:
                     wk.targets[k] = tg
-        self._advance(limit_k=t * m)
+        self._execute(lambda stage: self.program.segment(stage, t, self.epoch_start), f"step {t}")
         return self._batch_loss(t, sync)
 
     def _microbatch(self, chunk) -> tuple[dict[str, torch.Tensor], Any]:
@@ -332,59 +307,47 @@ class Pipeline:
             self.opts["stages"] = self.world_size if self.distributed else 1
         return max(1, self.world_size // self.opts["stages"]) if self.distributed else 1
 
-    def _next(self, r: int, skip: Callable[[Action], bool]):
-        """Rank r's first action not yet run and not skipped (skipped ones stay for later)."""
-        lst, done = self._lists[r], self._done[r]
-        i = self._pos[r]
-        while i < len(lst) and lst[i] in done:
-            i += 1
-        self._pos[r] = i
-        while i < len(lst):
-            a = lst[i]
-            if a not in done and not skip(a):
-                return a
-            i += 1
-        return None
-
-    def _advance(self, limit_k: int, keep: Callable[[Action], bool] | None = None) -> None:
-        """Run every local worker as far as the data given so far allows: up to its first
-        forward of a micro-batch beyond ``limit_k``. A receive for such a micro-batch is
-        skipped, not posted (it is posted when its data exists): a receive left posted when
-        the caller stops stepping would swallow the next pipeline's first message. Actions
-        ``keep`` rejects are skipped too (flush)."""
-
-        def skip(a: Action) -> bool:
-            if a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD) and a.index > limit_k:
-                return True
-            return keep is not None and not keep(a)
-
-        def needs_data(a: Action) -> bool:
-            return a.kind in (Kind.F, Kind.R) and a.index > limit_k
-
+    def _execute(self, segment: Callable[[int], list[Action]], what: str) -> None:
+        """Run every local rank's segment (``segment(stage)``) to its end, in list order: the
+        runtime never skips, reorders or adds an action. Under torchrun the one local rank runs
+        it straight through (a wait blocks); in one process the ranks are interleaved, each run
+        until its next action waits for an operation that has not completed."""
+        d = self.plan.stages
+        lists = {r: segment(stage_and_replica(r, d)[0]) for r in self.workers}
         if self.distributed:
             (r, wk), = self.workers.items()
-            while (a := self._next(r, skip)) is not None and not needs_data(a):
-                self._run(r, wk, a)
+            for i in range(len(lists[r])):
+                self._run(r, wk, lists[r], i)
             return
+        pos = dict.fromkeys(lists, 0)
         progress = True
         while progress:
             progress = False
             for r, wk in self.workers.items():
-                while (a := self._next(r, skip)) is not None and not needs_data(a) and wk.ready(a):
-                    self._run(r, wk, a)
+                lst = lists[r]
+                while pos[r] < len(lst) and wk.ready(lst[pos[r]]):
+                    self._run(r, wk, lst, pos[r])
+                    pos[r] += 1
                     progress = True
+        stuck = {r: lists[r][pos[r]] for r in lists if pos[r] < len(lists[r])}
+        if stuck:
+            raise RuntimeError(
+                f"fxpipe: {what} cannot finish in one process; next actions: "
+                + ", ".join(f"rank {r}: {a}" for r, a in stuck.items())
+                + "; incomplete posts: " + " | ".join(self.hub.engine.blocked())
+                + ". This is a bug in fxpipe's schedule; please report it with the plan."
+            )
 
-    def _run(self, r: int, wk: StageWorker, a: Action) -> None:
+    def _run(self, r: int, wk: StageWorker, lst: list[Action], i: int) -> None:
+        a = lst[i]
         start = time.perf_counter()
         try:
             wk.run(a)
         except FxpipeError:
             raise
         except Exception as e:
-            grid = format_actions({r: self._lists[r]}, mark=(r, self._lists[r].index(a)),
-                                  rows=range(max(0, self._lists[r].index(a) - 4), self._lists[r].index(a) + 3))
+            grid = format_actions({r: lst}, mark=(r, i), rows=range(max(0, i - 4), min(len(lst), i + 3)))
             raise RuntimeError(f"rank {r} failed running action {a}:\n{grid}") from e
-        self._done[r].add(a)
         if self.record:
             self.timeline.append((r, str(a), start - self._t0, time.perf_counter() - self._t0))
 
@@ -400,28 +363,15 @@ class Pipeline:
         return float(mean) if sync else mean
 
     def flush(self) -> None:
-        """Finish every micro-batch given so far and apply its update (2bw drains its pipeline)."""
-        if not self._setup_done or self.flushed_through == self.t:
+        """Finish every micro-batch given so far and apply its update (2bw drains its pipeline;
+        the next step fills it again, with the same weight-version rule)."""
+        if not self._setup_done or self.epoch_start == self.t:
             return
-        t, m = self.t, self.plan.microbatches
-
-        def keep(a: Action) -> bool:
-            if a.microbatch is not None:
-                return a.microbatch <= t * m
-            return a.batch <= t
-
-        self._advance(limit_k=t * m, keep=keep)
-        stuck = {r: self._next(r, lambda a: not keep(a)) for r in self.workers}
-        stuck = {r: a for r, a in stuck.items() if a is not None}
-        if stuck:
-            raise RuntimeError(
-                "fxpipe: the pipeline could not drain; next actions per rank: "
-                + ", ".join(f"rank {r}: {a}" for r, a in stuck.items())
-                + ". This is a bug in fxpipe's schedule; please report it with the plan."
-            )
+        t = self.t
+        self._execute(lambda stage: self.program.drain(stage, t, self.epoch_start), f"flush after step {t}")
         for wk in self.workers.values():
             wk.drain_sends()
-        self.flushed_through = t
+        self.epoch_start = t
 
     # ------------------------------------------------------------------ evaluation
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -34,11 +35,9 @@ from torch.func import functional_call
 
 from .comm import Comm, Handle
 from .device import rng_devices, seed
-from .schedule import Action, Kind
+from .schedule import Action, Kind, waits_for
 
 __all__ = ["StageWorker", "WorkerConfig", "compute_loss"]
-
-_START_OF_WAIT = {Kind.DP_WAIT: Kind.DP_START, Kind.TIED_WAIT: Kind.TIED_START, Kind.NORM_WAIT: Kind.NORM_START}
 
 
 @dataclass
@@ -126,7 +125,7 @@ class StageWorker:
         self.recv_act: dict[int, tuple[list[torch.Tensor], Handle]] = {}
         self.recv_grad: dict[int, tuple[list[torch.Tensor], Handle]] = {}
         self.ctx: dict[int, dict] = {}
-        self.sends: list[tuple[Handle, list[torch.Tensor]]] = []
+        self.sends: deque[Handle] = deque()  # posted sends, oldest first
         self.reductions: dict[tuple[Kind, int], Handle] = {}
         self.norm_sq: dict[int, torch.Tensor] = {}
         self.clip_coef: dict[int, torch.Tensor] = {}  # batch -> 0-dim factor on the device
@@ -165,9 +164,14 @@ class StageWorker:
             seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1), self.device)
             yield
 
-    def _run_module(self, k: int, version: int, args: Sequence[torch.Tensor]):
+    def _run_module(self, k: int, version: int, args: Sequence[torch.Tensor], buffers=None):
+        """The stage's forward on weight ``version``; ``buffers`` (name -> tensor) replaces the
+        module's own buffers for this call (a recomputation reads what the forward saw)."""
+        tensors = self.leaves[self._slot(version)]
+        if buffers:
+            tensors = {**tensors, **buffers}
         with self._rng(k):
-            out = functional_call(self.stage.module, self.leaves[self._slot(version)], tuple(args))
+            out = functional_call(self.stage.module, tensors, tuple(args))
         return tuple(out)
 
     def _loss(self, k: int, outputs: Sequence[torch.Tensor], *, last_use: bool) -> torch.Tensor:
@@ -177,25 +181,29 @@ class StageWorker:
     # ------------------------------------------------------------------ readiness
 
     def ready(self, a: Action) -> bool:
-        """Whether ``a`` can run now without waiting (always true across processes)."""
-        k = a.index
-        if a.kind is Kind.F:
-            return k not in self.recv_act or self.recv_act[k][1].ready()
-        if a.kind is Kind.B:
-            return k not in self.recv_grad or self.recv_grad[k][1].ready()
-        if a.kind in _START_OF_WAIT:
-            h = self.reductions.get((_START_OF_WAIT[a.kind], k))
-            return h is None or h.ready()
-        return True
+        """Whether ``a`` can run now without waiting: the one action it consumes
+        (:func:`fxpipe.schedule.waits_for`) has completed. Always true across processes, where
+        waiting is what the rank should do."""
+        need = waits_for(a, self.cfg.stages)
+        if need is None:
+            return True
+        if need.kind is Kind.RECV_ACT:
+            return self.recv_act[need.index][1].ready()
+        if need.kind is Kind.RECV_GRAD:
+            return self.recv_grad[need.index][1].ready()
+        return self.reductions[need.kind, need.index].ready()
 
     # ------------------------------------------------------------------ execution
 
     def run(self, a: Action) -> None:
         getattr(self, "_do_" + a.kind.value.lower())(a)
 
+    def _do_end_step(self, a: Action) -> None:
+        """The step's segment ends here; the driver returns to the caller."""
+
     def _do_recv_act(self, a: Action) -> None:
         bufs = [torch.empty(s.shape, dtype=s.torch_dtype, device=self.device) for s in self.input_specs]
-        self.recv_act[a.index] = (bufs, self.comm.irecv(bufs, self.prev))
+        self.recv_act[a.index] = (bufs, self.comm.irecv(bufs, self.prev, str(a)))
 
     def _do_recv_grad(self, a: Action) -> None:
         bufs = [
@@ -203,7 +211,7 @@ class StageWorker:
             for s, f in zip(self.output_specs, self.float_out)
             if f
         ]
-        self.recv_grad[a.index] = (bufs, self.comm.irecv(bufs, self.next))
+        self.recv_grad[a.index] = (bufs, self.comm.irecv(bufs, self.next, str(a)))
 
     def _forward_inputs(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(module args, boundary leaves) for micro-batch ``k``."""
@@ -221,16 +229,14 @@ class StageWorker:
         args, boundary = self._forward_inputs(k)
         del self.inputs[k]
         recompute = self.cfg.recompute
+        buffers = {n: b.clone() for n, b in self.stage.module.named_buffers()} if recompute else None
         with torch.no_grad() if recompute else contextlib.nullcontext():
             outputs = self._run_module(k, a.version, args)
             loss = self._loss(k, outputs, last_use=not recompute) if self.is_last else None
         if recompute:
-            # Keep only the inputs; R recomputes the rest right before B (arXiv 2006.09503 §3.3).
-            ctx = {
-                "args": [x.detach() for x in args],
-                "outputs": outputs,
-                "buffers_after": {n: b.clone() for n, b in self.stage.module.named_buffers()},
-            }
+            # Keep only the inputs; R recomputes the rest right before B (arXiv 2006.09503 §3.3),
+            # from the buffer values this forward saw (saved before it ran: it may update them).
+            ctx = {"args": [x.detach() for x in args], "outputs": outputs, "buffers": buffers}
         else:
             ctx = {"boundary": boundary, "outputs": outputs, "loss": loss}
         if loss is not None:
@@ -238,18 +244,16 @@ class StageWorker:
         self.ctx[k] = ctx
 
     def _do_r(self, a: Action) -> None:
-        """Recompute micro-batch k's forward with autograd on, from its saved inputs and with the
-        same random numbers. Buffers the forward mutates (BatchNorm statistics) are put back to
-        what the first forward left, so they are updated once per micro-batch."""
+        """Recompute micro-batch k's forward with autograd on, from its saved inputs, with the
+        same random numbers and on private copies of the buffer values its forward saw: the
+        module's buffers were updated once, by F k (BatchNorm statistics, in micro-batch order
+        as in eager training), and no tensor autograd saved is written in place."""
         k = a.index
         ctx = self.ctx[k]
         n_model = len(self.stage.model_inputs)
         args = ctx.pop("args")
         boundary = [x.requires_grad_(True) if f else x for x, f in zip(args[n_model:], self.float_in)]
-        outputs = self._run_module(k, a.version, args[:n_model] + boundary)
-        with torch.no_grad():
-            for n, b in self.stage.module.named_buffers():
-                b.copy_(ctx["buffers_after"][n])
+        outputs = self._run_module(k, a.version, args[:n_model] + boundary, buffers=ctx.pop("buffers"))
         ctx.update(boundary=boundary, outputs=outputs)
         if self.is_last:
             ctx["loss"] = self._loss(k, outputs, last_use=True)
@@ -310,32 +314,25 @@ class StageWorker:
 
     def _do_send_act(self, a: Action) -> None:
         outs = [o.detach() for o in self.ctx[a.index]["outputs"]]
-        self._post_send(outs, self.next)
+        self._post_send(outs, self.next, a)
 
     def _do_send_grad(self, a: Action) -> None:
-        self._post_send(self._input_grads, self.prev)
+        self._post_send(self._input_grads, self.prev, a)
         self._input_grads = None
 
-    def _post_send(self, tensors, peer) -> None:
-        self.sends.append((self.comm.isend(tensors, peer), tensors))
-        # Keep the tensors alive until their send completed; reap the finished ones.
-        if len(self.sends) > 8:
-            h, _ = self.sends.pop(0)
-            h.wait()
+    def _post_send(self, tensors, peer, a: Action) -> None:
+        # Keep the tensors alive until their send completed; forget the finished ones without
+        # waiting (a send never blocks the list: the schedule says when its peer receives).
+        while self.sends and self.sends[0].ready():
+            self.sends.popleft()
+        self.sends.append(self.comm.isend(tensors, peer, str(a)))
 
     def drain_sends(self) -> None:
-        for h, _ in self.sends:
+        for h in self.sends:
             h.wait()
         self.sends.clear()
 
     # reductions ------------------------------------------------------------
-
-    def _join(self, t: int, starts: Sequence[Kind]) -> None:
-        """Wait for batch ``t``'s reductions of the given kinds that are still in flight."""
-        for kind in starts:
-            h = self.reductions.pop((kind, t), None)
-            if h is not None:
-                h.wait()
 
     def _dp_ranges(self) -> list[tuple[torch.dtype, int, int]]:
         """(dtype, start, end) runs of the flat gradient buffers that the data-parallel
@@ -355,7 +352,7 @@ class StageWorker:
 
     def _do_dp_start(self, a: Action) -> None:
         grads = self.grad_pool[self._grads_slot(a.index)]
-        handles = [self.comm.all_reduce(grads[dt][lo:hi], f"dp:{self.index}") for dt, lo, hi in self.dp_ranges]
+        handles = [self.comm.all_reduce(grads[dt][lo:hi], f"dp:{self.index}", str(a)) for dt, lo, hi in self.dp_ranges]
         self.reductions[(Kind.DP_START, a.index)] = _Multi(handles)
 
     def _do_dp_wait(self, a: Action) -> None:
@@ -363,31 +360,27 @@ class StageWorker:
 
     def _do_tied_start(self, a: Action) -> None:
         views = self._grad_views[self._grads_slot(a.index)]
-        handles = [self.comm.all_reduce(views[n], g) for n, g in sorted(self.cfg.tied_groups.items()) if n in views]
+        handles = [self.comm.all_reduce(views[n], g, str(a)) for n, g in sorted(self.cfg.tied_groups.items()) if n in views]
         self.reductions[(Kind.TIED_START, a.index)] = _Multi(handles)
 
     def _do_tied_wait(self, a: Action) -> None:
         self.reductions.pop((Kind.TIED_START, a.index)).wait()
 
     def _do_norm_start(self, a: Action) -> None:
+        # The norm is that of the reduced gradient: the list waits for batch t's other
+        # reductions before this action (the validator checks it).
         t = a.index
-        # The norm is that of the reduced gradient: batch t's earlier reductions must be done.
-        self._join(t, (Kind.DP_START, Kind.TIED_START))
         views = self._grad_views[self._grads_slot(t)]
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, g in views.items():
             if self.cfg.tied_owner.get(name, True):  # a tied weight counts once, on its owner
                 sq += g.detach().double().pow(2).sum()
         self.norm_sq[t] = sq
-        self.reductions[(Kind.NORM_START, t)] = self.comm.all_reduce(sq, f"pipe:{self.replica}")
+        self.reductions[Kind.NORM_START, t] = self.comm.all_reduce(sq, f"pipe:{self.replica}", str(a))
 
     def _do_norm_wait(self, a: Action) -> None:
         t = a.index
-        h = self.reductions.pop((Kind.NORM_START, t), None)
-        if h is None:  # clip with no other reduction: the schedule starts and waits at once
-            self._do_norm_start(Action(self.index, Kind.NORM_START, t))
-            h = self.reductions.pop((Kind.NORM_START, t))
-        h.wait()
+        self.reductions.pop((Kind.NORM_START, t)).wait()
         total = self.norm_sq.pop(t).sqrt()
         # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up. Kept
         # a device tensor (no host sync on CUDA); multiplying by exactly 1.0 changes no gradient.
@@ -395,7 +388,6 @@ class StageWorker:
 
     def _do_update(self, a: Action) -> None:
         t = a.index
-        self._join(t, (Kind.DP_START, Kind.TIED_START, Kind.NORM_START))
         slot_g = self._grads_slot(t)
         grads = self.grad_pool[slot_g]
         coef = self.clip_coef.pop(t, None)

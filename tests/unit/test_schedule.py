@@ -158,34 +158,45 @@ def test_design_md_2bw_example_literally():
 
 
 def test_full_lists_with_p2p_2bw():
+    # Step 1 ends where stage 0 first needs batch 2's data (before F3). Stage 1 sends GRAD2
+    # within step 1, so stage 0 posts RECV_GRAD2 before its END_STEP1 too; stage 1's RECV_ACT3
+    # waits until after its own END_STEP1: stopping there leaves no post unmatched.
     lists = generate("2bw", 2, 2, 2)
     assert " ".join(map(str, lists[0])) == (
-        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0B1v0 0F3v0 0SEND_ACT3 0RECV_GRAD2 0B2v0 0UPDATE1 "
-        "0F4v0 0SEND_ACT4 0RECV_GRAD3 0RECV_GRAD4 0B3v0 0B4v0 0UPDATE2"
+        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0RECV_GRAD2 0B1v0 0END_STEP1 0F3v0 0SEND_ACT3 0B2v0 "
+        "0UPDATE1 0F4v0 0SEND_ACT4 0RECV_GRAD3 0RECV_GRAD4 0B3v0 0END_STEP2 0B4v0 0UPDATE2"
     )
     assert " ".join(map(str, lists[1])) == (
-        "1RECV_ACT1 1RECV_ACT2 1F1v0 1B1v0 1SEND_GRAD1 1RECV_ACT3 1F2v0 1B2v0 1SEND_GRAD2 1RECV_ACT4 1UPDATE1 "
-        "1F3v0 1B3v0 1SEND_GRAD3 1F4v0 1B4v0 1SEND_GRAD4 1UPDATE2"
+        "1RECV_ACT1 1RECV_ACT2 1F1v0 1B1v0 1SEND_GRAD1 1F2v0 1B2v0 1SEND_GRAD2 1UPDATE1 1END_STEP1 "
+        "1RECV_ACT3 1RECV_ACT4 1F3v0 1B3v0 1SEND_GRAD3 1F4v0 1B4v0 1SEND_GRAD4 1UPDATE2 1END_STEP2"
     )
 
 
 def test_full_lists_with_p2p_gpipe():
     lists = generate("gpipe", 2, 2, 1)
     assert " ".join(map(str, lists[0])) == (
-        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0RECV_GRAD2 0B1v0 0B2v0 0UPDATE1"
+        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0RECV_GRAD2 0B1v0 0B2v0 0UPDATE1 0END_STEP1"
     )
     assert " ".join(map(str, lists[1])) == (
-        "1RECV_ACT1 1RECV_ACT2 1F1v0 1F2v0 1B1v0 1SEND_GRAD1 1B2v0 1SEND_GRAD2 1UPDATE1"
+        "1RECV_ACT1 1RECV_ACT2 1F1v0 1F2v0 1B1v0 1SEND_GRAD1 1B2v0 1SEND_GRAD2 1UPDATE1 1END_STEP1"
     )
 
 
 def test_reductions_recompute_and_their_window_2bw():
     lists = generate("2bw", 2, 2, 2, width=2, tied=True, clip=True, recompute=[False, True])
+    # The cross-stage collectives sit at cuts that every channel respects: ACT3 is posted before
+    # TIED_START1 on both ranks, GRAD4 after NORM_START1 on both (NCCL's rule (b)).
     assert " ".join(map(str, lists[0])) == (
-        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0B1v0 0F3v0 0SEND_ACT3 0RECV_GRAD2 0B2v0 "
-        "0DP_START1 0TIED_START1 0F4v0 0SEND_ACT4 0RECV_GRAD3 0RECV_GRAD4 0B3v0 0B4v0 "
-        "0DP_WAIT1 0TIED_WAIT1 0NORM_START1 0NORM_WAIT1 0UPDATE1 "
+        "0F1v0 0SEND_ACT1 0F2v0 0SEND_ACT2 0RECV_GRAD1 0RECV_GRAD2 0B1v0 0END_STEP1 0F3v0 0SEND_ACT3 0B2v0 "
+        "0DP_START1 0TIED_START1 0F4v0 0SEND_ACT4 0RECV_GRAD3 0B3v0 0DP_WAIT1 0TIED_WAIT1 0NORM_START1 "
+        "0RECV_GRAD4 0END_STEP2 0B4v0 0NORM_WAIT1 0UPDATE1 "
         "0DP_START2 0TIED_START2 0DP_WAIT2 0TIED_WAIT2 0NORM_START2 0NORM_WAIT2 0UPDATE2"
+    )
+    assert " ".join(map(str, lists[1])) == (
+        "1RECV_ACT1 1RECV_ACT2 1F1v0 1R1v0 1B1v0 1SEND_GRAD1 1F2v0 1R2v0 1B2v0 1SEND_GRAD2 1DP_START1 "
+        "1END_STEP1 1RECV_ACT3 1TIED_START1 1RECV_ACT4 1F3v0 1R3v0 1B3v0 1SEND_GRAD3 1DP_WAIT1 1TIED_WAIT1 "
+        "1NORM_START1 1F4v0 1R4v0 1B4v0 1SEND_GRAD4 1NORM_WAIT1 1UPDATE1 "
+        "1DP_START2 1END_STEP2 1TIED_START2 1DP_WAIT2 1TIED_WAIT2 1NORM_START2 1NORM_WAIT2 1UPDATE2"
     )
     # The recomputing stage runs R k right before B k; batch 1's reductions overlap F3/B3/F4/B4.
     assert compute_only(lists[1]) == (
@@ -331,19 +342,24 @@ def test_planted_p2p_order_mismatch():
     lists = _lists(schedule="gpipe", steps=1)
     _swap(lists[1], "1SEND_GRAD1", "1SEND_GRAD2")
     _swap(lists[1], "1B1v0", "1B2v0")
-    with pytest.raises(ScheduleError, match="p2p order mismatch with stage 1: this is operation 3 between the two stages, but stage 1's operation 3 is 1SEND_GRAD2"):
+    with pytest.raises(ScheduleError, match=re.escape(
+        "point-to-point order mismatch between ranks 1 and 0: rank 1: send to rank 0 (1SEND_GRAD2) is matched "
+        "with rank 0: recv from rank 1 (0RECV_GRAD1)"
+    )):
         validate(lists, "gpipe", 2, 2, 1)
 
 
 def test_planted_deadlock():
-    # Stage 1 waits for the tied-weight sum before sending the gradient stage 0 needs to finish
-    # its backward and join that sum: a cycle only the replay can see.
+    # Stage 1 posts the tied-weight sum before the gradient stage 0 receives ahead of it: gloo
+    # would run this (it matches per direction and runs collectives on their own threads), NCCL
+    # can hang on it. Stage 0 blocks in B2 on the receive, stage 1 on the sum's wait.
     opts = {"tied": True}
     lists = _lists(schedule="1f1b", steps=1, **opts)
     send = Action.parse("1SEND_GRAD2")
     lists[1].remove(send)
-    lists[1].append(send)
-    with pytest.raises(ScheduleError, match=r"deadlock: every unfinished stage is blocked \(stage 0 at 0B2v0 \(position \d+\); stage 1 at 1TIED_WAIT1"):
+    lists[1].insert(lists[1].index(Action.parse("1TIED_START1")) + 1, send)
+    with pytest.raises(ScheduleError, match=r"deadlock: stage 0 at 0B2v0 \(position \d+\); stage 1 at 1TIED_WAIT1 .*posts never "
+                       r"completed: rank 0: recv from rank 1 \(0RECV_GRAD2\) waits: rank 1 first completes 1TIED_START1"):
         validate(lists, "1f1b", 2, 2, 1, **opts)
 
 
@@ -353,7 +369,11 @@ def test_planted_collective_order():
     lists[1] = [a for a in lists[1] if not (a.kind in (Kind.TIED_START, Kind.TIED_WAIT) and a.index == 1)]
     with pytest.raises(ScheduleError, match=r"missing TIED_START1"):
         validate(lists, "2bw", 2, 2, 3, **opts)
-    with pytest.raises(ScheduleError, match=r"TIED_START batches \[2, 3\] differ from stage 0's \[1, 2, 3\]"):
+    # Stage 0's sum of batch 1 finds no partner; posts complete in order, so its ACT4 never goes.
+    with pytest.raises(ScheduleError, match=re.escape(
+        "posts never completed: rank 0: collective on group 'TIED_START' (0TIED_START1) waits: no matching post "
+        "yet | rank 1: recv from rank 0 (1RECV_ACT4) waits: rank 0 first completes 0TIED_START1"
+    )):
         validate(lists, "2bw", 2, 2, 3, width=2)
 
 
