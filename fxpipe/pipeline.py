@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.func import functional_call
 
 from .comm import DistComm, LocalHub
 from .cost import DeviceModel
@@ -378,7 +377,8 @@ class Pipeline:
     def eval_step(self, inputs, target=None):
         """Forward-only pipelined loss of one global batch with the newest weights and dropout
         off (stages generated from a second, eval-mode trace that reads the training weights and
-        buffers). Flushes first. Returns the mean loss on the last stage's rank(s), else None."""
+        buffers), run as a forward-only schedule (:meth:`fxpipe.schedule.Program.eval`) by the
+        same executor. Flushes first. Returns the mean loss on the last stage's rank(s), else None."""
         self._require_setup("eval_step")
         self.flush()
         if self._eval is None:
@@ -387,10 +387,7 @@ class Pipeline:
         m, w, d = plan.microbatches, plan.width, plan.stages
         args, kwargs = normalize_inputs(inputs)
         chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
-        handoff: dict[tuple[int, int], list[torch.Tensor]] = {}
-        total, last = torch.zeros((), dtype=torch.float64, device=self.device), False
-        for r in sorted(self.workers, key=lambda r: stage_and_replica(r, d)[0]):
-            wk = self.workers[r]
+        for r, wk in self.workers.items():
             s, rep = stage_and_replica(r, d)
             stage = self._eval.stages[s]
             missing = [n for n in stage.param_names if n not in wk.leaves[0]]
@@ -405,28 +402,25 @@ class Pipeline:
                 for name, buf in wk.stage.module.named_buffers():  # e.g. BatchNorm statistics
                     if name in eval_buffers:
                         eval_buffers[name].copy_(buf)
-                newest = wk.newest_weights()
-                weights = {n: newest[n] for n in stage.param_names}
-                for j in range(m):
-                    named, tg = self._microbatch(chunks[rep * m + j])
-                    boundary: list[torch.Tensor] = []
-                    if s > 0:
-                        if self.distributed:
-                            boundary = [torch.empty(x.shape, dtype=x.torch_dtype, device=self.device)
-                                        for x in stage.input_specs]
-                            wk.comm.irecv(boundary, wk.prev).wait()
-                        else:
-                            boundary = handoff.pop((rep, j))
-                    out = functional_call(stage.module, weights, tuple(named[n] for n in stage.model_inputs) + tuple(boundary))
-                    if s < d - 1:
-                        if self.distributed:
-                            wk.comm.isend(list(out), wk.next).wait()
-                        else:
-                            handoff[(rep, j)] = list(out)
-                    else:
-                        last = True
-                        total += compute_loss(self.trace_info, self.opts["loss_fn"], out, tg).double()
-        return float(self._replica_mean(total)) if last else None
+            newest = wk.newest_weights()
+            wk.eval_stage, wk.eval_weights = stage, {n: newest[n] for n in stage.param_names}
+            wk.eval_loss.zero_()
+            for j in range(m):
+                named, tg = self._microbatch(chunks[rep * m + j])
+                wk.inputs[j + 1] = {n: named[n] for n in stage.model_inputs}
+                if s == d - 1 and self.opts["loss_fn"] is not None:
+                    wk.targets[j + 1] = tg
+        try:
+            self._execute(self.program.eval, "eval_step")
+            for wk in self.workers.values():
+                wk.drain_sends()
+        finally:
+            for wk in self.workers.values():
+                wk.eval_stage, wk.eval_weights = None, {}
+        last = [wk for r, wk in self.workers.items() if stage_and_replica(r, d)[0] == d - 1]
+        if not last:
+            return None
+        return float(self._replica_mean(sum(wk.eval_loss for wk in last)))
 
     def _build_eval(self):
         """Stages of an eval-mode trace, cut where the training stages are: each eval node takes

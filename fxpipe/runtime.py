@@ -130,6 +130,10 @@ class StageWorker:
         self.norm_sq: dict[int, torch.Tensor] = {}
         self.clip_coef: dict[int, torch.Tensor] = {}  # batch -> 0-dim factor on the device
         self.losses: dict[int, torch.Tensor] = {}
+        # eval_step: the eval-mode stage, the weights it reads and the loss summed on the last stage
+        self.eval_stage = None
+        self.eval_weights: dict[str, torch.Tensor] = {}
+        self.eval_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.input_specs = list(stage.input_specs)
         self.output_specs = list(stage.output_specs)
         # Gradients flow through floating-point boundary values only; both ends agree from specs.
@@ -202,7 +206,8 @@ class StageWorker:
         """The step's segment ends here; the driver returns to the caller."""
 
     def _do_recv_act(self, a: Action) -> None:
-        bufs = [torch.empty(s.shape, dtype=s.torch_dtype, device=self.device) for s in self.input_specs]
+        specs = self.input_specs if self.eval_stage is None else self.eval_stage.input_specs
+        bufs = [torch.empty(s.shape, dtype=s.torch_dtype, device=self.device) for s in specs]
         self.recv_act[a.index] = (bufs, self.comm.irecv(bufs, self.prev, str(a)))
 
     def _do_recv_grad(self, a: Action) -> None:
@@ -313,8 +318,25 @@ class StageWorker:
             x.grad = g
 
     def _do_send_act(self, a: Action) -> None:
-        outs = [o.detach() for o in self.ctx[a.index]["outputs"]]
-        self._post_send(outs, self.next, a)
+        ctx = self.ctx[a.index] if self.eval_stage is None else self.ctx.pop(a.index)
+        self._post_send([o.detach() for o in ctx["outputs"]], self.next, a)
+
+    def _do_eval(self, a: Action) -> None:
+        """Forward-only pass of micro-batch k through the eval-mode stage (``eval_step``)."""
+        k = a.index
+        stage = self.eval_stage
+        args = [self.inputs[k][name] for name in stage.model_inputs]
+        if k in self.recv_act:
+            bufs, h = self.recv_act.pop(k)
+            h.wait()
+            args += bufs
+        del self.inputs[k]
+        with torch.no_grad():
+            outputs = tuple(functional_call(stage.module, self.eval_weights, tuple(args)))
+            if self.is_last:
+                self.eval_loss += self._loss(k, outputs, last_use=True).double()
+            else:
+                self.ctx[k] = {"outputs": outputs}
 
     def _do_send_grad(self, a: Action) -> None:
         self._post_send(self._input_grads, self.prev, a)

@@ -159,6 +159,7 @@ class Kind(str, enum.Enum):
     NORM_START = "NORM_START"
     NORM_WAIT = "NORM_WAIT"
     END_STEP = "END_STEP"  # step t's segment ends: return to the caller, the rest needs batch t+1
+    EVAL = "EVAL"  # forward-only pass of micro-batch k with the newest weights, eval mode (eval_step)
 
     def __str__(self) -> str:  # "F", not "Kind.F"
         return self.value
@@ -191,6 +192,7 @@ SPEC: dict[Kind, KindSpec] = {
     Kind.NORM_START: KindSpec("reduce", True, "collective", None, "reduce"),
     Kind.NORM_WAIT: KindSpec("compute", True, None, Kind.NORM_START, None),
     Kind.END_STEP: KindSpec("compute", True, None, None, None),
+    Kind.EVAL: KindSpec("compute", False, None, Kind.RECV_ACT, "forward"),
 }
 assert set(SPEC) == set(Kind), "every Kind needs its SPEC entry"
 
@@ -508,6 +510,27 @@ class Program:
     def drain(self, stage: int, t: int, epoch_start: int = 0) -> list[Action]:
         """What stage ``stage`` runs at a flush after step ``t`` (empty when nothing is in flight)."""
         return self._moved(stage, t, epoch_start, 1)
+
+    def eval(self, stage: int) -> list[Action]:
+        """A forward-only pass over one batch (``eval_step``, after a flush): stage ``stage``
+        evaluates micro-batches 1..m in order, each receive posted one micro-batch ahead."""
+        return eval_list(stage, self.stages, self.microbatches)
+
+
+def eval_list(stage: int, stages: int, microbatches: int) -> list[Action]:
+    """``RECV_ACT1``, then per micro-batch k: ``RECV_ACT k+1``, ``EVAL k``, ``SEND_ACT k`` (the
+    receives only past the first stage, the sends only before the last)."""
+    out: list[Action] = []
+    recv = stage > 0
+    if recv:
+        out.append(Action(stage, Kind.RECV_ACT, 1))
+    for k in range(1, microbatches + 1):
+        if recv and k < microbatches:
+            out.append(Action(stage, Kind.RECV_ACT, k + 1))
+        out.append(Action(stage, Kind.EVAL, k))
+        if stage < stages - 1:
+            out.append(Action(stage, Kind.SEND_ACT, k))
+    return out
 
 
 def _core_list(
@@ -1082,26 +1105,21 @@ def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
     ops: list[StreamOp] = []
     last_b: str | None = None
     for a in actions:
+        stream = stream_of(a)
+        need = SPEC[a.kind].waits  # the one local wait of deps' model (waits_for)
         waits: list[str] = []
-        if a.kind in COMPUTE or a.kind is Kind.UPDATE or a.kind in WAITS:
-            stream = "compute"
-            if a.kind is Kind.F and (Kind.RECV_ACT, a.index) in key:
-                waits.append(key[Kind.RECV_ACT, a.index])
-            elif a.kind is Kind.B and (Kind.RECV_GRAD, a.index) in key:
-                waits.append(key[Kind.RECV_GRAD, a.index])
-            elif a.kind in WAITS:
-                waits.append(key.get((_START_OF[a.kind], a.index), str(Action(a.stage, _START_OF[a.kind], a.index))))
-            if a.kind is Kind.B:
-                last_b = str(a)
-        elif a.kind in P2P:
-            stream = "p2p_next" if a.peer > a.stage else "p2p_prev"
-            if a.kind in SENDS:
-                source = Kind.F if a.kind is Kind.SEND_ACT else Kind.B
-                if (source, a.index) not in key:
-                    raise ScheduleError(f"{a} sends a tensor that no {a.stage}{source}{a.index} in this list produces: put the send after it")
-                waits.append(key[source, a.index])
-        else:
-            stream = "reduce"
+        if need is not None and (need, a.index) in key:
+            waits.append(key[need, a.index])
+        elif need in STARTS:  # a join without its start never becomes ready
+            waits.append(str(Action(a.stage, need, a.index)))
+        if a.kind is Kind.B:
+            last_b = str(a)
+        elif a.kind in SENDS:
+            source = Kind.F if a.kind is Kind.SEND_ACT else Kind.B
+            if (source, a.index) not in key:
+                raise ScheduleError(f"{a} sends a tensor that no {a.stage}{source}{a.index} in this list produces: put the send after it")
+            waits.append(key[source, a.index])
+        elif stream == "reduce":
             if last_b is not None:
                 waits.append(last_b)
             if a.kind is Kind.NORM_START:

@@ -34,10 +34,12 @@ from fxpipe.schedule import (
     P2P,
     STARTS,
     WAITS,
+    SPEC,
     Action,
     Kind,
     format_actions,
     lower_to_streams,
+    stream_of,
 )
 
 __all__ = [
@@ -111,14 +113,6 @@ class Timeline:
         return sorted({e.rank for e in self.events})
 
 
-def _stream_of(action: Action) -> str:
-    if action.kind in COMPUTE or action.kind is Kind.UPDATE or action.kind in WAITS:
-        return "compute"
-    if action.kind in P2P:
-        return "p2p_next" if action.peer > action.stage else "p2p_prev"
-    return "reduce"
-
-
 def _derive(events: list[Event], steps_hint: int | None = None) -> Timeline:
     """Makespan, steady-state step time, bubble and peak in-flight micro-batches of a set of events."""
     if not events:
@@ -175,15 +169,8 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
         return max([free[key], *times])
 
     def duration(s: int, a: Action) -> float:
-        if a.kind is Kind.F:
-            return costs.per_stage("forward", s)
-        if a.kind is Kind.R:
-            return costs.per_stage("recompute", s)
-        if a.kind is Kind.B:
-            return costs.per_stage("backward", s)
-        if a.kind is Kind.UPDATE:
-            return costs.update
-        return 0.0
+        name = SPEC[a.kind].cost
+        return 0.0 if name is None else costs.per_stage(name, s)
 
     def finish(key, start: float, end: float) -> None:
         op = streams[key][head[key]]
@@ -253,7 +240,7 @@ def timeline_from_events(events: Iterable[tuple[int, str, float, float]]) -> Tim
     out = []
     for rank, text, start, end in events:
         a = Action.parse(text)
-        out.append(Event(int(rank), str(a), _stream_of(a), float(start), float(end)))
+        out.append(Event(int(rank), str(a), stream_of(a), float(start), float(end)))
     return _derive(out)
 
 
