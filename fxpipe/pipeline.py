@@ -399,7 +399,7 @@ class Pipeline:
                 )
             with torch.no_grad():
                 eval_buffers = dict(stage.module.named_buffers())
-                for name, buf in wk.stage.module.named_buffers():  # e.g. BatchNorm statistics
+                for name, buf in wk.buffers.items():  # e.g. BatchNorm statistics
                     if name in eval_buffers:
                         eval_buffers[name].copy_(buf)
             newest = wk.newest_weights()

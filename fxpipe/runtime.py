@@ -79,7 +79,11 @@ class StageWorker:
         layout = stage.flat.layout
         self.layout = layout
         slots = 2 if cfg.schedule == "2bw" else 1
-        self.slots = [stage.flat.buffers] + [stage.flat.clone_buffers() for _ in range(slots - 1)]
+        # In one process the replicas of a stage share its generated module: each worker owns
+        # its weights and module buffers (BatchNorm statistics), as a rank of its own would.
+        own = [stage.flat.buffers] if replica == 0 else []
+        self.slots = own + [stage.flat.clone_buffers() for _ in range(slots - len(own))]
+        self.buffers = {n: b.detach().clone() for n, b in stage.module.named_buffers()}
         # Leaves per slot: the tensors autograd sees. One set per slot, created once.
         self.leaves = [self._make_leaves(b) for b in self.slots]
         # A stage with reductions to overlap (data parallel, tied weights, clipping) keeps two
@@ -135,6 +139,7 @@ class StageWorker:
         self.eval_weights: dict[str, torch.Tensor] = {}
         self.eval_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.input_specs = list(stage.input_specs)
+        self._written_args = _written_args(stage.module)
         self.output_specs = list(stage.output_specs)
         # Gradients flow through floating-point boundary values only; both ends agree from specs.
         self.float_out = [s is not None and s.torch_dtype.is_floating_point for s in self.output_specs]
@@ -169,11 +174,13 @@ class StageWorker:
             yield
 
     def _run_module(self, k: int, version: int, args: Sequence[torch.Tensor], buffers=None):
-        """The stage's forward on weight ``version``; ``buffers`` (name -> tensor) replaces the
-        module's own buffers for this call (a recomputation reads what the forward saw)."""
-        tensors = self.leaves[self._slot(version)]
-        if buffers:
-            tensors = {**tensors, **buffers}
+        """The stage's forward on weight ``version`` and this worker's buffers, or ``buffers``
+        (name -> tensor; a recomputation reads private copies of what its forward saw)."""
+        tensors = {**self.leaves[self._slot(version)], **(self.buffers if buffers is None else buffers)}
+        # An argument the stage writes in place (``x += residual`` right after a cut) is passed
+        # as a copy: the boundary leaf autograd differentiates to, and the inputs a recomputation
+        # reads again, must stay as they arrived.
+        args = [x.clone() if i in self._written_args else x for i, x in enumerate(args)]
         with self._rng(k):
             out = functional_call(self.stage.module, tensors, tuple(args))
         return tuple(out)
@@ -234,7 +241,7 @@ class StageWorker:
         args, boundary = self._forward_inputs(k)
         del self.inputs[k]
         recompute = self.cfg.recompute
-        buffers = {n: b.clone() for n, b in self.stage.module.named_buffers()} if recompute else None
+        buffers = {n: b.clone() for n, b in self.buffers.items()} if recompute else None
         with torch.no_grad() if recompute else contextlib.nullcontext():
             outputs = self._run_module(k, a.version, args)
             loss = self._loss(k, outputs, last_use=not recompute) if self.is_last else None
@@ -455,7 +462,7 @@ class StageWorker:
 
     def layout_names(self) -> list[str]:
         """Canonical names of everything this stage checkpoints: parameters, then buffers."""
-        return [s.name for s in self.layout.slots] + [n for n, _ in self.stage.module.named_buffers()]
+        return [s.name for s in self.layout.slots] + list(self.buffers)
 
     def newest_weights(self) -> dict[str, torch.Tensor]:
         """Views of the newest weight version (after the last UPDATE), detached."""
@@ -464,8 +471,8 @@ class StageWorker:
     def local_state(self) -> dict[str, torch.Tensor]:
         """This stage's newest weights and its buffers under canonical names (CPU copies)."""
         sd = {n: v.to("cpu", copy=True) for n, v in self.newest_weights().items()}
-        for n, b in self.stage.module.named_buffers():
-            sd[n] = b.detach().to("cpu", copy=True)
+        for n, b in self.buffers.items():
+            sd[n] = b.to("cpu", copy=True)
         return sd
 
     def load_local_state(self, sd: dict[str, torch.Tensor]) -> None:
@@ -475,7 +482,7 @@ class StageWorker:
                 views = self.layout.views(slot)
                 for n, v in views.items():
                     v.copy_(sd[n])
-            for n, b in self.stage.module.named_buffers():
+            for n, b in self.buffers.items():
                 if n in sd:
                     b.copy_(sd[n])
 
@@ -490,6 +497,20 @@ class _Multi(Handle):
     def wait(self) -> None:
         for h in self.handles:
             h.wait()
+
+
+def _written_args(module: torch.fx.GraphModule) -> set[int]:
+    """Positions of the module's arguments that some operation writes in place (per its schema)."""
+    placeholders = {n: i for i, n in enumerate(n for n in module.graph.nodes if n.op == "placeholder")}
+    written = set()
+    for node in module.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for arg, value in zip(schema.arguments, node.args):
+            if arg.alias_info is not None and arg.alias_info.is_write and value in placeholders:
+                written.add(placeholders[value])
+    return written
 
 
 def compute_loss(trace_info, loss_fn: Callable | None, outputs: Sequence[torch.Tensor], target) -> torch.Tensor:

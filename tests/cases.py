@@ -14,14 +14,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tests.models import bert_tiny, gpt2_tiny, llama_tiny, rmsnorm_residual
+from tests.models import bert_tiny, cnn_bn, gpt2_tiny, llama_tiny, resnet_tiny, rmsnorm_residual
 from tests.reference import train_2bw, train_flush
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
-    model: str = "rmsnorm"  # "rmsnorm" (x * weight saved by reference), "gpt2" (tied weights), "llama", "bert" (mask input)
+    # "rmsnorm" (x * weight saved by reference), "gpt2" (tied weights), "llama", "bert" (mask input),
+    # "cnn" and "resnet" (BatchNorm: buffers every forward updates)
+    model: str = "rmsnorm"
     schedule: str = "2bw"
     stages: int = 2
     width: int = 1
@@ -78,6 +80,15 @@ def build(case: Case):
             for _ in range(case.steps)
         ]
         loss_fn = lm_loss
+    elif case.model == "cnn":
+        model, example = cnn_bn(batch=case.mb)
+        batches = [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(case.steps)]
+        loss_fn = F.cross_entropy
+    elif case.model == "resnet":
+        model, example = resnet_tiny(batch=case.mb, labels=True)
+        batches = [({"pixel_values": torch.randn(n, 3, 16, 16, generator=g), "labels": torch.randint(0, 10, (n,), generator=g)}, None)
+                   for _ in range(case.steps)]
+        loss_fn = None
     elif case.model == "bert":
         model, example = bert_tiny(batch=case.mb, seq=8, labels=True)
         batches = []
@@ -144,7 +155,12 @@ def compare(case: Case, losses, state, rtol: float = 1e-5, device: str = "cpu") 
     if len(losses) != len(ref_losses):
         bad.append(f"{case.name}: {len(losses)} losses, reference has {len(ref_losses)}")
     for key, ref in ref_state.items():
-        if not ref.is_floating_point():
+        if key not in state:
+            bad.append(f"{case.name}: state_dict lacks {key!r}")
+            continue
+        if not ref.is_floating_point():  # e.g. BatchNorm's num_batches_tracked
+            if not torch.equal(state[key], ref):
+                bad.append(f"{case.name}: {key!r} is {state[key].tolist()}, reference {ref.tolist()}")
             continue
         if key not in state:
             bad.append(f"{case.name}: state_dict lacks {key!r}")
@@ -194,6 +210,17 @@ CASES = {
         Case("d3_dropout_1f1b", schedule="1f1b", stages=3, optimizer="sgd", dropout=0.3),
         # four stages: the tied weight spans stages 0 and 3, recomputation everywhere
         Case("d4_gpt2_2bw", model="gpt2", schedule="2bw", stages=4, optimizer="sgd", max_grad_norm=1.0, recompute=True),
+        # buffers a forward updates (BatchNorm statistics) or reads (BERT's position ids), with
+        # recomputation: weights AND running statistics equal eager training
+        Case("cnn_2bw_recompute", model="cnn", schedule="2bw", optimizer="sgd", recompute=True, steps=6),
+        Case("cnn_1f1b_recompute", model="cnn", schedule="1f1b", optimizer="adamw", recompute=True, steps=6),
+        Case("cnn_gpipe_recompute", model="cnn", schedule="gpipe", optimizer="sgd", recompute=True, steps=6),
+        Case("resnet_2bw_recompute", model="resnet", schedule="2bw", optimizer="sgd", recompute=True, steps=6),
+        Case("resnet_1f1b_recompute", model="resnet", schedule="1f1b", optimizer="sgd", recompute=True, steps=6),
+        Case("resnet_gpipe_recompute", model="resnet", schedule="gpipe", optimizer="sgd", recompute=True, steps=6),
+        Case("bert_2bw_recompute", model="bert", schedule="2bw", optimizer="sgd", recompute=True, steps=6),
+        Case("bert_1f1b_recompute", model="bert", schedule="1f1b", optimizer="sgd", recompute=True, steps=6),
+        Case("bert_gpipe_recompute", model="bert", schedule="gpipe", optimizer="sgd", recompute=True, steps=6),
     ]
 }
 

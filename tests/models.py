@@ -211,6 +211,20 @@ def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 
     return model, inputs
 
 
+def resnet_tiny(*, seed: int = 0, batch: int = 2, size: int = 16, labels: bool = False):
+    """Hugging Face ``ResNetForImageClassification`` (two basic stages, 8 and 16 channels,
+    BatchNorm everywhere: buffers a forward updates), input ``pixel_values (batch, 3, size, size)``."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    config = tf.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1],
+                             layer_type="basic", num_labels=10)
+    model = tf.ResNetForImageClassification(config)
+    inputs = {"pixel_values": torch.randn(batch, 3, size, size)}
+    if labels:
+        inputs["labels"] = torch.randint(0, 10, (batch,))
+    return model, inputs
+
+
 def llama_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):
     """Hugging Face ``LlamaForCausalLM`` (2 layers, 32 wide, 4 query heads sharing 2 key/value
     heads, rotary positions, RMSNorm — ``x * weight``, saved by reference — SwiGLU, untied

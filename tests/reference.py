@@ -70,19 +70,26 @@ def train_flush(model, batches, m, loss_fn, optimizer_factory, max_grad_norm=Non
 
 def train_2bw(model, batches, m, loss_fn, optimizer_factory, max_grad_norm=None):
     """W(t) = W(t-1) - lr * g_t where g_t is batch t's mean gradient at W(max(t-2, 0)).
-    Returns (losses, model holding the newest weights)."""
+    Buffers are not versioned: every forward reads and updates the one set (BatchNorm statistics
+    advance once per micro-batch, in order, as in eager training). Returns (losses, model holding
+    the newest weights and the buffers after the last forward)."""
     model = copy.deepcopy(model)
     opt = optimizer_factory(list(model.named_parameters()))
-    snapshots = [copy.deepcopy(model.state_dict())]  # snapshots[v] = W(v)
-    probe = copy.deepcopy(model)  # computes gradients on an older version
+    snapshots = [{n: p.detach().clone() for n, p in model.named_parameters()}]  # snapshots[v] = W(v)
+    probe = copy.deepcopy(model)  # computes gradients on an older version; owns the buffers
     losses = []
     for t, batch in enumerate(batches, start=1):
-        probe.load_state_dict(snapshots[max(t - 2, 0)])
+        with torch.no_grad():
+            for n, p in probe.named_parameters():
+                p.copy_(snapshots[max(t - 2, 0)][n])
         grads, loss = _mean_grad(probe, batch, m, loss_fn)
         grads = _clip(grads, max_grad_norm)
         for n, p in model.named_parameters():
             p.grad = grads.get(n)
         opt.step()
-        snapshots.append(copy.deepcopy(model.state_dict()))
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
         losses.append(loss)
+    with torch.no_grad():
+        for (_, b), (_, pb) in zip(model.named_buffers(), probe.named_buffers()):
+            b.copy_(pb)
     return losses, model
