@@ -1,0 +1,186 @@
+"""Every real post, recorded under gloo, obeys NCCL's rules (docs/design.md, "The NCCL contract").
+
+gloo matches point-to-point messages per direction and tag and runs collectives on their own
+threads, so a green gloo run proves nothing about NCCL. Here each rank records every
+``torch.distributed`` call fxpipe makes -- ``isend``/``irecv`` and every collective -- across
+``step, step, flush, step, eval_step, state_dict``, and the parent checks on the recordings:
+
+(a) the n-th operation rank a posts towards rank b is the counterpart (send vs receive, same
+    size and dtype) of the n-th operation b posts towards a;
+(b) all ranks' posts fit one global order: the graph whose nodes are matched operations (a p2p
+    pair, or one collective across its members) and whose edges are each rank's post order has
+    no cycle.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.dist.harness import run_function
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
+
+# (model, schedule, stages, clip, recompute); the width is world / stages
+CONFIGS = {
+    2: [("gpt2", s, 2, True, r) for s in ("2bw", "1f1b", "gpipe") for r in (False, True)]
+    + [("rms", "2bw", 2, False, False)],
+    3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")] + [("rms", "2bw", 3, True, False)],
+    4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe") for d in (2, 4)] + [("rms", "2bw", 2, True, False)],
+    6: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")],
+}
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")
+
+
+def _record_posts(log: list) -> None:
+    """Wrap torch.distributed's entry points so each top-level call appends one record."""
+    depth = [0]
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def recorded(*args, **kwargs):
+            if depth[0] == 0:
+                if name in ("isend", "irecv"):
+                    tensor, peer = args[0], args[1]
+                    log.append((name, peer, tensor.numel(), str(tensor.dtype)))
+                else:
+                    group = kwargs.get("group")
+                    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+                    first = args[0] if args else None
+                    size = first.numel() if isinstance(first, torch.Tensor) else None
+                    log.append((name, ranks, size, str(first.dtype) if isinstance(first, torch.Tensor) else None))
+            depth[0] += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+
+        return recorded
+
+    for name in ("isend", "irecv") + _COLLECTIVES:
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+
+
+def record(rank: int, world: int) -> list:
+    """Run every configuration of this world size; return the posts of each."""
+    import fxpipe
+    from tests.cases import lm_loss
+    from tests.models import gpt2_tiny, rmsnorm_residual
+
+    out = []
+    for model_name, schedule, d, clip, recompute in CONFIGS[world]:
+        w = world // d
+        if model_name == "gpt2":
+            model, example = gpt2_tiny(batch=1, seq=4, labels=True)
+            ids = torch.randint(0, 100, (d * w, 4), generator=torch.Generator().manual_seed(0))
+            batch, target, loss_fn = {"input_ids": ids, "labels": ids}, None, None
+        else:
+            model, example = rmsnorm_residual(batch=1)
+            x = torch.randint(0, 50, (d * w, 8), generator=torch.Generator().manual_seed(0))
+            batch, target, loss_fn = x, x, lm_loss
+        pipe = fxpipe.compile(model, example, loss_fn=loss_fn, microbatches=d, schedule=schedule, stages=d,
+                              max_grad_norm=1.0 if clip else None, recompute=recompute or None, verbose=False,
+                              optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
+        log: list = []
+        saved = {name: getattr(dist, name) for name in ("isend", "irecv") + _COLLECTIVES}
+        _record_posts(log)
+        try:
+            pipe.step(batch, target)
+            pipe.step(batch, target)
+            pipe.flush()
+            pipe.step(batch, target)
+            pipe.eval_step(batch, target)
+            pipe.state_dict()
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+        out.append(((model_name, schedule, d, w, clip, recompute), log))
+        dist.barrier()
+    return out
+
+
+def check(world: int, per_rank: list[list]) -> list[str]:
+    """Rules (a) and (b) on the recordings of every configuration; returns the violations."""
+    problems = []
+    for i, (config, _) in enumerate(per_rank[0]):
+        logs = {r: per_rank[r][i][1] for r in range(world)}
+        # (a) per ordered pair, then the matched nodes of the global graph
+        node_of: dict[tuple[int, int], tuple] = {}  # (rank, position) -> node
+        for a in range(world):
+            for b in range(a + 1, world):
+                mine = [(p, op) for p, op in enumerate(logs[a]) if op[0] in ("isend", "irecv") and op[1] == b]
+                theirs = [(p, op) for p, op in enumerate(logs[b]) if op[0] in ("isend", "irecv") and op[1] == a]
+                if len(mine) != len(theirs):
+                    problems.append(f"{config}: rank {a} posts {len(mine)} ops towards {b}, rank {b} {len(theirs)} back")
+                for n, ((pa, x), (pb, y)) in enumerate(zip(mine, theirs)):
+                    if {x[0], y[0]} != {"isend", "irecv"} or x[2:] != y[2:]:
+                        problems.append(f"{config}: op {n} between ranks {a} and {b} is {x} on {a} but {y} on {b}")
+                    node_of[a, pa] = node_of[b, pb] = ("p2p", a, b, n)
+        seen: dict[tuple, int] = defaultdict(int)
+        for r in range(world):
+            for p, op in enumerate(logs[r]):
+                if op[0] in _COLLECTIVES:
+                    key = (op[0], op[1])
+                    node_of[r, p] = ("coll", key, seen[r, key])
+                    seen[r, key] += 1
+        # (b) one global order: Kahn's algorithm over program-order edges between nodes
+        edges: dict[tuple, set] = defaultdict(set)
+        nodes = set(node_of.values())
+        for r in range(world):
+            seq = [node_of[r, p] for p in range(len(logs[r]))]
+            for u, v in zip(seq, seq[1:]):
+                edges[u].add(v)
+        indeg = {n: 0 for n in nodes}
+        for u in edges:
+            for v in edges[u]:
+                indeg[v] += 1
+        ready = [n for n, k in indeg.items() if k == 0]
+        done = 0
+        while ready:
+            u = ready.pop()
+            done += 1
+            for v in edges[u]:
+                indeg[v] -= 1
+                if indeg[v] == 0:
+                    ready.append(v)
+        if done != len(nodes):
+            stuck = sorted((str(n) for n, k in indeg.items() if k > 0))[:6]
+            problems.append(f"{config}: the posts form a cycle (no global order); nodes on or after it: {stuck}")
+        if not any(op[0] in ("isend", "irecv") for log in logs.values() for op in log):
+            problems.append(f"{config}: nothing was recorded")
+    return problems
+
+
+def _run(world: int, timeout: float) -> None:
+    results = run_function(world, "tests.dist.test_post_order:record", timeout=timeout)
+    errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if res["error"]]
+    assert not errors, "\n".join(errors)
+    per_rank = [res["value"] for res in results]
+    assert len(per_rank[0]) == len(CONFIGS[world])
+    problems = check(world, per_rank)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_posts_pair_up_and_fit_one_global_order(world):
+    _run(world, 240)
+
+
+@pytest.mark.slow
+def test_posts_pair_up_and_fit_one_global_order_six_ranks():
+    _run(6, 480)
+
+
+def test_the_checker_sees_a_send_against_a_send_and_a_cycle():
+    # The issue's 2bw recording on the landed code: op 7 was a send on both ranks.
+    bad = [[("cfg", [("isend", 1, 4, "f"), ("irecv", 1, 4, "f")])], [("cfg", [("isend", 0, 4, "f"), ("irecv", 0, 4, "f")])]]
+    assert "op 0 between ranks 0 and 1" in check(2, bad)[0]
+    # A collective before a p2p op on one rank and after it on the other: a cycle.
+    cyc = [[("cfg", [("all_reduce", (0, 1), 1, "f"), ("isend", 1, 4, "f")])],
+           [("cfg", [("irecv", 0, 4, "f"), ("all_reduce", (0, 1), 1, "f")])]]
+    assert "cycle" in check(2, cyc)[0]
