@@ -6,8 +6,9 @@
 Trains the demo GPT with 2bw on gloo ranks: its embedding and lm_head are tied, so the first and
 last stage all-reduce that gradient; clipping makes every stage all-reduce its squared gradient
 norm; with w = 2 every stage also all-reduces its gradients with its replica. fxpipe starts batch
-t's reductions after its last backward and joins them (``*_WAIT`` actions) only before UPDATE t,
-while batch t+1's forwards and backwards run. For each rank this prints:
+t's reductions after its last backward (the cross-stage ones at cuts every rank reaches in the
+same order, docs/design.md) and joins them (``*_WAIT`` actions) only before UPDATE t, while batch
+t+1's forwards and backwards run. For each rank this prints:
 
 * ``alone``: the same reductions (one batch's START and WAIT actions, run by the runtime's own
   code) with nothing else to do, all ranks in step — what they cost if nothing hid them;
@@ -71,7 +72,8 @@ def _rank(rank: int, world: int, store: str, out: str, steps: int, width: int) -
     # The same reductions alone: replay one batch's START/WAIT actions, in list order, as a batch
     # number no step uses, every rank together; each action timed, summed per reduction.
     (r, wk), = pipe.workers.items()
-    mine = [a for a in pipe._lists[r] if (a.kind in STARTS or a.kind in WAITS) and a.index == 1]
+    first_steps = [a for t in (1, 2) for a in pipe.program.segment(wk.index, t)] + pipe.program.drain(wk.index, 2)
+    mine = [a for a in first_steps if (a.kind in STARTS or a.kind in WAITS) and a.index == 1]
     alone: dict[str, list[float]] = {}
     for rep in range(11):
         batch = 10**6 + rep

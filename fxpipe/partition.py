@@ -21,7 +21,7 @@ optimum of::
 with ``A(l, r)`` the bytes of every output of the stage's nodes (what autograd may save; it
 includes the values the stage sends, whose storage the gradient received for them takes over
 once sent, as Megatron-LM's ``deallocate_output_tensor`` does), ``I(l)`` the bytes crossing its
-input cut, and ``k_s, j_s`` from the schedule (DESIGN.md, PipeDream-2BW §3): ``n_s = d - s``
+input cut, and ``k_s, j_s`` from the schedule (docs/design.md; PipeDream-2BW §3): ``n_s = d - s``
 micro-batches in flight under 1f1b/2bw, ``m`` under gpipe; ``k_s = n_s, j_s = 0`` without
 recomputation, ``k_s = 1, j_s = n_s`` with it.
 
@@ -489,6 +489,14 @@ class _Candidate:
         return (-self.throughput, self.d, self.w, -self.b, self.recompute)
 
 
+def pipeline_time(schedule: str, stages: int, microbatches: int, bottleneck: float) -> float:
+    """Steady-state time of one step when every stage takes ``bottleneck`` per micro-batch
+    (forward + backward) and communication is free: 2bw never drains, so a step is m stage
+    times; 1f1b and gpipe fill and drain the pipeline every step, m + d - 1. Equal to what
+    :func:`fxpipe.simulate.simulate` measures on the generated lists (tests/unit/test_simulate.py)."""
+    return (microbatches if schedule == "2bw" else microbatches + stages - 1) * bottleneck
+
+
 def _divisors(x: int) -> list[int]:
     return [k for k in range(1, x + 1) if x % k == 0]
 
@@ -641,7 +649,7 @@ def plan(
                     raise
                 smallest_fit = min(smallest_fit, min_memory(chain, sm))
                 continue
-            pipe = (m if schedule == "2bw" else m + d - 1) * part.bottleneck
+            pipe = pipeline_time(schedule, d, m, part.bottleneck)
             grad_bytes = max(float(sum(chain.tensor_param_bytes[p] for p in _held(chain, l, r))) for l, r in part.bounds)
             ar = device.allreduce_time(grad_bytes, w)
             # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the

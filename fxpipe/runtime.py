@@ -7,7 +7,7 @@ list does. It only checks, for each action, whether the data it needs has arrive
 (:meth:`StageWorker.ready`), so the same worker runs one-per-process under ``torchrun`` and
 all-in-one-process in the debugging mode, where a driver interleaves the workers.
 
-Weight versions (DESIGN.md, "Weight-update semantics"): version ``v`` lives in slot ``v % 2``
+Weight versions (docs/design.md, "Weight-update semantics"): version ``v`` lives in slot ``v % 2``
 of a pair of flat buffers per dtype (one slot for 1f1b/gpipe). Each slot has its own leaf
 tensors (views of the flat buffer) that the stage module reads through
 ``torch.func.functional_call``, so a micro-batch's forward and backward see the very tensors

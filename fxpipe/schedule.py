@@ -1,8 +1,12 @@
 """Pipeline schedules as data: per-stage action lists for gpipe, 1f1b and 2bw, checked and lowered.
 
-A schedule is a dict ``{stage: [Action, ...]}``: what one rank of that stage does, in order.
-Nothing here runs a model or touches a process group; the runtime interprets the lists, the
-simulator (:mod:`fxpipe.simulate`) times them, and :func:`validate` proves the invariants.
+A schedule is what one rank of each stage does, in order: a :class:`Program` hands out one
+*segment* per step (ending with ``END_STEP t``), a *drain* for a flush and an *eval* pass, all
+generated on demand and periodic, so nothing grows with the run. :func:`generate` concatenates
+the segments of a fixed number of steps and a flush into ``{stage: [Action, ...]}``. Nothing here
+runs a model or touches a process group; the runtime executes the lists, the simulator
+(:mod:`fxpipe.simulate`) times them, and :func:`validate` proves the invariants. docs/design.md
+("The schedule IR", "The NCCL contract") explains the design; this docstring is the reference.
 
 Actions
 -------
@@ -23,13 +27,16 @@ Actions
     0NORM_START1 issue the all-reduce of batch 1's squared gradient norm (all stages of a replica)
     0NORM_WAIT1  wait for it (the global norm is then known: clip, then update)
     0UPDATE1     optimizer step with batch 1's gradients: produces weight version W(1)
+    0END_STEP1   step 1's segment ends: return to the caller (what follows needs batch 2)
+    1EVAL3       eval_step: forward-only pass of micro-batch 3, newest weights, eval mode
 
-``index`` is the micro-batch ``k`` for F, R, B, SEND_* and RECV_*, and the batch ``t`` for UPDATE
-and the reductions. Micro-batches are numbered 1..steps*m over the whole run; batch ``t``
-(1-indexed) holds micro-batches ``(t-1)*m+1 .. t*m``. ``version`` is set on F, R and B only.
+Each kind is declared once in :data:`SPEC` (stream, index type, what it posts, what it waits
+for); every consumer reads it. ``index`` is the micro-batch ``k`` for F, R, B, EVAL, SEND_* and
+RECV_*, and the batch ``t`` for the rest. Micro-batches are numbered 1..steps*m over the whole run;
+batch ``t`` (1-indexed) holds micro-batches ``(t-1)*m+1 .. t*m``. ``version`` is set on F, R, B.
 
-Weight versions (DESIGN.md, "Weight-update semantics")
-------------------------------------------------------
+Weight versions (docs/design.md, "Weight-update semantics")
+-----------------------------------------------------------
 * gpipe, 1f1b: micro-batches of batch ``t`` use ``W(t-1)``; ``UPDATE t`` runs after the stage's
   last backward of batch ``t`` and before its first forward of batch ``t+1`` (a flush).
 * 2bw (PipeDream-2BW, arXiv 2006.09503, section 3.1): micro-batch ``k`` uses
@@ -38,64 +45,51 @@ Weight versions (DESIGN.md, "Weight-update semantics")
   stage's last backward of batch ``t`` and before its first forward of batch ``t+2`` — the first
   forward that uses ``W(t)``. At most two versions are alive per stage. No flush between steps.
 * Gradient buffers: a stage accumulates batch ``t``'s gradient in one accumulator. Without a
-  reduction, ``UPDATE t`` therefore precedes the stage's first backward of batch ``t+1``. A
-  ``*_START t`` hands the accumulated gradient over to the reduction (the runtime swaps in a
-  zeroed spare accumulator), so batch ``t+1`` can accumulate while batch ``t`` reduces; then
-  ``UPDATE t`` precedes the next ``*_START t+1``: at most two gradient buffers per stage.
-  The validator checks both rules.
+  reduction, ``UPDATE t`` therefore precedes the stage's first backward of batch ``t+1``. A stage
+  with reductions (``width > 1``, a tied weight, ``clip``) keeps a second accumulator, so batch
+  ``t+1`` accumulates while batch ``t`` reduces; ``UPDATE t`` then precedes the next
+  ``*_START t+1``. The validator checks both rules.
 
 Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per batch)
 --------------------------------------------------------------------------------
 * gpipe: ``F1..Fm`` then ``B1..Bm`` in the same (increasing) order, then ``UPDATE``.
 * 1f1b (PipeDream-Flush): per batch, ``min(d-i, m)`` warm-up forwards, then alternate B, F
-  until the forwards run out, then the remaining backwards, then ``UPDATE``. (The same list as
-  "d-i-1 warm-up, then F,B pairs": at most ``d-i`` micro-batches are in flight on stage i.)
-* 2bw: the 1f1b pattern over all ``steps*m`` micro-batches at once (no flush), with ``UPDATE t``
-  inserted after the last backward of batch ``t``. DESIGN.md's example, d=2, m=2::
+  until the forwards run out, then the remaining backwards, then ``UPDATE``.
+* 2bw: the 1f1b pattern over all micro-batches at once (no flush), with ``UPDATE t`` after the
+  last backward of batch ``t``. The design's example, d=2, m=2::
 
-      stage 0: F1 F2 B1 F3 B2 U1 F4 B3 F5 B4 U2 F6 ...      (F5 onwards on version 1)
-      stage 1: F1 B1 F2 B2 U1 F3 B3 F4 B4 U2 F5 B5 ...
-                                      ^ W(1) goes into the spare buffer while batch 2 runs on W(0)
+      stage 0: F1 F2 B1 | F3 B2 U1 F4 B3 | F5 B4 U2 F6 ...   (F5 onwards on version 1)
+      stage 1: F1 B1 F2 B2 U1 | F3 B3 F4 B4 U2 | F5 B5 ...
+                                     ^ W(1) goes into the spare buffer while batch 2 runs on W(0)
 
-When batch ``t`` has reductions (``width > 1``, tied stages, ``clip``), the stage issues
-``DP_START t`` / ``TIED_START t`` right after its last backward of batch ``t`` (or, with ``clip``
-alone, ``NORM_START t``: its local gradient is already final), and joins — ``DP_WAIT t``,
-``TIED_WAIT t``, ``NORM_START t`` (after those waits: the norm is that of the reduced gradient),
-``NORM_WAIT t``, ``UPDATE t`` — as late as the rules allow: before its first forward of batch
-``t+2`` (2bw; flush: ``t+1``) or before issuing batch ``t+1``'s reductions, whichever comes
-first. In 2bw every stage thus waits right before the forward of micro-batch ``(t+1)*m+1`` (the
-last stage right after its last backward of batch ``t+1``), and a whole batch of compute overlaps
-the reductions (PipeDream-2BW, arXiv 2006.09503, section 3.1: the update is delayed by one step).
-With ``clip`` after other reductions, stage ``s > 0`` joins them and posts ``NORM_START t``
-earlier, before ``F((t+1)*m+1-s)`` (a tied stage: not before ``F(t*m+d)``, so stage 0 has
-started the tied all-reduce), keeping ``NORM_WAIT t`` and ``UPDATE t`` in place: the posts form a
-cut that no p2p message crosses backwards, so the norm all-reduce cannot deadlock, and stage 0,
-which waits for it first, finds the later stages' parts already posted.
+  (``|`` = ``END_STEP``: right before the stage's first forward of the next batch.)
 
-Point-to-point posting semantics (what the runtime must do)
------------------------------------------------------------
-* ``SEND_ACT k`` directly follows ``F k``, ``SEND_GRAD k`` directly follows ``B k``: post an
-  asynchronous send (``isend``) of the tensor just produced; never block on it in program
-  order (wait on its handle only before the buffer is reused or at the end of the list).
-* ``RECV_ACT k`` / ``RECV_GRAD k`` post an asynchronous receive (``irecv``) into a fresh buffer
-  and return at once. ``F k`` waits on the ``RECV_ACT k`` handle before it runs, ``B k`` on the
-  ``RECV_GRAD k`` handle. Receives are posted as early as the channel order allows (below), so
-  the transfer overlaps the compute in between.
-* Channels: the p2p operations between stages ``i`` and ``i+1`` form one FIFO channel. Its order
-  is the order of stage ``i``'s computations (``F k`` gives act ``k``, ``B k`` expects grad ``k``),
-  and both ranks post their halves in exactly that order, so the n-th p2p operation stage ``i``
-  posts to ``i+1`` is the counterpart of the n-th one ``i+1`` posts to ``i``. Each receive sits
-  right after the previous operation of its channel in the rank's list (or at the list start).
-  The runtime must keep one in-order queue per peer (CUDA: one stream per peer holding both its
-  sends and receives, which NCCL pairs one-for-one; never a send and a receive with the same
-  peer on two unpaired streams), or batch each send with its adjacent receive.
-* ``*_START t`` issues an asynchronous collective on the reduction queue; ``*_WAIT t`` blocks
-  the compute order until it finished. All members of a group issue their collectives in the
-  same order (the validator checks it).
+Reductions: ``DP_START t`` right after the stage's last backward of batch ``t``. The cross-stage
+collectives sit at *cuts* that every stage marks in the same order (:func:`_core_list` gives the
+positions): 2bw ``TIED_START t`` right after stage 0's last backward of batch ``t`` (on stage
+``s``: before ``F(tm+d-s)``), 2bw ``NORM_START t`` before ``F((t+1)m+1-s)`` (with a tied weight
+not before ``F(tm+d)``), after ``DP_WAIT t``/``TIED_WAIT t`` (the norm is of the reduced
+gradient); 1f1b/gpipe after each batch's last backward. Joins (``*_WAIT t``, ``UPDATE t``) sit
+as late as the version rule allows: before the first forward of batch ``t+2`` (2bw; flush:
+``t+1``) or before batch ``t+1``'s reductions, so 2bw overlaps a batch of compute with them.
 
-:func:`validate` replays the lists under the strictest of these semantics (a receive or send
-completes only when both halves are posted and everything before it in the channel finished;
-F/B/WAIT block) and reports a deadlock with the blocked actions.
+Point-to-point posting (what the runtime does)
+----------------------------------------------
+* ``SEND_ACT k`` directly follows ``F k``, ``SEND_GRAD k`` directly follows ``B k``: an
+  asynchronous send of the tensor just produced, never waited for in program order.
+* ``RECV_ACT k`` / ``RECV_GRAD k`` post an asynchronous receive into a fresh buffer; ``F k`` waits
+  for ``RECV_ACT k``, ``B k`` for ``RECV_GRAD k`` (:func:`waits_for`).
+* Channels: the operations between stages ``i`` and ``i+1`` form one queue. A message belongs to
+  the phase (between two cuts) of the F or B that sends it; the channel carries phase 0's
+  messages, then phase 1's, ..., each phase in stage ``i``'s compute order, and both ranks post
+  their halves in that order, each receive right after its previous channel operation or at its
+  phase's start (as early as matching allows, so transfers overlap compute). So at every
+  ``END_STEP`` both sides have posted the same operations, and every collective sits at one
+  consistent point of every rank's post order (NCCL's rules (a) and (b), docs/design.md).
+
+:func:`validate` replays the lists through :class:`fxpipe.deps.Rendezvous` (posts complete in
+post order, pairs matched in order, collectives once every member posted) and reports
+mismatches and deadlocks with the blocked posts.
 
 Ranks: with data-parallel width ``w``, rank ``= replica * d + stage`` (a pipeline replica owns
 consecutive ranks, so its p2p stays on one node); every replica of a stage runs the same list.
@@ -339,7 +333,7 @@ def _check_args(schedule: str, stages: int, microbatches: int, steps: int, width
             raise ScheduleError(f"{name} must be an int >= 1, found {value!r}")
     if schedule == "2bw" and microbatches < stages:
         # With m < d stage 0's warm-up would run a forward of batch t+2 before batch t's last
-        # backward, so no UPDATE position could give it W(t) (DESIGN.md: a batch is m >= d).
+        # backward, so no UPDATE position could give it W(t) (docs/design.md: a batch is m >= d).
         raise ScheduleError(
             f"2bw needs at least as many micro-batches as stages (m >= d), found m={microbatches} < "
             f"d={stages}: pass microbatches={stages} or more, or use schedule='1f1b'"

@@ -1,4 +1,4 @@
-"""Independent single-device references for the pipeline's update semantics (DESIGN.md).
+"""Independent single-device references for the pipeline's update semantics (docs/design.md).
 
 Nothing here imports fxpipe: these loops are what the pipelined numbers must equal.
 

@@ -1,6 +1,6 @@
 """fxpipe.compile in ONE process: every stage here, interleaved by the driver.
 
-The contract (DESIGN.md, "Weight-update semantics"): 1f1b and gpipe give exactly the numbers of
+The contract (docs/design.md, "Weight-update semantics"): 1f1b and gpipe give exactly the numbers of
 plain gradient-accumulation training; 2bw gives exactly ``W(t+1) = W(t) - lr*grad f(W(t-1))``.
 Both references live in tests/reference.py and do not import fxpipe.
 """

@@ -9,6 +9,7 @@ from collections import defaultdict
 import pytest
 
 from fxpipe.errors import ScheduleError
+from fxpipe.simulate import Costs, simulate
 from fxpipe.schedule import (
     SCHEDULES,
     Action,
@@ -101,7 +102,7 @@ LITERAL = {
         "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1 0F3v1 0F4v1 0B3v1 0B4v1 0UPDATE2",
         "1F1v0 1B1v0 1F2v0 1B2v0 1UPDATE1 1F3v1 1B3v1 1F4v1 1B4v1 1UPDATE2",
     ],
-    ("2bw", 2, 2, 3): [  # DESIGN.md: F1[0] F2[0] B1[0] F3[0] B2[0] → W1 | F4[0] B3[0] F5[1] B4[0] → W2 | …
+    ("2bw", 2, 2, 3): [  # docs/design.md: F1[0] F2[0] B1[0] F3[0] B2[0] → W1 | F4[0] B3[0] F5[1] B4[0] → W2 | …
         "0F1v0 0F2v0 0B1v0 0F3v0 0B2v0 0UPDATE1 0F4v0 0B3v0 0F5v1 0B4v0 0UPDATE2 0F6v1 0B5v1 0B6v1 0UPDATE3",
         "1F1v0 1B1v0 1F2v0 1B2v0 1UPDATE1 1F3v0 1B3v0 1F4v0 1B4v0 1UPDATE2 1F5v1 1B5v1 1F6v1 1B6v1 1UPDATE3",
     ],
@@ -137,7 +138,7 @@ def test_literal_compute_order(key):
 
 
 def _design_notation(actions):
-    """Render a list the way DESIGN.md writes it: ``F1[0] ... → W1 | ...``."""
+    """Render a list the way the design writes it: ``F1[0] ... → W1 | ...``."""
     out = []
     for a in actions:
         if a.kind in (Kind.F, Kind.B):
@@ -417,92 +418,27 @@ def test_lowering_waits_exactly_on_dependencies():
             assert op.records == str(a)
 
 
-class FakeStream:
-    """A CPU stand-in for a CUDA stream: runs its ops in order once their events are recorded."""
-
-    def __init__(self, rank, name, ops):
-        self.rank, self.name, self.ops, self.pos = rank, name, ops, 0
-
-    def head(self):
-        return self.ops[self.pos] if self.pos < len(self.ops) else None
-
-
-def _run_fake_streams(lists, hold_compute=frozenset()):
-    """Execute lowered lists; a p2p op runs together with its peer's. Returns the global op order.
-
-    Streams named in ``hold_compute`` (ranks) only run compute when nothing else can move, which
-    shows what communication can do while compute is stalled.
-    """
-    streams = {}
-    for s, lst in lists.items():
-        per = defaultdict(list)
-        for op in lower_to_streams(lst):
-            per[op.stream].append(op)
-        for name, ops in per.items():
-            streams[s, name] = FakeStream(s, name, ops)
-    recorded, order = set(), []
-
-    def ready(st):
-        op = st.head()
-        return op is not None and all((st.rank, w) in recorded for w in op.waits)
-
-    def fire(st):
-        op = st.head()
-        recorded.add((st.rank, op.records))
-        order.append((st.rank, st.name, str(op.action)))
-        st.pos += 1
-
-    while True:
-        moved = False
-        for compute_pass in (False, True):
-            for key, st in streams.items():
-                if (key[1] == "compute") != compute_pass or not ready(st):
-                    continue
-                if compute_pass and key[0] in hold_compute and moved:
-                    continue
-                a = st.head().action
-                if a.peer is not None:
-                    other = streams[a.peer, "p2p_prev" if key[1] == "p2p_next" else "p2p_next"]
-                    assert other.head().action == a.counterpart()  # one-for-one pairing per peer stream
-                    if not ready(other):
-                        continue
-                    fire(other)
-                elif a.kind in (Kind.TIED_START, Kind.NORM_START):
-                    group = [k for k in streams if k[1] == "reduce" and any(o.action.kind is a.kind for o in streams[k].ops)]
-                    if not all(ready(streams[k]) and streams[k].head().action[1:] == a[1:] for k in group):
-                        continue
-                    for k in group:
-                        if k != key:
-                            fire(streams[k])
-                fire(st)
-                moved = True
-        if not moved:
-            break
-    stalled = {key: str(st.head().action) for key, st in streams.items() if st.head() is not None}
-    assert not stalled, f"fake streams stalled at {stalled}"
-    return order
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
-def test_fake_streams_run_every_schedule(schedule):
+def test_streams_run_every_schedule(schedule):
+    # The simulator runs the lowered streams (the plan a CUDA rank carries out): every op runs,
+    # and compute consumes what it receives only after the receive ran.
     lists = generate(schedule, 3, 3, 3, width=2, tied=True, clip=True, recompute=True)
-    order = _run_fake_streams(lists)
-    assert len(order) == sum(map(len, lists.values()))
-    pos = {(r, a): i for i, (r, _, a) in enumerate(order)}
-    for s, lst in lists.items():
-        for a in lst:  # compute consumes what it receives only after the receive ran
-            if a.kind is Kind.F and s > 0:
-                assert pos[s, f"{s}RECV_ACT{a.index}"] < pos[s, str(a)]
+    events = simulate(lists, Costs(1.0, 2.0, p2p=0.25, reduce=0.5, update=0.1)).events
+    assert len(events) == sum(map(len, lists.values()))
+    end = {(e.rank, e.action): e.end for e in events}
+    for e in events:
+        a = Action.parse(e.action)
+        if a.kind is Kind.F and a.stage > 0:
+            assert end[a.stage, f"{a.stage}RECV_ACT{a.index}"] <= e.start
 
 
-def test_fake_streams_communication_does_not_wait_for_unrelated_compute():
-    # With stage 1's compute held back, its receives of later micro-batches still complete:
-    # receives depend on no compute, only on the FIFO order of their peer channel.
-    lists = generate("gpipe", 2, 4, 1)
-    order = _run_fake_streams(lists, hold_compute={1})
-    pos = {a: i for i, (_, _, a) in enumerate(order)}
-    assert pos["1RECV_ACT4"] < pos["1F1v0"]
-    assert pos["0SEND_ACT4"] < pos["1F1v0"]
+def test_streams_communication_does_not_wait_for_unrelated_compute():
+    # With stage 1's compute 100x slower, its receives of later micro-batches still complete
+    # during its first forward: receives depend on no compute, only on their channel's order.
+    events = simulate(generate("gpipe", 2, 4, 1), Costs(forward=[1.0, 100.0], backward=[1.0, 1.0])).events
+    end = {e.action: e.end for e in events}
+    assert end["1RECV_ACT4"] < end["1F1v0"]
+    assert end["0SEND_ACT4"] < end["1F1v0"]
 
 
 @pytest.mark.parametrize("d,m,width,tied", [(2, 4, 1, True), (3, 6, 2, True), (4, 8, 2, False), (3, 3, 1, True)])

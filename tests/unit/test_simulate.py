@@ -125,3 +125,14 @@ def test_write_schedule_dumps(tmp_path):
     assert "0F1v0" in text and "bubble" in text and "*" not in text.split("# timeline")[0].splitlines()[2]
     assert json.loads(paths["json"].read_text())["traceEvents"]
     ET.fromstring(paths["svg"].read_text())
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe"])
+def test_planner_step_time_equals_the_simulator(schedule):
+    # The planner prices a step with a closed form; on the generated lists with balanced stages
+    # and free communication the simulator measures exactly that.
+    from fxpipe.partition import pipeline_time
+
+    for d, m in ((2, 2), (2, 4), (3, 6), (4, 4), (4, 8)):
+        tl = simulate(generate(schedule, d, m, 8), Costs(forward=1.0, backward=2.0))
+        assert tl.step_time == pytest.approx(pipeline_time(schedule, d, m, 3.0)), (d, m)
