@@ -55,6 +55,7 @@ from torch import nn
 
 from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes
 from .errors import PlanError
+from .weights import versions_of, weight_bytes
 from .plan import Plan, RunnerUp, StagePlan, graph_fingerprint
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan"]
@@ -380,13 +381,15 @@ def min_memory(chain: Chain, model: StageModel) -> float:
 
 
 def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedule: str = "2bw",
-                     optimizer_bytes_per_param: float = 8.0, grad_buffers: int = 1) -> Chain:
+                     optimizer_bytes_per_param: float = 8.0, grad_buffers: int = 1,
+                     accumulation: str = "autograd") -> Chain:
     """The chain of ``gm``'s compute nodes with costs at micro-batch size ``batch``.
 
-    A parameter costs ``versions * bytes`` (2 under 2bw) + ``grad_buffers * bytes`` (gradient
-    accumulators: the runtime keeps two when a reduction of batch t's gradients overlaps batch
-    t+1's backwards) + ``optimizer_bytes_per_param * numel`` (AdamW: two fp32 moments = 8) on each
-    stage reading it; a frozen parameter or a buffer costs its bytes.
+    A parameter costs :func:`fxpipe.weights.weight_bytes` on each stage reading it: its weight
+    versions (2 under 2bw), ``grad_buffers`` gradient accumulators (the runtime keeps two when a
+    reduction of batch t's gradients overlaps batch t+1's backwards), the optimizer state
+    (``optimizer_bytes_per_param`` per element, AdamW: two fp32 moments = 8) and, with
+    ``accumulation="fused"`` (the kernel path), a scratch gradient. A buffer costs its bytes.
     """
     compute = [nd for nd in gm.graph.nodes if nd.op in _COMPUTE]
     n = len(compute)
@@ -422,22 +425,25 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
         info = nd.meta["fxpipe"]
         for t in (*info.params, *info.buffers):
             readers.setdefault(t, []).append(i)
-    versions = 2 if schedule == "2bw" else 1
     names, tcost, tparam, tgrad, topt, treaders = [], [], [], [], [], []
     for t, rd in readers.items():
         if t in params:
             p = params[t]
             nbytes = p.numel() * p.element_size()
-            g, o = (grad_buffers * nbytes, optimizer_bytes_per_param * p.numel()) if p.requires_grad else (0.0, 0.0)
-            copies = versions * nbytes if p.requires_grad else nbytes
+            # the memory model of fxpipe.weights: what a WeightStore of this stage will hold
+            cost = weight_bytes(p.numel(), p.element_size(), requires_grad=p.requires_grad, schedule=schedule,
+                                grad_buffers=grad_buffers, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                                accumulation=accumulation)
+            o = optimizer_bytes_per_param * p.numel() if p.requires_grad else 0.0
+            g = cost - o - versions_of(schedule) * nbytes
             tparam.append(nbytes)
         elif t in buffers:
-            copies, g, o = buffers[t].numel() * buffers[t].element_size(), 0.0, 0.0
+            cost, g, o = buffers[t].numel() * buffers[t].element_size(), 0.0, 0.0
             tparam.append(0.0)
         else:
             continue
         names.append(t)
-        tcost.append(copies + g + o)
+        tcost.append(cost)
         tgrad.append(g)
         topt.append(o)
         treaders.append(sorted(set(rd)))
@@ -525,6 +531,7 @@ def plan(
     optimizer_bytes_per_param: float = 8.0,
     torch_device: str | torch.device | None = None,
     clip: bool = False,
+    accumulation: str = "autograd",
 ) -> Plan:
     """Trace (if needed), cost and partition a model; return the best :class:`Plan`.
 
@@ -536,9 +543,13 @@ def plan(
     overrides ``device.memory_bytes``. ``costs`` reuses an earlier :func:`fxpipe.cost.annotate`.
     ``clip``: training clips by the global gradient norm; like data parallelism (w > 1) this makes
     every stage keep a second gradient buffer, which the memory model then counts.
+    ``accumulation``: ``"autograd"`` (torch.optim) or ``"fused"`` (the kernels' path, one more
+    scratch gradient per stage); see :func:`fxpipe.weights.weight_bytes`.
     """
     if schedule not in _SCHEDULES:
         raise PlanError(f"schedule must be one of {_SCHEDULES}, found {schedule!r}")
+    if accumulation not in ("autograd", "fused"):
+        raise PlanError(f"accumulation must be 'autograd' or 'fused', found {accumulation!r}")
     for name, v in (("stages", stages), ("microbatches", microbatches), ("world_size", world_size),
                     ("global_batch", global_batch), ("device_memory", device_memory)):
         _positive(name, v)
@@ -623,7 +634,8 @@ def plan(
     def chain_for(bb: int, grad_buffers: int) -> Chain:
         if (bb, grad_buffers) not in chains:
             chains[bb, grad_buffers] = chain_from_graph(gm, costs, bb, schedule=schedule, grad_buffers=grad_buffers,
-                                                        optimizer_bytes_per_param=optimizer_bytes_per_param)
+                                                        optimizer_bytes_per_param=optimizer_bytes_per_param,
+                                                        accumulation=accumulation)
         return chains[bb, grad_buffers]
 
     candidates: list[_Candidate] = []

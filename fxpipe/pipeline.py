@@ -31,7 +31,7 @@ from .cost import DeviceModel
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from .errors import FxpipeError, RuntimeMismatchError
-from .runtime import StageWorker, WorkerConfig, compute_loss
+from .runtime import StageWorker, WorkerConfig
 from .schedule import Action, Program, format_actions, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
@@ -138,6 +138,7 @@ class Pipeline:
         gm = trace(self.model, self._example)
         self.trace_info = gm.meta["fxpipe"]
         m = o["microbatches"] or DEFAULT_MICROBATCHES
+        kernels = _kernel_backend(o["kernels"], self.device)
         plan = o["plan"]
         if plan is None:
             plan_json = None
@@ -162,6 +163,7 @@ class Pipeline:
                     recompute=o["recompute"],
                     torch_device=self.device,
                     clip=o["max_grad_norm"] is not None,
+                    accumulation="autograd" if kernels is None else "fused",
                 )
                 plan_json = made.to_json()
             if self.distributed:
@@ -209,7 +211,6 @@ class Pipeline:
         groups["last"] = [rank_of(d - 1, r, d) for r in range(w)]
         hub = None if self.distributed else LocalHub(d * w, groups)
         comm_for = (lambda r: DistComm(groups)) if self.distributed else hub.comm
-        kernels = _kernel_backend(o["kernels"], self.device)
         self.workers: dict[int, StageWorker] = {}
         for r in ranks:
             s, rep = stage_and_replica(r, d)
@@ -390,7 +391,7 @@ class Pipeline:
         for r, wk in self.workers.items():
             s, rep = stage_and_replica(r, d)
             stage = self._eval.stages[s]
-            missing = [n for n in stage.param_names if n not in wk.leaves[0]]
+            missing = [n for n in stage.param_names if n not in wk.layout_names()]
             if missing:
                 raise FxpipeError(
                     f"eval stage {s} reads parameters {missing[:3]} that training stage {s} does not hold: the "

@@ -1,25 +1,18 @@
 """runtime: one rank's interpreter of its schedule action list.
 
-A :class:`StageWorker` owns one pipeline stage (the generated module, its weight versions,
-its gradient accumulator, its optimizer) and executes the actions of :mod:`fxpipe.schedule`
-one at a time through a :class:`~fxpipe.comm.Comm`. It never decides *what* to do next: the
-list does. It only checks, for each action, whether the data it needs has arrived
-(:meth:`StageWorker.ready`), so the same worker runs one-per-process under ``torchrun`` and
-all-in-one-process in the debugging mode, where a driver interleaves the workers.
+A :class:`StageWorker` runs one pipeline stage on one rank: the generated module, its module
+buffers, and a :class:`~fxpipe.weights.WeightStore` (weight versions, gradient accumulators,
+optimizer). It executes the actions of its segments in list order through a
+:class:`~fxpipe.comm.Comm` and never decides *what* to do next: the list does. It only tells the
+driver whether the one operation an action waits for has completed (:meth:`StageWorker.ready`),
+so the same worker runs one-per-process under ``torchrun`` and all-in-one-process in the
+debugging mode, where the driver interleaves the workers.
 
-Weight versions (docs/design.md, "Weight-update semantics"): version ``v`` lives in slot ``v % 2``
-of a pair of flat buffers per dtype (one slot for 1f1b/gpipe). Each slot has its own leaf
-tensors (views of the flat buffer) that the stage module reads through
-``torch.func.functional_call``, so a micro-batch's forward and backward see the very tensors
-autograd saved, and an UPDATE never touches a version that is still in use: ``UPDATE t``
-copies ``W(t-1)`` into the slot of the dead ``W(t-2)`` and steps the optimizer there.
-
-Gradients of micro-batch ``k`` accumulate (loss scaled by ``1/(m·w)``) into the flat gradient
-buffer of batch ``t(k)``. A stage with reductions (data parallel, tied weights, global norm)
-rotates two such buffers, so a batch's gradients are reduced while the next batch's backwards
-run; otherwise one suffices. The reductions never touch the same memory at once: the data-
-parallel all-reduce sums every gradient but those of tied weights, whose copies on all stages of
-all replicas are summed by their own all-reduce; the norm waits for both.
+Gradients of micro-batch ``k`` accumulate (loss scaled by ``1/(m·w)``) into the store's buffer
+of batch ``t(k)``. The reductions never touch the same memory at once: the data-parallel
+all-reduce sums every gradient but those of tied weights, whose copies on all stages of all
+replicas are summed by their own all-reduce; the norm is started after both were joined.
+See docs/design.md ("The runtime").
 """
 
 from __future__ import annotations
@@ -36,6 +29,7 @@ from torch.func import functional_call
 from .comm import Comm, Handle
 from .device import rng_devices, seed
 from .schedule import Action, Kind, waits_for
+from .weights import WeightStore
 
 __all__ = ["StageWorker", "WorkerConfig", "compute_loss"]
 
@@ -76,52 +70,18 @@ class StageWorker:
         self.next = rank + 1 if self.index < d - 1 else None
         self.is_last = self.index == d - 1
 
-        layout = stage.flat.layout
-        self.layout = layout
-        slots = 2 if cfg.schedule == "2bw" else 1
-        # In one process the replicas of a stage share its generated module: each worker owns
-        # its weights and module buffers (BatchNorm statistics), as a rank of its own would.
-        own = [stage.flat.buffers] if replica == 0 else []
-        self.slots = own + [stage.flat.clone_buffers() for _ in range(slots - len(own))]
-        self.buffers = {n: b.detach().clone() for n, b in stage.module.named_buffers()}
-        # Leaves per slot: the tensors autograd sees. One set per slot, created once.
-        self.leaves = [self._make_leaves(b) for b in self.slots]
+        self.layout = stage.flat.layout
         # A stage with reductions to overlap (data parallel, tied weights, clipping) keeps two
         # gradient buffers: batch t's is reduced while batch t+1 accumulates into the other.
         # Without, UPDATE t runs before batch t+1's first backward and one buffer suffices.
         reduces = cfg.width > 1 or bool(cfg.tied_groups) or cfg.max_grad_norm is not None
-        self.grad_pool = [layout.zeros_like() for _ in range(2 if reduces else 1)]
-        self._grad_views = [layout.views(g) for g in self.grad_pool]
+        # In one process the replicas of a stage share its generated module: each worker owns
+        # its weights and module buffers (BatchNorm statistics), as a rank of its own would.
+        self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=2 if reduces else 1,
+                                 optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
+                                 device=self.device, share_initial=replica == 0)
+        self.buffers = {n: b.detach().clone() for n, b in stage.module.named_buffers()}
         self.dp_ranges = self._dp_ranges() if cfg.width > 1 else []
-
-        # The optimizer's own Parameters: aliases that are pointed at the slot being written
-        # right before each step. They never enter a forward, so re-pointing them is safe.
-        # Each alias gets its own version counter (never ``leaf.detach()``, which would share
-        # the leaf's, so an optimizer step would look like an in-place change of a saved weight).
-        self.opt_params = {}
-        for s in layout.slots:
-            if s.requires_grad:
-                p = torch.nn.Parameter(torch.empty(0, dtype=s.dtype, device=self.device))
-                p.data = self.leaves[0][s.name].detach()
-                self.opt_params[s.name] = p
-        self.optimizer = cfg.optimizer(list(self.opt_params.items())) if self.opt_params else None
-        self.lr_scheduler = cfg.lr_scheduler(self.optimizer) if (cfg.lr_scheduler and self.optimizer) else None
-        self.updates = 0
-        # The fused path (fxpipe.kernels): gradients reach the flat accumulator through one
-        # accumulate launch per micro-batch, and UPDATE is one fused launch per dtype writing
-        # the new version into the other slot. The torch.optim object then only holds the
-        # hyper-parameters (its lr follows the user's scheduler); the state is flat fp32.
-        self.kops = None
-        if cfg.kernels is not None and self.optimizer is not None:
-            from .kernels import OptimizerSpec, init_state, ops
-
-            self.kops = ops(self.device, force=cfg.kernels)
-            self.kspec = OptimizerSpec.from_torch(self.optimizer)
-            self.kstate = {dt: init_state(self.kspec, n, self.device) for dt, n in layout.sizes}
-            self.scratch = layout.zeros_like()  # one micro-batch's gradient, flat
-            self._scratch_views = layout.views(self.scratch)
-            self._grad_leaves = [s.name for s in layout.slots if s.requires_grad]
-            self._accumulated: dict[int, int] = {}  # batch -> micro-batches folded in so far
 
         # per micro-batch state
         self.inputs: dict[int, dict[str, torch.Tensor]] = {}  # model inputs of micro-batch k
@@ -129,7 +89,8 @@ class StageWorker:
         self.recv_act: dict[int, tuple[list[torch.Tensor], Handle]] = {}
         self.recv_grad: dict[int, tuple[list[torch.Tensor], Handle]] = {}
         self.ctx: dict[int, dict] = {}
-        self.sends: deque[Handle] = deque()  # posted sends, oldest first
+        self.sends: deque[tuple[int, Handle]] = deque()  # (segment, posted send), oldest first
+        self.segments = 0  # END_STEPs run so far
         self.reductions: dict[tuple[Kind, int], Handle] = {}
         self.norm_sq: dict[int, torch.Tensor] = {}
         self.clip_coef: dict[int, torch.Tensor] = {}  # batch -> 0-dim factor on the device
@@ -147,20 +108,6 @@ class StageWorker:
 
     # ------------------------------------------------------------------ helpers
 
-    def _make_leaves(self, buffers) -> dict[str, torch.Tensor]:
-        views = self.layout.views(buffers)
-        for s in self.layout.slots:
-            views[s.name].requires_grad_(s.requires_grad)  # frozen parameters stay frozen
-        return views
-
-    def _slot(self, version: int) -> int:
-        return version % len(self.slots)
-
-    def _grads_slot(self, t: int) -> int:
-        """Which flat gradient buffer accumulates batch ``t`` (with two, batch t-1's may still be
-        under reduction while batch t's backwards run)."""
-        return t % len(self.grad_pool)
-
     def _batch(self, k: int) -> int:
         return (k - 1) // self.cfg.microbatches + 1
 
@@ -176,7 +123,7 @@ class StageWorker:
     def _run_module(self, k: int, version: int, args: Sequence[torch.Tensor], buffers=None):
         """The stage's forward on weight ``version`` and this worker's buffers, or ``buffers``
         (name -> tensor; a recomputation reads private copies of what its forward saw)."""
-        tensors = {**self.leaves[self._slot(version)], **(self.buffers if buffers is None else buffers)}
+        tensors = {**self.store.compute(version), **(self.buffers if buffers is None else buffers)}
         # An argument the stage writes in place (``x += residual`` right after a cut) is passed
         # as a copy: the boundary leaf autograd differentiates to, and the inputs a recomputation
         # reads again, must stay as they arrived.
@@ -210,7 +157,13 @@ class StageWorker:
         getattr(self, "_do_" + a.kind.value.lower())(a)
 
     def _do_end_step(self, a: Action) -> None:
-        """The step's segment ends here; the driver returns to the caller."""
+        """The step's segment ends here; the driver returns to the caller. Sends posted before
+        the previous END_STEP are released: their receives belong to the peers' previous
+        segments, which need nothing from this rank that it has not posted, so this wait ends
+        (gloo marks a send complete only once it is waited for)."""
+        while self.sends and self.sends[0][0] < self.segments:
+            self.sends.popleft()[1].wait()
+        self.segments += 1
 
     def _do_recv_act(self, a: Action) -> None:
         specs = self.input_specs if self.eval_stage is None else self.eval_stage.input_specs
@@ -282,47 +235,11 @@ class StageWorker:
             outs = [o for o, f in zip(ctx["outputs"], self.float_out) if f]
             pairs = [(o, g) for o, g in zip(outs, bufs) if o.requires_grad]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
-        leaves = self.leaves[self._slot(a.version)]
         boundary = [x for x, f in zip(ctx["boundary"], self.float_in) if f]
-        if self.kops is not None:
-            self._backward_fused(self._batch(k), roots, seeds, leaves, boundary)
-        elif roots:
-            # Autograd accumulates in place into an existing .grad: point the leaves at this
-            # batch's flat gradient buffer, so the m micro-batches sum there.
-            views = self._grad_views[self._grads_slot(self._batch(k))]
-            for name, leaf in leaves.items():
-                if leaf.requires_grad:
-                    leaf.grad = views[name]
-            torch.autograd.backward(roots, seeds if seeds[0] is not None else None)
-            for leaf in leaves.values():
-                leaf.grad = None
+        self.store.backward(self._batch(k), a.version, roots, seeds, boundary)
         # A boundary input that did not influence the outputs still gets a (zero) gradient, so
         # both sides of the channel always exchange the same tensors.
         self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
-
-    def _backward_fused(self, t: int, roots, seeds, leaves, boundary) -> None:
-        """Kernel path: this micro-batch's weight gradients into the flat scratch buffer, then
-        one fused ``acc (+)= g`` per dtype (the first micro-batch of a batch overwrites)."""
-        params = [leaves[n] for n in self._grad_leaves]
-        inputs = params + [x for x in boundary if x.requires_grad]
-        grads = (
-            torch.autograd.grad(roots, inputs, seeds if seeds[0] is not None else None, allow_unused=True)
-            if roots
-            else [None] * len(inputs)
-        )
-        with torch.no_grad():
-            for name, g in zip(self._grad_leaves, grads):
-                if g is None:
-                    self._scratch_views[name].zero_()
-                else:
-                    self._scratch_views[name].copy_(g)
-            first = self._accumulated.get(t, 0) == 0
-            acc = self.grad_pool[self._grads_slot(t)]
-            for dt, buf in self.scratch.items():
-                self.kops.accumulate(acc[dt], buf, 1.0, overwrite=first)
-        self._accumulated[t] = self._accumulated.get(t, 0) + 1
-        for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
-            x.grad = g
 
     def _do_send_act(self, a: Action) -> None:
         ctx = self.ctx[a.index] if self.eval_stage is None else self.ctx.pop(a.index)
@@ -352,12 +269,12 @@ class StageWorker:
     def _post_send(self, tensors, peer, a: Action) -> None:
         # Keep the tensors alive until their send completed; forget the finished ones without
         # waiting (a send never blocks the list: the schedule says when its peer receives).
-        while self.sends and self.sends[0].ready():
+        while self.sends and self.sends[0][1].ready():
             self.sends.popleft()
-        self.sends.append(self.comm.isend(tensors, peer, str(a)))
+        self.sends.append((self.segments, self.comm.isend(tensors, peer, str(a))))
 
     def drain_sends(self) -> None:
-        for h in self.sends:
+        for _, h in self.sends:
             h.wait()
         self.sends.clear()
 
@@ -380,7 +297,7 @@ class StageWorker:
         return runs
 
     def _do_dp_start(self, a: Action) -> None:
-        grads = self.grad_pool[self._grads_slot(a.index)]
+        grads = self.store.grads(a.index)
         handles = [self.comm.all_reduce(grads[dt][lo:hi], f"dp:{self.index}", str(a)) for dt, lo, hi in self.dp_ranges]
         self.reductions[(Kind.DP_START, a.index)] = _Multi(handles)
 
@@ -388,7 +305,7 @@ class StageWorker:
         self.reductions.pop((Kind.DP_START, a.index)).wait()
 
     def _do_tied_start(self, a: Action) -> None:
-        views = self._grad_views[self._grads_slot(a.index)]
+        views = self.store.grad_views_of(a.index)
         handles = [self.comm.all_reduce(views[n], g, str(a)) for n, g in sorted(self.cfg.tied_groups.items()) if n in views]
         self.reductions[(Kind.TIED_START, a.index)] = _Multi(handles)
 
@@ -399,7 +316,7 @@ class StageWorker:
         # The norm is that of the reduced gradient: the list waits for batch t's other
         # reductions before this action (the validator checks it).
         t = a.index
-        views = self._grad_views[self._grads_slot(t)]
+        views = self.store.grad_views_of(t)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, g in views.items():
             if self.cfg.tied_owner.get(name, True):  # a tied weight counts once, on its owner
@@ -416,47 +333,7 @@ class StageWorker:
         self.clip_coef[t] = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
 
     def _do_update(self, a: Action) -> None:
-        t = a.index
-        slot_g = self._grads_slot(t)
-        grads = self.grad_pool[slot_g]
-        coef = self.clip_coef.pop(t, None)
-        if coef is not None and self.kops is None:  # the fused update applies the clip factor itself
-            for g in grads.values():
-                g.mul_(coef)
-        if self.kops is not None:
-            self._update_fused(t, grads, coef)
-        elif self.optimizer is not None:
-            src = self.slots[self._slot(max(t - 1, 0))]
-            dst = self.slots[self._slot(t)]
-            if src is not dst:
-                for dt in dst:
-                    dst[dt].copy_(src[dt])
-            dst_views = self.layout.views(dst)
-            gviews = self._grad_views[slot_g]
-            for name, p in self.opt_params.items():
-                p.data = dst_views[name]
-                p.grad = gviews[name]
-            self.optimizer.step()
-            for p in self.opt_params.values():
-                p.grad = None
-            if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
-        for g in grads.values():
-            g.zero_()
-        self.updates = t
-
-    def _update_fused(self, t: int, grads: dict, coef: torch.Tensor | None) -> None:
-        """One fused launch per dtype: read W(t-1) and the gradient, write W(t) into its slot."""
-        src = self.slots[self._slot(max(t - 1, 0))]
-        dst = self.slots[self._slot(t)]
-        lr = self.optimizer.param_groups[0]["lr"]
-        with torch.no_grad():
-            for dt in dst:
-                self.kops.update(self.kspec, t, grads[dt], src[dt], dst[dt], self.kstate[dt],
-                                 clip=coef, lr=lr)
-        self._accumulated.pop(t, None)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        self.store.update(a.index, self.clip_coef.pop(a.index, None))
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -466,7 +343,7 @@ class StageWorker:
 
     def newest_weights(self) -> dict[str, torch.Tensor]:
         """Views of the newest weight version (after the last UPDATE), detached."""
-        return {n: v.detach() for n, v in self.leaves[self._slot(self.updates)].items()}
+        return self.store.newest()
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """This stage's newest weights and its buffers under canonical names (CPU copies)."""
@@ -477,11 +354,8 @@ class StageWorker:
 
     def load_local_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Load weights into every slot (all versions equal) and the buffers."""
+        self.store.load(sd)
         with torch.no_grad():
-            for slot in self.slots:
-                views = self.layout.views(slot)
-                for n, v in views.items():
-                    v.copy_(sd[n])
             for n, b in self.buffers.items():
                 if n in sd:
                     b.copy_(sd[n])

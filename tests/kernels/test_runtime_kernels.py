@@ -25,7 +25,7 @@ def _train(case, kernels):
 def test_fused_path_matches_torch_optim_path(name, kernels):
     case = CASES[name]
     pipe, losses, state = _train(case, kernels)
-    assert all(wk.kops is not None and wk.kops.name == kernels for wk in pipe.workers.values())
+    assert all(wk.store.strategy.ops.name == kernels for wk in pipe.workers.values())
     _, ref_losses, ref_state = _train(case, "off")
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     for key, ref in ref_state.items():

@@ -92,7 +92,7 @@ def test_lr_scheduler_is_stepped_once_per_step():
         pipe.step(x, None)
     pipe.flush()
     for wk in pipe.workers.values():
-        assert wk.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+        assert wk.store.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
 
 
 def test_batch_that_does_not_split_says_how():
@@ -169,7 +169,7 @@ def test_device_is_chosen_and_placed():
     pipe, _ = _compile(case, device="cpu")
     assert pipe.device == torch.device("cpu")
     for wk in pipe.workers.values():
-        assert all(t.device.type == "cpu" for t in wk.slots[0].values())
+        assert all(t.device.type == "cpu" for t in wk.store.slots[0].values())
     with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda"):
         _compile(case, device="mps")
     if not torch.cuda.is_available():

@@ -1,0 +1,231 @@
+"""weights: the one owner of a stage's weights, their versions, gradients and update.
+
+A :class:`WeightStore` holds, for one stage on one rank:
+
+* the **compute versions**: one flat buffer per dtype per live version (two under 2bw: version
+  ``v`` lives in slot ``v % 2``; one for 1f1b/gpipe), each with its own leaf views that the
+  stage module reads through ``torch.func.functional_call``, so a micro-batch's forward and
+  backward see the very tensors autograd saved, and an UPDATE never writes a version in use;
+* the **master** copy the optimizer steps: today the newest compute version itself (fp32
+  training; ``UPDATE t`` copies ``W(t-1)`` into the slot of the dead ``W(t-2)`` and steps it
+  there), kept a separate concept so low-precision compute copies of one fp32 master can come;
+* the **gradient accumulators**: one flat buffer per dtype per batch in flight (two when a
+  reduction of batch t overlaps batch t+1's backwards);
+* the **update strategy**: ``torch.optim`` (any optimizer, parameter groups by name), or the
+  fused flat kernels of :mod:`fxpipe.kernels` (one launch per dtype reads ``W(t-1)`` and the
+  gradient and writes ``W(t)``).
+
+:func:`weight_bytes` is the memory model of all of it, per tensor: the planner calls it before
+any store exists, and a store's :meth:`WeightStore.nbytes` is tested equal to it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["WeightStore", "weight_bytes", "versions_of"]
+
+
+def versions_of(schedule: str) -> int:
+    """Compute versions alive per stage: two under 2bw (W(t) and W(t-1)), one otherwise."""
+    return 2 if schedule == "2bw" else 1
+
+
+def weight_bytes(numel: int, itemsize: int, *, requires_grad: bool, schedule: str, grad_buffers: int,
+                 optimizer_bytes_per_param: float, accumulation: str = "autograd") -> float:
+    """Bytes one parameter tensor costs on each stage holding it.
+
+    Its compute versions (:func:`versions_of`) and ``grad_buffers`` gradient accumulators (the
+    gradient buffers share the weights' flat layout, so a frozen tensor has its unused place in
+    them too); a trainable tensor also the optimizer state (``optimizer_bytes_per_param`` per
+    element: AdamW's two fp32 moments are 8, SGD momentum 4) and, with ``accumulation="fused"``,
+    its place in the kernels' per-micro-batch scratch gradient.
+    """
+    nbytes = numel * itemsize
+    total = (versions_of(schedule) + grad_buffers) * nbytes
+    if requires_grad:
+        total += optimizer_bytes_per_param * numel + (nbytes if accumulation == "fused" else 0)
+    return float(total)
+
+
+class WeightStore:
+    """One stage's weights on one rank (module docstring)."""
+
+    def __init__(self, flat, *, schedule: str, grad_buffers: int, optimizer: Callable,
+                 lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True):
+        self.layout = layout = flat.layout
+        self.device = device
+        n = versions_of(schedule)
+        # ``share_initial``: the first slot is codegen's buffer itself (one copy fewer); a
+        # second replica of the stage in the same process takes its own.
+        own = [flat.buffers] if share_initial else []
+        self.slots = own + [{d: b.clone() for d, b in flat.buffers.items()} for _ in range(n - len(own))]
+        self.leaves = [self._make_leaves(b) for b in self.slots]
+        self.grad_pool = [layout.zeros_like() for _ in range(grad_buffers)]
+        self.grad_views = [layout.views(g) for g in self.grad_pool]
+        self.updates = 0  # the newest version
+        # The optimizer's own Parameters: aliases pointed at the slot being written right before
+        # each step. They never enter a forward, so re-pointing them is safe. Each alias has its
+        # own version counter (never ``leaf.detach()``, which shares the leaf's, so a step would
+        # look like an in-place change of a weight autograd saved).
+        self.opt_params: dict[str, torch.nn.Parameter] = {}
+        for s in layout.slots:
+            if s.requires_grad:
+                p = torch.nn.Parameter(torch.empty(0, dtype=s.dtype, device=device))
+                p.data = self.leaves[0][s.name].detach()
+                self.opt_params[s.name] = p
+        self.optimizer = optimizer(list(self.opt_params.items())) if self.opt_params else None
+        self.lr_scheduler = lr_scheduler(self.optimizer) if (lr_scheduler and self.optimizer) else None
+        self.strategy = (_Fused(self, kernels) if kernels is not None and self.optimizer is not None
+                         else _TorchOptim(self))
+
+    def _make_leaves(self, buffers) -> dict[str, torch.Tensor]:
+        views = self.layout.views(buffers)
+        for s in self.layout.slots:
+            views[s.name].requires_grad_(s.requires_grad)  # frozen parameters stay frozen
+        return views
+
+    def slot(self, version: int) -> int:
+        return version % len(self.slots)
+
+    def compute(self, version: int) -> dict[str, torch.Tensor]:
+        """Name -> leaf of weight ``version`` (what the stage module reads)."""
+        return self.leaves[self.slot(version)]
+
+    def grads(self, t: int) -> dict[torch.dtype, torch.Tensor]:
+        """The flat gradient buffers accumulating batch ``t`` (with two, batch t-1's may still be
+        under reduction while batch t's backwards run)."""
+        return self.grad_pool[t % len(self.grad_pool)]
+
+    def grad_views_of(self, t: int) -> dict[str, torch.Tensor]:
+        return self.grad_views[t % len(self.grad_pool)]
+
+    def backward(self, t: int, version: int, roots, seeds, boundary: Sequence[torch.Tensor]) -> None:
+        """Backpropagate one micro-batch of batch ``t``: weight gradients are added into batch
+        t's accumulator, boundary inputs get their ``.grad``."""
+        self.strategy.backward(t, self.compute(version), roots, seeds, boundary)
+
+    def update(self, t: int, coef: torch.Tensor | None) -> None:
+        """``UPDATE t``: write ``W(t)`` from ``W(t-1)`` and batch t's (clipped) gradient into its
+        slot, then zero that gradient buffer and step the learning-rate scheduler."""
+        grads = self.grads(t)
+        if self.optimizer is not None:
+            src = self.slots[self.slot(max(t - 1, 0))]
+            dst = self.slots[self.slot(t)]
+            self.strategy.update(t, grads, src, dst, coef)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        for g in grads.values():
+            g.zero_()
+        self.updates = t
+
+    def newest(self) -> dict[str, torch.Tensor]:
+        """Views of the newest version (after the last UPDATE), detached."""
+        return {n: v.detach() for n, v in self.compute(self.updates).items()}
+
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set every version to ``tensors`` (name -> tensor)."""
+        with torch.no_grad():
+            for slot in self.slots:
+                for n, v in self.layout.views(slot).items():
+                    v.copy_(tensors[n])
+
+    def nbytes(self) -> int:
+        """Bytes this store holds: versions, gradient buffers, optimizer state, scratch."""
+        total = sum(b.nbytes for slot in self.slots for b in slot.values())
+        total += sum(b.nbytes for g in self.grad_pool for b in g.values())
+        return total + self.strategy.nbytes()
+
+
+class _TorchOptim:
+    """``torch.optim``: autograd accumulates into the flat gradient buffer directly (each leaf's
+    ``.grad`` is pointed at its view), and UPDATE steps the optimizer on the destination slot."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+
+    def backward(self, t, leaves, roots, seeds, boundary) -> None:
+        if not roots:
+            return
+        views = self.store.grad_views_of(t)
+        for name, leaf in leaves.items():
+            if leaf.requires_grad:
+                leaf.grad = views[name]
+        torch.autograd.backward(roots, seeds if seeds[0] is not None else None)
+        for leaf in leaves.values():
+            leaf.grad = None
+
+    def update(self, t, grads, src, dst, coef) -> None:
+        store = self.store
+        if coef is not None:
+            for g in grads.values():
+                g.mul_(coef)
+        if src is not dst:
+            for dt in dst:
+                dst[dt].copy_(src[dt])
+        dst_views = store.layout.views(dst)
+        gviews = store.grad_views_of(t)
+        for name, p in store.opt_params.items():
+            p.data = dst_views[name]
+            p.grad = gviews[name]
+        store.optimizer.step()
+        for p in store.opt_params.values():
+            p.grad = None
+
+    def nbytes(self) -> int:
+        opt = self.store.optimizer
+        if opt is None:
+            return 0
+        return sum(v.nbytes for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+
+class _Fused:
+    """:mod:`fxpipe.kernels`: each micro-batch's weight gradient lands in a flat scratch buffer and
+    one accumulate launch per dtype folds it in (the first of a batch overwrites); UPDATE is one
+    fused launch per dtype. The torch.optim object only holds the hyper-parameters (its lr follows
+    the user's scheduler); the state is flat fp32."""
+
+    def __init__(self, store: WeightStore, kernels):
+        from .kernels import OptimizerSpec, init_state, ops
+
+        self.store = store
+        layout = store.layout
+        self.ops = ops(store.device, force=kernels)
+        self.spec = OptimizerSpec.from_torch(store.optimizer)
+        self.state = {dt: init_state(self.spec, n, store.device) for dt, n in layout.sizes}
+        self.scratch = layout.zeros_like()  # one micro-batch's gradient, flat
+        self.scratch_views = layout.views(self.scratch)
+        self.names = [s.name for s in layout.slots if s.requires_grad]
+        self.accumulated: dict[int, int] = {}  # batch -> micro-batches folded in so far
+
+    def backward(self, t, leaves, roots, seeds, boundary) -> None:
+        params = [leaves[n] for n in self.names]
+        inputs = params + [x for x in boundary if x.requires_grad]
+        grads = (torch.autograd.grad(roots, inputs, seeds if seeds[0] is not None else None, allow_unused=True)
+                 if roots else [None] * len(inputs))
+        with torch.no_grad():
+            for name, g in zip(self.names, grads):
+                if g is None:
+                    self.scratch_views[name].zero_()
+                else:
+                    self.scratch_views[name].copy_(g)
+            first = self.accumulated.get(t, 0) == 0
+            acc = self.store.grads(t)
+            for dt, buf in self.scratch.items():
+                self.ops.accumulate(acc[dt], buf, 1.0, overwrite=first)
+        self.accumulated[t] = self.accumulated.get(t, 0) + 1
+        for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
+            x.grad = g
+
+    def update(self, t, grads, src, dst, coef) -> None:
+        lr = self.store.optimizer.param_groups[0]["lr"]
+        with torch.no_grad():
+            for dt in dst:
+                self.ops.update(self.spec, t, grads[dt], src[dt], dst[dt], self.state[dt], clip=coef, lr=lr)
+        self.accumulated.pop(t, None)
+
+    def nbytes(self) -> int:
+        return (sum(v.nbytes for st in self.state.values() for v in st.values())
+                + sum(b.nbytes for b in self.scratch.values()))
