@@ -35,7 +35,7 @@ Example (``tests/models.py``'s 4-layer MLP, cut after its second ReLU)::
         relu_2 = torch.ops.aten.relu.default(linear_2);  linear_2 = None
         linear_3 = torch.ops.aten.linear.default(relu_2, _7_weight, _7_bias);  ...
         return (linear_3,)
-    >>> out = staged.run(x)          # every stage in turn, boundary values handed on
+    >>> out = staged.stages[1].module(*staged.stages[0].module(x))   # boundary values handed on
 
 Rules, in the order the code applies them:
 
@@ -59,13 +59,12 @@ Rules, in the order the code applies them:
   the model's structure of them).
 * **Parameters.** A stage's parameters keep the original model's canonical names and are
   ``nn.Parameter`` views into one flat buffer per dtype (``stage.flat.buffers``), in order of
-  first use; each ``.grad`` is a view into a zeroed flat gradient buffer (``stage.flat.grads``),
-  so autograd accumulates micro-batch gradients in place into it. The original model is not
-  modified: values are copied in. Buffers (BatchNorm statistics) are copied too and stay module
-  attributes, updated in place by the forward, also under ``torch.func.functional_call``.
+  first use (``stage.flat.layout``, which the runtime's weight store and the fused kernels use).
+  The original model is not modified: values are copied in. Buffers (BatchNorm statistics) are
+  copied too and stay module attributes; ``torch.func.functional_call`` can pass others.
 * **Tied parameters.** A parameter read on several stages (GPT-2's ``wte``/``lm_head``) has a
   copy on each, listed in ``StagedModel.tied``; the copies stay equal when their gradients are
-  summed before each update (:meth:`StagedModel.sync_tied_grads` in one process), and
+  summed before each update (the runtime's tied all-reduce), and
   :meth:`StagedModel.state_dict` checks that they agree.
 """
 
@@ -76,7 +75,7 @@ import operator
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Iterator, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -175,21 +174,21 @@ class FlatLayout:
 
 
 class FlatParams:
-    """A stage's parameters as views into flat buffers.
+    """A stage's initial parameters, laid out in flat buffers (one per dtype).
 
-    ``buffers`` (dtype -> flat weights) and ``grads`` (dtype -> flat gradients) are the tensors
-    the fused update kernels work on; ``params`` (name -> ``nn.Parameter``) are views into
-    ``buffers`` whose ``.grad`` are views into ``grads``. Autograd accumulates into an existing
-    ``.grad`` in place, so every backward adds into ``grads``. An optimizer that sets grads to
-    ``None`` breaks the link: call :meth:`zero_grad` (which re-attaches) instead.
+    ``buffers`` (dtype -> flat weights) hold the values; ``params`` (name -> ``nn.Parameter``)
+    are views into them, registered in the stage module. Codegen emits this as data: the
+    runtime's :class:`~fxpipe.weights.WeightStore` owns the versions, gradients and updates.
     """
 
     def __init__(self, layout: FlatLayout, buffers: dict[torch.dtype, torch.Tensor]):
         layout._check(buffers)
         self.layout = layout
         self.buffers = buffers
-        self.grads = layout.zeros_like()
-        self.params: dict[str, nn.Parameter] = self.version(buffers)
+        views = layout.views(buffers)
+        self.params: dict[str, nn.Parameter] = {
+            s.name: nn.Parameter(views[s.name], requires_grad=s.requires_grad) for s in layout.slots
+        }
 
     @classmethod
     def build(cls, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> "FlatParams":
@@ -204,32 +203,6 @@ class FlatParams:
         with torch.no_grad():
             buffers = layout.pack({name: t.detach() for name, t in named})
         return cls(layout, buffers)
-
-    def version(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> dict[str, nn.Parameter]:
-        """``nn.Parameter`` views into ``buffers`` (another weight version of this layout) whose
-        ``.grad`` are views into THIS object's flat gradient buffers: a forward/backward through
-        ``functional_call(module, flat.version(spare), args)`` accumulates into ``self.grads``."""
-        views = self.layout.views(buffers)
-        grads = self.layout.views(self.grads)
-        out = {}
-        for s in self.layout.slots:
-            p = nn.Parameter(views[s.name], requires_grad=s.requires_grad)
-            if s.requires_grad:  # frozen parameters get no gradient, so no optimizer moves them
-                p.grad = grads[s.name]
-            out[s.name] = p
-        return out
-
-    def attach_grads(self) -> None:
-        """Point every ``.grad`` back at its view of the flat gradient buffer."""
-        grads = self.layout.views(self.grads)
-        for name, p in self.params.items():
-            if p.requires_grad and (p.grad is None or p.grad.data_ptr() != grads[name].data_ptr()):
-                p.grad = grads[name]
-
-    def zero_grad(self) -> None:
-        for g in self.grads.values():
-            g.zero_()
-        self.attach_grads()
 
     def clone_buffers(self) -> dict[torch.dtype, torch.Tensor]:
         """A copy of the flat weights (a second weight version for 2BW)."""
@@ -326,52 +299,6 @@ class StagedModel:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def run(self, *flat_inputs) -> tuple:
-        """Run every stage in order on the flat model inputs, handing boundary values on;
-        returns the flat model outputs. Autograd flows through, as in the original model."""
-        if len(flat_inputs) != len(self.input_names):
-            raise TypeError(
-                f"run expects the {len(self.input_names)} flat model inputs {self.input_names}, found "
-                f"{len(flat_inputs)}; use staged(*args, **kwargs) to pass the model's own structure"
-            )
-        env = dict(zip(self.input_names, flat_inputs))
-        carry: tuple = ()
-        for st in self.stages:
-            carry = st.module(*[env[n] for n in st.model_inputs], *carry)
-        return tuple(carry)
-
-    def __call__(self, *args, **kwargs):
-        """Call like the original model; returns the model's output structure."""
-        flat = self.trace_info.flatten_inputs(args, kwargs)
-        return self.trace_info.unflatten_output(self.run(*flat))
-
-    def named_parameters(self) -> Iterator[tuple[int, str, nn.Parameter]]:
-        """(stage index, canonical name, parameter) for every stage's copies."""
-        for st in self.stages:
-            for name, p in st.flat.params.items():
-                yield st.index, name, p
-
-    def zero_grad(self) -> None:
-        for st in self.stages:
-            st.flat.zero_grad()
-
-    def sync_tied_grads(self) -> None:
-        """Sum the gradients of each tied parameter's copies into every copy (in one process;
-        the distributed runtime all-reduces among the owning ranks instead)."""
-        for t in self.tied:
-            copies = [self.stages[i].flat.params[t.name] for i in t.stages]
-            grads = [p.grad for p in copies if p.grad is not None]
-            if not grads:
-                continue
-            total = grads[0].clone()
-            for g in grads[1:]:
-                total += g
-            for p in copies:
-                if p.grad is None:
-                    p.grad = total.clone()
-                else:
-                    p.grad.copy_(total)
-
     def param_to_original(self) -> dict[str, list[str]]:
         """Canonical parameter/buffer name -> every key of the original model's ``state_dict``
         that holds it (tied aliases included; ``[]`` for non-persistent buffers)."""
@@ -398,8 +325,8 @@ class StagedModel:
                     raise FxpipeError(
                         f"the copies of tied tensor {name!r} on stages {first[name]} and {i} differ "
                         f"(max abs difference {diff}). Their gradients must be summed before every "
-                        f"update (StagedModel.sync_tied_grads() in one process; the runtime does it "
-                        f"across ranks) and the same optimizer step applied to each copy."
+                        f"update (the runtime's TIED_START/TIED_WAIT) and the same optimizer step "
+                        f"applied to each copy."
                     )
         for name, t in self.unused_state.items():
             merged.setdefault(name, t)
