@@ -182,8 +182,8 @@ def train(args) -> int:
     for step in range(1, args.steps + 1):
         x, y = fibonacci_batch(batch, seq, cfg.vocab_size, data)
         pipe.record = step > args.steps - 2  # keep the last two steps' timeline
-        loss = pipe.step(x, y)
-        if loss is not None:
+        loss = pipe.step(x, y)  # a float here; elsewhere a Loss that would wait for it
+        if say:
             first = loss if first is None else first
             last = loss
             if say and (step % 25 == 0 or step == 1):

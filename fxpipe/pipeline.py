@@ -35,7 +35,7 @@ from .runtime import StageWorker, WorkerConfig
 from .schedule import Action, Program, format_actions, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
-__all__ = ["compile", "Pipeline", "DEFAULT_MICROBATCHES"]
+__all__ = ["compile", "Pipeline", "Loss", "DEFAULT_MICROBATCHES"]
 
 DEFAULT_MICROBATCHES = 8  # m when not given: enough to keep up to 8 stages busy (m >= d)
 
@@ -208,7 +208,7 @@ class Pipeline:
             groups[f"tied:{'-'.join(map(str, tp.stages))}"] = [rank_of(s, r, d) for r in range(w) for s in tp.stages]
         for s in range(d):
             groups[f"dp:{s}"] = [rank_of(s, r, d) for r in range(w)]
-        groups["last"] = [rank_of(d - 1, r, d) for r in range(w)]
+        groups["all"] = list(range(d * w))  # the LOSS all-reduce: every rank gets the loss
         hub = None if self.distributed else LocalHub(d * w, groups)
         comm_for = (lambda r: DistComm(groups)) if self.distributed else hub.comm
         self.workers: dict[int, StageWorker] = {}
@@ -256,10 +256,11 @@ class Pipeline:
 
     def step(self, inputs, target=None, *, sync: bool = True):
         """One optimizer step over one global batch (``microbatches * width`` micro-batches, split
-        along dim 0). Every rank passes the same batch. Returns the batch's mean loss as a float
-        on the rank(s) holding the last stage, None elsewhere. ``sync=False`` returns it as a 0-dim
-        float64 tensor on this rank's device instead, without waiting for the device (CUDA keeps
-        running ahead; read it later with ``float(loss)``)."""
+        along dim 0). Every rank passes the same batch. Returns the batch's mean loss on every
+        rank: a float on the rank(s) holding the last stage (``sync=False``: a 0-dim float64
+        tensor on the device, read later with ``float(loss)``, no host sync), elsewhere a
+        :class:`Loss` that resolves on ``float()``/``.item()`` (under 2bw the last stage computes
+        batch t's loss after the first stage's ``step(t)`` returned)."""
         args, kwargs = normalize_inputs(inputs)
         if not self._setup_done:
             m = self.opts["microbatches"] or DEFAULT_MICROBATCHES
@@ -288,16 +289,6 @@ class Pipeline:
         """(model input name -> tensor, target) of one micro-batch chunk of ``_split_batch``."""
         args, kwargs, target = to_device(chunk, self.device)
         return dict(zip(self.trace_info.input_names, self.trace_info.flatten_inputs(args, kwargs))), target
-
-    def _replica_mean(self, total: torch.Tensor) -> torch.Tensor:
-        """Mean loss over the global batch (0-dim float64 tensor) from this last-stage rank's sum
-        over its micro-batches (summed across the last-stage replicas under torchrun)."""
-        plan = self.plan
-        if self.distributed and plan.width > 1:
-            total = total.reshape(1).clone()
-            next(iter(self.workers.values())).comm.all_reduce(total, "last").wait()
-            total = total[0]
-        return total / (plan.microbatches * plan.width)
 
     def _width_hint(self) -> int:
         """Data-parallel width before planning, to cut the first micro-batch at the right size:
@@ -352,14 +343,18 @@ class Pipeline:
             self.timeline.append((r, str(a), start - self._t0, time.perf_counter() - self._t0))
 
     def _batch_loss(self, t: int, sync: bool):
+        """Batch t's mean loss from the LOSS action's all-reduce: a float (a device tensor with
+        ``sync=False``) on ranks holding the last stage, a :class:`Loss` elsewhere."""
         plan = self.plan
-        m, d = plan.microbatches, plan.stages
-        ks = range((t - 1) * m + 1, t * m + 1)
-        last = [wk for r, wk in self.workers.items() if stage_and_replica(r, d)[0] == d - 1]
+        count = plan.microbatches * plan.width
+        parts = {r: wk.batch_loss.pop(t) for r, wk in self.workers.items()}
+        last = [r for r in parts if stage_and_replica(r, plan.stages)[0] == plan.stages - 1]
         if not last:
-            return None
-        total = sum(wk.losses.pop(k).double() for wk in last for k in ks)  # in micro-batch order
-        mean = self._replica_mean(total)
+            _, total, handle = next(iter(parts.values()))
+            return Loss(total, handle, count)
+        _, total, handle = parts[last[0]]
+        handle.wait()  # the other ranks posted theirs earlier (they run ahead): a short wait
+        mean = total[0] / count
         return float(mean) if sync else mean
 
     def flush(self) -> None:
@@ -370,7 +365,7 @@ class Pipeline:
         t = self.t
         self._execute(lambda stage: self.program.drain(stage, t, self.epoch_start), f"flush after step {t}")
         for wk in self.workers.values():
-            wk.drain_sends()
+            wk.drain()
         self.epoch_start = t
 
     # ------------------------------------------------------------------ evaluation
@@ -414,14 +409,15 @@ class Pipeline:
         try:
             self._execute(self.program.eval, "eval_step")
             for wk in self.workers.values():
-                wk.drain_sends()
+                wk.drain()
         finally:
             for wk in self.workers.values():
                 wk.eval_stage, wk.eval_weights = None, {}
-        last = [wk for r, wk in self.workers.items() if stage_and_replica(r, d)[0] == d - 1]
-        if not last:
-            return None
-        return float(self._replica_mean(sum(wk.eval_loss for wk in last)))
+        _, total, handle = next(iter(self.workers.values())).batch_loss.pop(1)
+        for wk in self.workers.values():
+            wk.batch_loss.clear()
+        handle.wait()
+        return float(total[0] / (m * w))
 
     def _build_eval(self):
         """Stages of an eval-mode trace, cut where the training stages are: each eval node takes
@@ -520,6 +516,31 @@ class Pipeline:
         if self.rank != 0:
             return []
         return write_pipeline_dumps(self, out_dir, events)
+
+
+class Loss:
+    """A batch's mean loss on a rank that does not hold the last stage.
+
+    Under 2bw the first stage's ``step(t)`` returns before the last stage has computed batch t's
+    loss; waiting there would add a fill bubble to every step. The value arrives through the
+    ``LOSS t`` all-reduce every rank posts where its step ends; ``float(loss)``, ``loss.item()``
+    or ``loss.wait()`` (a 0-dim float64 tensor) wait for it, which never needs a later step.
+    """
+
+    def __init__(self, total: torch.Tensor, handle, count: int):
+        self._total, self._handle, self._count = total, handle, count
+
+    def wait(self) -> torch.Tensor:
+        self._handle.wait()
+        return self._total[0] / self._count
+
+    def item(self) -> float:
+        return float(self.wait())
+
+    __float__ = item
+
+    def __repr__(self) -> str:
+        return f"Loss({self.item():.6g})"
 
 
 # ---------------------------------------------------------------------------------------------

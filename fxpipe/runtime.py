@@ -91,10 +91,12 @@ class StageWorker:
         self.ctx: dict[int, dict] = {}
         self.sends: deque[tuple[int, Handle]] = deque()  # (segment, posted send), oldest first
         self.segments = 0  # END_STEPs run so far
+        self.loss_posts: deque[tuple[int, Handle]] = deque()  # LOSS all-reduces not yet waited for
         self.reductions: dict[tuple[Kind, int], Handle] = {}
         self.norm_sq: dict[int, torch.Tensor] = {}
         self.clip_coef: dict[int, torch.Tensor] = {}  # batch -> 0-dim factor on the device
         self.losses: dict[int, torch.Tensor] = {}
+        self.batch_loss: dict[int, tuple[torch.Tensor, torch.Tensor, Handle]] = {}  # see _do_loss
         # eval_step: the eval-mode stage, the weights it reads and the loss summed on the last stage
         self.eval_stage = None
         self.eval_weights: dict[str, torch.Tensor] = {}
@@ -163,6 +165,10 @@ class StageWorker:
         (gloo marks a send complete only once it is waited for)."""
         while self.sends and self.sends[0][0] < self.segments:
             self.sends.popleft()[1].wait()
+        # The previous step's loss all-reduce: every rank has passed that step's END_STEP by now
+        # (this segment received what their later segments sent), so this wait is free.
+        while self.loss_posts and self.loss_posts[0][0] < a.index:
+            self.loss_posts.popleft()[1].wait()
         self.segments += 1
 
     def _do_recv_act(self, a: Action) -> None:
@@ -245,6 +251,25 @@ class StageWorker:
         ctx = self.ctx[a.index] if self.eval_stage is None else self.ctx.pop(a.index)
         self._post_send([o.detach() for o in ctx["outputs"]], self.next, a)
 
+    def _do_loss(self, a: Action) -> None:
+        """Post the all-reduce (over every rank) of this rank's part of batch t's loss sum: the
+        last stage's losses of its micro-batches (of ``eval_step``'s pass while evaluating), 0
+        elsewhere. Kept as ``(local sum, reduced sum, handle)`` for the driver."""
+        t = a.index
+        if self.eval_stage is not None:
+            local = self.eval_loss.clone()
+        elif self.is_last:
+            m = self.cfg.microbatches
+            local = torch.zeros((), dtype=torch.float64, device=self.device)
+            for k in range((t - 1) * m + 1, t * m + 1):  # in micro-batch order
+                local += self.losses.pop(k).double()
+        else:
+            local = torch.zeros((), dtype=torch.float64, device=self.device)
+        total = local.reshape(1).clone()
+        handle = self.comm.all_reduce(total, "all", str(a))
+        self.batch_loss[t] = (local, total, handle)
+        self.loss_posts.append((t, handle))
+
     def _do_eval(self, a: Action) -> None:
         """Forward-only pass of micro-batch k through the eval-mode stage (``eval_step``)."""
         k = a.index
@@ -273,10 +298,12 @@ class StageWorker:
             self.sends.popleft()
         self.sends.append((self.segments, self.comm.isend(tensors, peer, str(a))))
 
-    def drain_sends(self) -> None:
-        for _, h in self.sends:
+    def drain(self) -> None:
+        """Wait for every send and loss all-reduce still in flight (a flush, eval_step)."""
+        for _, h in list(self.sends) + list(self.loss_posts):
             h.wait()
         self.sends.clear()
+        self.loss_posts.clear()
 
     # reductions ------------------------------------------------------------
 

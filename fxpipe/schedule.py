@@ -27,6 +27,7 @@ Actions
     0NORM_START1 issue the all-reduce of batch 1's squared gradient norm (all stages of a replica)
     0NORM_WAIT1  wait for it (the global norm is then known: clip, then update)
     0UPDATE1     optimizer step with batch 1's gradients: produces weight version W(1)
+    0LOSS1       post the all-reduce that gives every rank batch 1's mean loss (right before END_STEP1)
     0END_STEP1   step 1's segment ends: return to the caller (what follows needs batch 2)
     1EVAL3       eval_step: forward-only pass of micro-batch 3, newest weights, eval mode
 
@@ -154,6 +155,7 @@ class Kind(str, enum.Enum):
     NORM_WAIT = "NORM_WAIT"
     END_STEP = "END_STEP"  # step t's segment ends: return to the caller, the rest needs batch t+1
     EVAL = "EVAL"  # forward-only pass of micro-batch k with the newest weights, eval mode (eval_step)
+    LOSS = "LOSS"  # post the all-reduce that gives every rank batch t's mean loss
 
     def __str__(self) -> str:  # "F", not "Kind.F"
         return self.value
@@ -187,6 +189,7 @@ SPEC: dict[Kind, KindSpec] = {
     Kind.NORM_WAIT: KindSpec("compute", True, None, Kind.NORM_START, None),
     Kind.END_STEP: KindSpec("compute", True, None, None, None),
     Kind.EVAL: KindSpec("compute", False, None, Kind.RECV_ACT, "forward"),
+    Kind.LOSS: KindSpec("reduce", True, "collective", None, None),
 }
 assert set(SPEC) == set(Kind), "every Kind needs its SPEC entry"
 
@@ -194,8 +197,9 @@ COMPUTE = frozenset({Kind.F, Kind.R, Kind.B})
 SENDS = frozenset(k for k, v in SPEC.items() if v.comm == "send")
 RECVS = frozenset(k for k, v in SPEC.items() if v.comm == "recv")
 P2P = SENDS | RECVS
-STARTS = frozenset(k for k, v in SPEC.items() if v.comm == "collective")
-WAITS = frozenset(k for k, v in SPEC.items() if v.waits in STARTS)
+COLLECTIVES = frozenset(k for k, v in SPEC.items() if v.comm == "collective")
+WAITS = frozenset(k for k, v in SPEC.items() if v.waits in COLLECTIVES)
+STARTS = frozenset(SPEC[w].waits for w in WAITS)  # the gradient reductions, each with its join
 PER_BATCH = frozenset(k for k, v in SPEC.items() if v.per_batch)
 _WAIT_OF = {SPEC[w].waits: w for w in WAITS}
 _START_OF = {w: s for s, w in _WAIT_OF.items()}
@@ -513,7 +517,7 @@ class Program:
 
 def eval_list(stage: int, stages: int, microbatches: int) -> list[Action]:
     """``RECV_ACT1``, then per micro-batch k: ``RECV_ACT k+1``, ``EVAL k``, ``SEND_ACT k`` (the
-    receives only past the first stage, the sends only before the last)."""
+    receives only past the first stage, the sends only before the last), then ``LOSS1``."""
     out: list[Action] = []
     recv = stage > 0
     if recv:
@@ -524,6 +528,7 @@ def eval_list(stage: int, stages: int, microbatches: int) -> list[Action]:
         out.append(Action(stage, Kind.EVAL, k))
         if stage < stages - 1:
             out.append(Action(stage, Kind.SEND_ACT, k))
+    out.append(Action(stage, Kind.LOSS, 1))  # every rank gets the batch's loss
     return out
 
 
@@ -607,6 +612,10 @@ def _core_list(
                 if reached(max((p + 1) * m + 1 - stage, p * m + d if group else 0)):
                     post_norm(p)
         if kind is Kind.F and k > 1 and (k - 1) % m == 0:
+            # Every rank posts the loss all-reduce of step t-1 where it returns: the last stage
+            # has all of that batch's losses there, and no compute waits for it.
+            out.append(Action(stage, Kind.LOSS, t - 1))
+            cut("LOSS", t - 1)
             out.append(Action(stage, Kind.END_STEP, t - 1))
             cut("END", t - 1)
         if two_bw:
@@ -984,7 +993,7 @@ def _groups(by_stage: Mapping[int, Sequence[Action]]) -> dict[str, list[int]]:
     """Collective groups of one replica: the stages issuing each cross-stage kind, and each stage's
     data-parallel group (its replicas run the same list, so one stage stands for all of them)."""
     groups: dict[str, list[int]] = {}
-    for kind in (Kind.TIED_START, Kind.NORM_START):
+    for kind in (Kind.TIED_START, Kind.NORM_START, Kind.LOSS):
         groups[kind.value] = [s for s, lst in by_stage.items() if any(a.kind is kind for a in lst)]
     groups.update({f"{Kind.DP_START.value}:{s}": [s] for s in by_stage})
     return groups

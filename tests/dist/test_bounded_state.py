@@ -10,7 +10,8 @@ from tests.dist.harness import run_function
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-HELD = ("sends", "reductions", "recv_act", "recv_grad", "ctx", "inputs", "targets", "losses", "norm_sq", "clip_coef")
+HELD = ("sends", "reductions", "recv_act", "recv_grad", "ctx", "inputs", "targets", "losses", "norm_sq", "clip_coef",
+        "batch_loss", "loss_posts")
 
 
 def held_after_30_and_60_steps(rank: int, world: int) -> list[dict]:

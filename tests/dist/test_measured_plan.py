@@ -23,7 +23,7 @@ def measured_compile(rank, world):
     x, y = fibonacci_batch(8, 16, cfg.vocab_size, torch.Generator().manual_seed(0))
     pipe = fxpipe.compile(GPT(cfg), (x[:2],), loss_fn=lm_loss, microbatches=4, stages=2, cost_mode="measured",
                           optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False)
-    losses = [pipe.step(x, y) for _ in range(2)]
+    losses = [float(pipe.step(x, y)) for _ in range(2)]  # rank 0: a Loss handle, resolved here
     return {"plan": pipe.plan.to_json(), "losses": losses}
 
 
@@ -41,5 +41,4 @@ def test_measured_mode_measures_links_and_shares_one_plan():
     link = plan["device"]
     assert link["p2p_latency"] > 0 and link["p2p_bandwidth"] > 0
     assert (link["p2p_latency"], link["p2p_bandwidth"]) != (default.p2p_latency, default.p2p_bandwidth)
-    assert results[0]["value"]["losses"] == [None, None]
-    assert all(isinstance(v, float) for v in results[1]["value"]["losses"])
+    assert results[0]["value"]["losses"] == results[1]["value"]["losses"]  # the loss on every rank
