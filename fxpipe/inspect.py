@@ -180,7 +180,7 @@ def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
     paths = write_node_table(gm, out_dir, assignment) + [write_dot(gm, out_dir, assignment)]
     paths += write_plan(pipe.plan, out_dir)
     paths += [str(p) for p in write_stage_code(pipe.staged, out_dir)]
-    lists = _schedule_lists(pipe.plan, 3, pipe._tied_stages, pipe.opts["max_grad_norm"] is not None)
+    lists = _schedule_lists(pipe.plan, 3, pipe.topology.tied_stages, pipe.config.max_grad_norm is not None)
     paths += [str(p) for p in write_schedule_dumps(out_dir, lists, plan_costs(pipe.plan), name="schedule").values()]
     if events:
         tl = timeline_from_events(events)

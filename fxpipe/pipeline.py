@@ -19,7 +19,8 @@ from __future__ import annotations
 import atexit
 import os
 import time
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from .runtime import StageWorker, WorkerConfig
 from .schedule import Action, Program, format_actions, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
-__all__ = ["compile", "Pipeline", "Loss", "DEFAULT_MICROBATCHES"]
+__all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
 
 DEFAULT_MICROBATCHES = 8  # m when not given: enough to keep up to 8 stages busy (m >= d)
 
@@ -76,43 +77,118 @@ def compile(
     for the world size; in one process that is d=1). ``device``: ``"auto"``/None (CUDA when
     available, ``cuda:LOCAL_RANK`` under torchrun; else CPU), ``"cpu"`` or ``"cuda[:i]"``.
     """
-    return Pipeline(
-        model,
-        example_inputs,
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        microbatches=microbatches,
-        schedule=schedule,
-        stages=stages,
-        plan=plan,
-        lr_scheduler=lr_scheduler,
-        max_grad_norm=max_grad_norm,
-        recompute=recompute,
-        seed=seed,
-        check_batch=check_batch,
-        cost_mode=cost_mode,
-        device_model=device_model,
-        kernels=kernels,
-        device=device,
-        verbose=verbose,
+    config = PipelineConfig(
+        loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
+        stages=stages, plan=plan, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, recompute=recompute,
+        seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
+        device=device, verbose=verbose,
     )
+    return Pipeline(model, example_inputs, config)
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything ``fxpipe.compile`` was asked for, checked once (README.md, "Keyword arguments")."""
+
+    loss_fn: Callable | None = None  # loss_fn(output, target) -> scalar; None: the model's output/.loss
+    optimizer: Callable = default_optimizer  # [(original_name, param), ...] -> torch.optim.Optimizer
+    microbatches: int | None = None  # m per step and replica; None: DEFAULT_MICROBATCHES
+    schedule: str = "2bw"  # "2bw" | "1f1b" | "gpipe"
+    stages: int | None = None  # d; None: the planner's choice for the world size
+    plan: Any = None  # a fxpipe.Plan (or its JSON) to use instead of planning
+    lr_scheduler: Callable | None = None  # optimizer -> scheduler, stepped once per step
+    max_grad_norm: float | None = None  # clip by the global norm over all stages
+    recompute: bool | None = None  # activation recomputation; None: the planner decides
+    seed: int = 0  # dropout streams per (seed, micro-batch, stage)
+    check_batch: bool = True  # first step: every rank passed the same batch
+    cost_mode: str = "analytic"  # "analytic" | "measured"
+    device_model: Any = None  # fxpipe.cost.DeviceModel for the planner
+    kernels: str = "auto"  # "auto" | "triton" | "torch" | "off"
+    device: Any = None  # "auto"/None | "cpu" | "cuda[:i]" | torch.device
+    verbose: bool = True  # rank 0 prints the plan
+
+    def __post_init__(self) -> None:
+        def bad(name, expected, found):
+            raise ValueError(f"fxpipe.compile: {name} must be {expected}, found {found!r}")
+
+        if self.schedule not in ("2bw", "1f1b", "gpipe"):
+            bad("schedule", "'2bw', '1f1b' or 'gpipe'", self.schedule)
+        for name in ("microbatches", "stages"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                bad(name, "an int >= 1 (or None)", v)
+        if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
+            bad("max_grad_norm", "a number > 0 (or None for no clipping)", self.max_grad_norm)
+        if self.cost_mode not in ("analytic", "measured"):
+            bad("cost_mode", "'analytic' or 'measured'", self.cost_mode)
+        if self.kernels not in ("auto", "triton", "torch", "off"):
+            bad("kernels", "'auto', 'triton', 'torch' or 'off'", self.kernels)
+        if not callable(self.optimizer):
+            bad("optimizer", "a callable taking [(name, parameter), ...] and returning a torch.optim.Optimizer",
+                self.optimizer)
+        for name in ("loss_fn", "lr_scheduler"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                bad(name, "a callable (or None)", getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            bad("seed", "an int", self.seed)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Who is where: rank ``replica * d + stage`` (:func:`fxpipe.schedule.rank_of`), and the
+    collective groups the runtime creates (the same, in the same order, on every rank).
+
+    ``tied``: for each parameter read on several stages, the stages holding a copy. A tied
+    weight's copies on every stage of every replica are summed in ONE all-reduce that the
+    data-parallel all-reduce leaves out: two in-place reductions of the same gradient running at
+    once would race.
+    """
+
+    stages: int
+    width: int
+    tied: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.stages * self.width
+
+    @property
+    def tied_stages(self) -> list[int]:
+        return sorted({s for _, stages in self.tied for s in stages})
+
+    @staticmethod
+    def tied_group(stages: Sequence[int]) -> str:
+        return f"tied:{'-'.join(map(str, stages))}"
+
+    def groups(self) -> dict[str, list[int]]:
+        d, w = self.stages, self.width
+        groups = {f"pipe:{r}": [rank_of(s, r, d) for s in range(d)] for r in range(w)}
+        for _, stages in self.tied:
+            groups[self.tied_group(stages)] = [rank_of(s, r, d) for r in range(w) for s in stages]
+        for s in range(d):
+            groups[f"dp:{s}"] = [rank_of(s, r, d) for r in range(w)]
+        groups["all"] = list(range(d * w))  # the LOSS all-reduce: every rank gets the loss
+        return groups
+
+    def tied_groups_of(self, stage: int) -> dict[str, str]:
+        """Tied parameter -> its group name, for the copies on ``stage``."""
+        return {name: self.tied_group(stages) for name, stages in self.tied if stage in stages}
+
+    def tied_owner_of(self, stage: int) -> dict[str, bool]:
+        """Tied parameter -> whether ``stage`` counts it in the gradient norm (its first stage)."""
+        return {name: stage == stages[0] for name, stages in self.tied if stage in stages}
 
 
 class Pipeline:
     """A compiled pipeline. ``step`` trains, ``flush`` drains, ``state_dict`` gathers weights."""
 
-    def __init__(self, model: nn.Module, example_inputs=None, **opts):
+    def __init__(self, model: nn.Module, example_inputs=None, config: PipelineConfig | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"fxpipe.compile expects an nn.Module, found {type(model).__name__}")
-        if opts["schedule"] not in ("2bw", "1f1b", "gpipe"):
-            raise ValueError(f"schedule must be '2bw', '1f1b' or 'gpipe', found {opts['schedule']!r}")
-        if opts["microbatches"] is not None and opts["microbatches"] < 1:
-            raise ValueError(f"microbatches must be >= 1, found {opts['microbatches']}")
         self.model = model
-        self.opts = opts
-        self.optimizer_factory = opts["optimizer"] or default_optimizer
+        self.config = config = config or PipelineConfig()
         self._setup_done = False
-        self.distributed, self.device = _init_distributed(opts["device"])
+        self.distributed, self.device = _init_distributed(config.device)
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.plan = None
@@ -132,37 +208,37 @@ class Pipeline:
         from .codegen import split
         from .plan import Plan, graph_fingerprint
 
-        o = self.opts
+        o = self.config
         self._example = kwargs if kwargs else args
         self._eval = None
         gm = trace(self.model, self._example)
         self.trace_info = gm.meta["fxpipe"]
-        m = o["microbatches"] or DEFAULT_MICROBATCHES
-        kernels = _kernel_backend(o["kernels"], self.device)
-        plan = o["plan"]
+        m = o.microbatches or DEFAULT_MICROBATCHES
+        kernels = _kernel_backend(o.kernels, self.device)
+        plan = o.plan
         if plan is None:
             plan_json = None
-            device_model = o["device_model"]
-            if device_model is None and self.distributed and o["cost_mode"] == "measured":
+            device_model = o.device_model
+            if device_model is None and self.distributed and o.cost_mode == "measured":
                 # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are
                 # broadcast), so the planner prices a cut with this machine's links.
                 device_model = DeviceModel.for_device(self.device).measure_p2p()
             if self.rank == 0:
                 from .partition import plan as make_plan
 
-                world = self.world_size if self.distributed else (o["stages"] or 1)
+                world = self.world_size if self.distributed else (o.stages or 1)
                 made = make_plan(
                     gm,
                     self._example,
-                    stages=o["stages"] if o["stages"] is not None else (None if self.distributed else 1),
+                    stages=o.stages if o.stages is not None else (None if self.distributed else 1),
                     microbatches=m,
-                    schedule=o["schedule"],
+                    schedule=o.schedule,
                     world_size=world,
-                    cost_mode=o["cost_mode"],
+                    cost_mode=o.cost_mode,
                     device=device_model,
-                    recompute=o["recompute"],
+                    recompute=o.recompute,
                     torch_device=self.device,
-                    clip=o["max_grad_norm"] is not None,
+                    clip=o.max_grad_norm is not None,
                     accumulation="autograd" if kernels is None else "fused",
                 )
                 plan_json = made.to_json()
@@ -181,10 +257,10 @@ class Pipeline:
                 f"must build the same model with the same example input shapes and dtypes; a saved "
                 f"plan only fits the model and micro-batch size it was made for."
             )
-        if plan.schedule != o["schedule"] or plan.microbatches != m and o["microbatches"] is not None:
+        if plan.schedule != o.schedule or plan.microbatches != m and o.microbatches is not None:
             raise RuntimeMismatchError(
                 f"the plan is for schedule={plan.schedule!r}, microbatches={plan.microbatches}; "
-                f"compile was asked for schedule={o['schedule']!r}, microbatches={m}. Pass matching values."
+                f"compile was asked for schedule={o.schedule!r}, microbatches={m}. Pass matching values."
             )
         d, w = plan.stages, plan.width
         if self.distributed and d * w != self.world_size:
@@ -197,18 +273,9 @@ class Pipeline:
         build = sorted({stage_and_replica(r, d)[0] for r in ranks})
         self.staged = split(gm, plan.assignment, build=build, device=self.device)
         self.staged_graph = gm
-        tied = [tp for tp in self.staged.tied if len(tp.stages) > 1]
-        groups: dict[str, list[int]] = {}
-        for r in range(w):
-            groups[f"pipe:{r}"] = [rank_of(s, r, d) for s in range(d)]
-        # A tied weight's copies on every stage of every replica are summed in ONE all-reduce (the
-        # data-parallel all-reduce leaves them out): two in-place reductions of the same
-        # gradient running at once would race.
-        for tp in tied:
-            groups[f"tied:{'-'.join(map(str, tp.stages))}"] = [rank_of(s, r, d) for r in range(w) for s in tp.stages]
-        for s in range(d):
-            groups[f"dp:{s}"] = [rank_of(s, r, d) for r in range(w)]
-        groups["all"] = list(range(d * w))  # the LOSS all-reduce: every rank gets the loss
+        self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
+                                                    if len(tp.stages) > 1))
+        groups = topo.groups()
         hub = None if self.distributed else LocalHub(d * w, groups)
         comm_for = (lambda r: DistComm(groups)) if self.distributed else hub.comm
         self.workers: dict[int, StageWorker] = {}
@@ -221,34 +288,33 @@ class Pipeline:
                 width=w,
                 microbatches=plan.microbatches,
                 recompute=bool(plan.recompute[s]),
-                loss_fn=o["loss_fn"],
-                optimizer=self.optimizer_factory,
-                lr_scheduler=o["lr_scheduler"],
-                max_grad_norm=o["max_grad_norm"],
-                seed=o["seed"],
+                loss_fn=o.loss_fn,
+                optimizer=o.optimizer,
+                lr_scheduler=o.lr_scheduler,
+                max_grad_norm=o.max_grad_norm,
+                seed=o.seed,
                 kernels=kernels,
-                tied_groups={tp.name: f"tied:{'-'.join(map(str, tp.stages))}" for tp in tied if s in tp.stages},
-                tied_owner={tp.name: s == tp.stages[0] for tp in tied if s in tp.stages},
+                tied_groups=topo.tied_groups_of(s),
+                tied_owner=topo.tied_owner_of(s),
             )
             self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
                                           device=self.device)
-        self._tied_stages = sorted({s for tp in tied for s in tp.stages})
         self.hub = hub
         self.program = Program(plan.schedule, d, plan.microbatches, width=w, recompute=list(plan.recompute),
-                               tied=self._tied_stages or None, clip=o["max_grad_norm"] is not None)
+                               tied=topo.tied_stages or None, clip=o.max_grad_norm is not None)
         self._setup_done = True
-        if self.opts["verbose"] and self.rank == 0:
+        if self.config.verbose and self.rank == 0:
             print(self.describe())
 
     def describe(self) -> str:
-        o = self.opts
-        opt = getattr(self.optimizer_factory, "func", self.optimizer_factory)
+        o = self.config
+        opt = getattr(o.optimizer, "func", o.optimizer)
         opt_name = getattr(opt, "__name__", type(opt).__name__)
         return (
             f"{self.plan}\n"
             f"fxpipe: schedule={self.plan.schedule} stages={self.plan.stages} width={self.plan.width} "
             f"microbatches={self.plan.microbatches} optimizer={opt_name} "
-            f"max_grad_norm={o['max_grad_norm']} device={self.device} "
+            f"max_grad_norm={o.max_grad_norm} device={self.device} "
             f"mode={'torchrun' if self.distributed else 'single-process'}"
         )
 
@@ -263,13 +329,13 @@ class Pipeline:
         batch t's loss after the first stage's ``step(t)`` returned)."""
         args, kwargs = normalize_inputs(inputs)
         if not self._setup_done:
-            m = self.opts["microbatches"] or DEFAULT_MICROBATCHES
+            m = self.config.microbatches or DEFAULT_MICROBATCHES
             first = _split_batch((args, kwargs, target), m * self._width_hint(), what="the first batch")
             self._setup(*first[0][:2])
         plan = self.plan
         m, w, d = plan.microbatches, plan.width, plan.stages
         chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
-        if self.t == 0 and self.opts["check_batch"] and self.distributed:
+        if self.t == 0 and self.config.check_batch and self.distributed:
             _check_same_batch((args, kwargs, target), self.rank, self.world_size, self.device)
         self.t += 1
         t = self.t
@@ -280,7 +346,7 @@ class Pipeline:
                 k = (t - 1) * m + j + 1
                 named, tg = self._microbatch(chunks[rep * m + j])
                 wk.inputs[k] = {n: named[n] for n in stage.model_inputs}
-                if s == d - 1 and self.opts["loss_fn"] is not None:
+                if s == d - 1 and self.config.loss_fn is not None:
                     wk.targets[k] = tg
         self._execute(lambda stage: self.program.segment(stage, t, self.epoch_start), f"step {t}")
         return self._batch_loss(t, sync)
@@ -294,9 +360,9 @@ class Pipeline:
         """Data-parallel width before planning, to cut the first micro-batch at the right size:
         world / stages when stages is given; with stages=None the lazy path plans a pure
         pipeline (d = world size, w = 1), since the micro-batch size must be known to trace."""
-        if self.opts["stages"] is None:
-            self.opts["stages"] = self.world_size if self.distributed else 1
-        return max(1, self.world_size // self.opts["stages"]) if self.distributed else 1
+        if self.config.stages is None:
+            self.config = replace(self.config, stages=self.world_size if self.distributed else 1)
+        return max(1, self.world_size // self.config.stages) if self.distributed else 1
 
     def _execute(self, segment: Callable[[int], list[Action]], what: str) -> None:
         """Run every local rank's segment (``segment(stage)``) to its end, in list order: the
@@ -404,7 +470,7 @@ class Pipeline:
             for j in range(m):
                 named, tg = self._microbatch(chunks[rep * m + j])
                 wk.inputs[j + 1] = {n: named[n] for n in stage.model_inputs}
-                if s == d - 1 and self.opts["loss_fn"] is not None:
+                if s == d - 1 and self.config.loss_fn is not None:
                     wk.targets[j + 1] = tg
         try:
             self._execute(self.program.eval, "eval_step")
@@ -579,8 +645,6 @@ def _kernel_backend(choice: str, device: torch.device):
     forces the kernels (on CPU under ``TRITON_INTERPRET=1``); ``"torch"`` forces the fused path
     with the kernels' torch references; ``"off"`` forces ``torch.optim``.
     """
-    if choice not in ("auto", "triton", "torch", "off"):
-        raise ValueError(f"kernels must be 'auto', 'triton', 'torch' or 'off', found {choice!r}")
     if choice == "auto":
         return "triton" if device.type == "cuda" else None
     return None if choice == "off" else choice

@@ -6,6 +6,7 @@ Both references live in tests/reference.py and do not import fxpipe.
 """
 
 import functools
+import re
 
 import pytest
 import torch
@@ -241,3 +242,29 @@ def test_data_parallel_ranges_leave_out_tied_weights():
     assert covered == sum(n for _, n in wk.layout.sizes) - sum(s.numel for s in tied.values())
     for s in tied.values():
         assert all(hi <= s.offset or lo >= s.offset + s.numel for dt, lo, hi in runs if dt == s.dtype)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(schedule="zb"), "fxpipe.compile: schedule must be '2bw', '1f1b' or 'gpipe', found 'zb'"),
+    (dict(microbatches=0), "fxpipe.compile: microbatches must be an int >= 1 (or None), found 0"),
+    (dict(stages=2.0), "fxpipe.compile: stages must be an int >= 1 (or None), found 2.0"),
+    (dict(max_grad_norm=-1.0), "fxpipe.compile: max_grad_norm must be a number > 0 (or None for no clipping), found -1.0"),
+    (dict(kernels="cuda"), "fxpipe.compile: kernels must be 'auto', 'triton', 'torch' or 'off', found 'cuda'"),
+    (dict(cost_mode="fast"), "fxpipe.compile: cost_mode must be 'analytic' or 'measured', found 'fast'"),
+    (dict(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)),
+     "fxpipe.compile: optimizer must be a callable taking [(name, parameter), ...]"),
+])
+def test_compile_checks_its_arguments_before_anything_runs(kwargs, message):
+    model, example = rmsnorm_residual()
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fxpipe.compile(model, example, verbose=False, **kwargs)
+
+
+def test_topology_names_every_group_once():
+    from fxpipe.pipeline import Topology
+
+    topo = Topology(3, 2, (("wte", (0, 2)),))
+    groups = topo.groups()
+    assert groups["pipe:1"] == [3, 4, 5] and groups["dp:2"] == [2, 5] and groups["all"] == list(range(6))
+    assert groups["tied:0-2"] == [0, 2, 3, 5]  # every copy of every replica, one all-reduce
+    assert topo.tied_groups_of(1) == {} and topo.tied_owner_of(2) == {"wte": False}

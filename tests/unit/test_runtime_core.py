@@ -146,7 +146,7 @@ def test_state_is_the_same_after_50_and_500_steps():
     plan = fxpipe.plan(model, example, stages=2, microbatches=2, schedule="2bw", world_size=4, clip=True)
     pipe = fxpipe.compile(model, example, plan=plan, optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
                           microbatches=2, schedule="2bw", max_grad_norm=1.0, verbose=False)
-    assert (pipe.plan.stages, pipe.plan.width, pipe._tied_stages) == (2, 2, [0, 1])
+    assert (pipe.plan.stages, pipe.plan.width, pipe.topology.tied_stages) == (2, 2, [0, 1])
     ids = torch.randint(0, 100, (4, 4))
     batch = {"input_ids": ids, "labels": ids}
     held = {}
