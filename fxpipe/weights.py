@@ -61,7 +61,7 @@ class WeightStore:
         # ``share_initial``: the first slot is codegen's buffer itself (one copy fewer); a
         # second replica of the stage in the same process takes its own.
         own = [flat.buffers] if share_initial else []
-        self.slots = own + [{d: b.clone() for d, b in flat.buffers.items()} for _ in range(n - len(own))]
+        self.slots = own + [flat.clone_buffers() for _ in range(n - len(own))]
         self.leaves = [self._make_leaves(b) for b in self.slots]
         self.grad_pool = [layout.zeros_like() for _ in range(grad_buffers)]
         self.grad_views = [layout.views(g) for g in self.grad_pool]
