@@ -17,6 +17,7 @@ finishes inside the next ``step`` or in :meth:`Pipeline.flush`.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import time
 from dataclasses import dataclass, replace
@@ -303,6 +304,14 @@ class Pipeline:
         self.program = Program(plan.schedule, d, plan.microbatches, width=w, recompute=list(plan.recompute),
                                tied=topo.tied_stages or None, clip=o.max_grad_norm is not None)
         self._setup_done = True
+        # Every rank waits for the slowest: a full (generation 2) garbage collection on one rank
+        # stalls them all. Tracing and planning leave a large heap (graphs, nodes, cost
+        # expressions) that such a collection walks every time: ~240 ms, 7x a step of
+        # benchmarks/soak.py. Frozen, it is left out of later collections (refcounting still frees
+        # it; cyclic garbage among it waits for gc.unfreeze(), called at exit).
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # at exit everything is collected as usual
         if self.config.verbose and self.rank == 0:
             print(self.describe())
 
