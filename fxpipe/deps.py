@@ -3,7 +3,7 @@ the single-process driver.
 
 Two things decide when an action of :mod:`fxpipe.schedule` may run or finish:
 
-* **Local waits** (:func:`waits_for`): ``F k`` consumes ``RECV_ACT k``, ``B k`` consumes
+* **Local waits** (:func:`fxpipe.schedule.waits_for`, beside the kind table it reads): ``F k`` consumes ``RECV_ACT k``, ``B k`` consumes
   ``RECV_GRAD k``, ``X_WAIT t`` joins ``X_START t``. Nothing else in a rank's list waits: posts
   return at once, compute runs in list order.
 * **Communication** (:class:`Rendezvous`): NCCL's matching rules, which fxpipe adopts as its

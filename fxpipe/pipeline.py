@@ -342,23 +342,28 @@ class Pipeline:
             first = _split_batch((args, kwargs, target), m * self._width_hint(), what="the first batch")
             self._setup(*first[0][:2])
         plan = self.plan
-        m, w, d = plan.microbatches, plan.width, plan.stages
+        m, w = plan.microbatches, plan.width
         chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
         if self.t == 0 and self.config.check_batch and self.distributed:
             _check_same_batch((args, kwargs, target), self.rank, self.world_size, self.device)
         self.t += 1
         t = self.t
         for r, wk in self.workers.items():
-            s, rep = stage_and_replica(r, d)
-            stage = wk.stage
-            for j in range(m):
-                k = (t - 1) * m + j + 1
-                named, tg = self._microbatch(chunks[rep * m + j])
-                wk.inputs[k] = {n: named[n] for n in stage.model_inputs}
-                if s == d - 1 and self.config.loss_fn is not None:
-                    wk.targets[k] = tg
+            self._give(wk, wk.stage, chunks, first=(t - 1) * m + 1)
         self._execute(lambda stage: self.program.segment(stage, t, self.epoch_start), f"step {t}")
         return self._batch_loss(t, sync)
+
+    def _give(self, wk: StageWorker, stage, chunks: list, first: int) -> None:
+        """Hand worker ``wk`` its replica's micro-batches of ``chunks`` (``_split_batch``'s) as
+        micro-batches ``first, first+1, ...``: the model inputs ``stage`` reads, and the targets
+        on the last stage."""
+        m = self.plan.microbatches
+        last = wk.index == self.plan.stages - 1 and self.config.loss_fn is not None
+        for j in range(m):
+            named, target = self._microbatch(chunks[wk.replica * m + j])
+            wk.inputs[first + j] = {n: named[n] for n in stage.model_inputs}
+            if last:
+                wk.targets[first + j] = target
 
     def _microbatch(self, chunk) -> tuple[dict[str, torch.Tensor], Any]:
         """(model input name -> tensor, target) of one micro-batch chunk of ``_split_batch``."""
@@ -455,11 +460,11 @@ class Pipeline:
         if self._eval is None:
             self._eval = self._build_eval()
         plan = self.plan
-        m, w, d = plan.microbatches, plan.width, plan.stages
+        m, w = plan.microbatches, plan.width
         args, kwargs = normalize_inputs(inputs)
         chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
-        for r, wk in self.workers.items():
-            s, rep = stage_and_replica(r, d)
+        for wk in self.workers.values():
+            s = wk.index
             stage = self._eval.stages[s]
             missing = [n for n in stage.param_names if n not in wk.layout_names()]
             if missing:
@@ -476,11 +481,7 @@ class Pipeline:
             newest = wk.newest_weights()
             wk.eval_stage, wk.eval_weights = stage, {n: newest[n] for n in stage.param_names}
             wk.eval_loss.zero_()
-            for j in range(m):
-                named, tg = self._microbatch(chunks[rep * m + j])
-                wk.inputs[j + 1] = {n: named[n] for n in stage.model_inputs}
-                if s == d - 1 and self.config.loss_fn is not None:
-                    wk.targets[j + 1] = tg
+            self._give(wk, stage, chunks, first=1)
         try:
             self._execute(self.program.eval, "eval_step")
             for wk in self.workers.values():
