@@ -21,12 +21,15 @@ same order on every rank, before training starts.
 
 from __future__ import annotations
 
+import datetime
+import time
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from .deps import CommOp, Rendezvous
+from .errors import PeerError
 
 __all__ = ["Handle", "Comm", "DistComm", "LocalHub", "LocalComm"]
 
@@ -42,16 +45,22 @@ class Handle:
 
 
 class _DistHandle(Handle):
-    def __init__(self, works, tensors=()):
+    def __init__(self, works, tensors=(), *, comm: "DistComm | None" = None, label: str = "", peer: str = ""):
         self.works = [w for w in works if w is not None]
         self.tensors = tensors  # kept alive until the operation completed
+        self.comm, self.label, self.peer = comm, label, peer
 
     def ready(self) -> bool:
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
+        timeout = self.comm.timeout if self.comm is not None else None
+        start = time.monotonic()
         for w in self.works:
-            w.wait()
+            try:
+                w.wait(timeout) if timeout is not None else w.wait()
+            except RuntimeError as e:
+                raise self.comm.failure(self.label, self.peer, time.monotonic() - start, e) from e
         self.works, self.tensors = [], ()
 
 
@@ -71,13 +80,22 @@ class Comm:
 
 
 class DistComm(Comm):
-    """``torch.distributed`` point-to-point and collectives on the default process group."""
+    """``torch.distributed`` point-to-point and collectives on the default process group.
+
+    ``timeout`` (seconds) bounds every wait on the host (gloo: a wait that expires, or a peer
+    whose connection closes, raises :class:`~fxpipe.errors.PeerError` naming this rank, the
+    peer and the action). None waits as the backend does: on NCCL a host-side wait would block
+    the CPU thread that keeps the GPU fed, so there the process group's watchdog enforces the
+    group's timeout, and :attr:`last_posted` tells what this rank posted last.
+    """
 
     _instances = 0
 
-    def __init__(self, groups: dict[str, Sequence[int]]):
+    def __init__(self, groups: dict[str, Sequence[int]], timeout: float | None = None):
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.last_posted = ""  # the label of the newest operation this rank posted
         self.groups = {}
         # new_group is collective over the whole world: every rank creates every group, in the
         # same (sorted) order, even the groups it is not a member of.
@@ -94,16 +112,35 @@ class DistComm(Comm):
 
     def isend(self, tensors, peer, label=""):
         tensors = [t.contiguous() for t in tensors]
-        return _DistHandle([dist.isend(t, peer, tag=self.tag) for t in tensors], tensors)
+        self.last_posted = label
+        return _DistHandle([dist.isend(t, peer, tag=self.tag) for t in tensors], tensors, comm=self, label=label,
+                           peer=f"to rank {peer}")
 
     def irecv(self, tensors, peer, label=""):
-        return _DistHandle([dist.irecv(t, peer, tag=self.tag) for t in tensors])
+        self.last_posted = label
+        return _DistHandle([dist.irecv(t, peer, tag=self.tag) for t in tensors], comm=self, label=label,
+                           peer=f"from rank {peer}")
 
     def all_reduce(self, tensor, group, label=""):
         g, ranks = self.groups[group]
         if len(ranks) == 1:
             return Handle()
-        return _DistHandle([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g, async_op=True)])
+        self.last_posted = label
+        return _DistHandle([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g, async_op=True)], comm=self,
+                           label=label, peer=f"in an all-reduce over ranks {ranks}")
+
+    def failure(self, label: str, peer: str, waited: float, error: Exception) -> PeerError:
+        """The error a failed wait raises: who waited, for what, from whom, and what to check."""
+        text = str(error).strip().splitlines()[-1]
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            why = f"waited {waited:.0f} s for {label} {peer}: no answer within compile(timeout=...)"
+        else:
+            why = f"waited for {label} {peer}, and the connection failed ({text})"
+        return PeerError(
+            f"rank {self.rank} {why}. The peer died, hangs, or is slower than the timeout: check its log "
+            f"for an error or a stall (data loading, a checkpoint write, a debugger); raise timeout= if "
+            f"its steps are legitimately that slow."
+        )
 
 
 class _LocalHandle(Handle):

@@ -22,3 +22,16 @@ class ScheduleError(FxpipeError, ValueError):
 
 class RuntimeMismatchError(FxpipeError, RuntimeError):
     """Ranks disagree: different plans, traces or batches."""
+
+
+class ConfigError(FxpipeError, ValueError):
+    """An argument of ``fxpipe.compile`` is invalid (checked before anything runs)."""
+
+
+class InputError(FxpipeError, ValueError):
+    """A batch given to ``step``/``eval_step`` does not fit the traced example inputs or the
+    plan (checked before anything is split or communicated)."""
+
+
+class PeerError(FxpipeError, RuntimeError):
+    """A wait on another rank failed: the peer died, hangs, or answered too late."""

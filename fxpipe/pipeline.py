@@ -32,7 +32,8 @@ from .comm import DistComm, LocalHub
 from .cost import DeviceModel
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
-from .errors import FxpipeError, RuntimeMismatchError
+from .errors import ConfigError, FxpipeError, RuntimeMismatchError
+from .inputs import InputSignature, batch_inputs, check_first_batch
 from .runtime import StageWorker, WorkerConfig
 from .schedule import Action, Program, format_actions, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
@@ -109,29 +110,37 @@ class PipelineConfig:
     verbose: bool = True  # rank 0 prints the plan
 
     def __post_init__(self) -> None:
-        def bad(name, expected, found):
-            raise ValueError(f"fxpipe.compile: {name} must be {expected}, found {found!r}")
+        def bad(name, expected, found, fix=""):
+            fix = f"; {fix}" if fix else ""
+            raise ConfigError(f"fxpipe.compile: {name} must be {expected}, found {found!r}{fix}")
 
         if self.schedule not in ("2bw", "1f1b", "gpipe"):
-            bad("schedule", "'2bw', '1f1b' or 'gpipe'", self.schedule)
+            bad("schedule", "'2bw', '1f1b' or 'gpipe'", self.schedule,
+                "'2bw' is PipeDream-2BW (the default), '1f1b' PipeDream-Flush, 'gpipe' GPipe")
         for name in ("microbatches", "stages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                bad(name, "an int >= 1 (or None)", v)
+                bad(name, "an int >= 1 (or None)", v, {
+                    "microbatches": f"pass e.g. microbatches=4, or None for the default ({DEFAULT_MICROBATCHES})",
+                    "stages": "pass e.g. stages=2, or None for the planner's choice"}[name])
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
-            bad("max_grad_norm", "a number > 0 (or None for no clipping)", self.max_grad_norm)
+            bad("max_grad_norm", "a number > 0 (or None for no clipping)", self.max_grad_norm,
+                "pass e.g. max_grad_norm=1.0, or None to train without clipping")
         if self.cost_mode not in ("analytic", "measured"):
             bad("cost_mode", "'analytic' or 'measured'", self.cost_mode)
         if self.kernels not in ("auto", "triton", "torch", "off"):
             bad("kernels", "'auto', 'triton', 'torch' or 'off'", self.kernels)
         if not callable(self.optimizer):
             bad("optimizer", "a callable taking [(name, parameter), ...] and returning a torch.optim.Optimizer",
-                self.optimizer)
+                self.optimizer, "pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
         for name in ("loss_fn", "lr_scheduler"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 bad(name, "a callable (or None)", getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             bad("seed", "an int", self.seed)
+        if not _known_device(self.device):
+            bad("device", "'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of those)", self.device,
+                "fxpipe computes on the CPU or on CUDA GPUs")
 
 
 @dataclass(frozen=True)
@@ -195,6 +204,9 @@ class Pipeline:
         self.plan = None
         self.t = 0  # batches given to step() so far
         self.epoch_start = 0  # the pipeline was last empty after this batch (a flush)
+        self._saving = None  # (directory, future) of the checkpoint being written, if any
+        self._checkpoint_group = None  # the gloo group checkpoint writers coordinate over
+        self._saving_registered = False
         # (rank, action, start s, end s) of every executed action while ``record`` is True;
         # fxpipe.simulate draws it like a simulated schedule (``Pipeline.dump``).
         self.record = False
@@ -214,6 +226,7 @@ class Pipeline:
         self._eval = None
         gm = trace(self.model, self._example)
         self.trace_info = gm.meta["fxpipe"]
+        self.inputs = InputSignature.record(self.trace_info, args, kwargs)  # checks every later batch
         m = o.microbatches or DEFAULT_MICROBATCHES
         kernels = _kernel_backend(o.kernels, self.device)
         plan = o.plan
@@ -335,15 +348,20 @@ class Pipeline:
         rank: a float on the rank(s) holding the last stage (``sync=False``: a 0-dim float64
         tensor on the device, read later with ``float(loss)``, no host sync), elsewhere a
         :class:`Loss` that resolves on ``float()``/``.item()`` (under 2bw the last stage computes
-        batch t's loss after the first stage's ``step(t)`` returned)."""
-        args, kwargs = normalize_inputs(inputs)
-        if not self._setup_done:
-            m = self.config.microbatches or DEFAULT_MICROBATCHES
-            first = _split_batch((args, kwargs, target), m * self._width_hint(), what="the first batch")
-            self._setup(*first[0][:2])
+        batch t's loss after the first stage's ``step(t)`` returned). A batch that does not fit the
+        traced example (:mod:`fxpipe.inputs`: b*m*w samples, names, dtypes, shapes, devices) raises
+        :class:`~fxpipe.errors.InputError` before anything is split or communicated."""
+        args, kwargs = batch_inputs(inputs, "step()")
+        if not self._setup_done:  # the lazy path: the first micro-batch defines the signature
+            m, w = self.config.microbatches or DEFAULT_MICROBATCHES, self._width_hint()
+            check_first_batch(args, kwargs, target, microbatches=m, width=w, device=self.device, what="step()")
+            self._setup(*_split_batch((args, kwargs), m * w)[0])
         plan = self.plan
         m, w = plan.microbatches, plan.width
-        chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
+        # Before anything is split or communicated: a bad batch fails alike on every rank.
+        args, kwargs = self.inputs.check(args, kwargs, target, microbatches=m, width=w, device=self.device,
+                                         what="step()")
+        chunks = _split_batch((args, kwargs, target), m * w)
         if self.t == 0 and self.config.check_batch and self.distributed:
             _check_same_batch((args, kwargs, target), self.rank, self.world_size, self.device)
         self.t += 1
@@ -456,13 +474,14 @@ class Pipeline:
         buffers), run as a forward-only schedule (:meth:`fxpipe.schedule.Program.eval`) by the
         same executor. Flushes first. Returns the mean loss on the last stage's rank(s), else None."""
         self._require_setup("eval_step")
+        plan = self.plan
+        m, w = plan.microbatches, plan.width
+        args, kwargs = self.inputs.check(*batch_inputs(inputs, "eval_step()"), target, microbatches=m, width=w,
+                                         device=self.device, what="eval_step()")
         self.flush()
         if self._eval is None:
             self._eval = self._build_eval()
-        plan = self.plan
-        m, w = plan.microbatches, plan.width
-        args, kwargs = normalize_inputs(inputs)
-        chunks = _split_batch((args, kwargs, target), m * w, what="the batch")
+        chunks = _split_batch((args, kwargs, target), m * w)
         for wk in self.workers.values():
             s = wk.index
             stage = self._eval.stages[s]
@@ -565,6 +584,89 @@ class Pipeline:
                 )
             wk.load_local_state(local)
 
+    @property
+    def steps(self) -> int:
+        """The number of ``step`` calls so far (restored by :meth:`load`)."""
+        return self.t
+
+    def save(self, path: str, extra: dict | None = None) -> str:
+        """Checkpoint the full training state into ``path/step-<steps>`` and, once every rank's
+        files are complete, point ``path/latest`` at it; returns that directory. A collective:
+        every rank calls it (with the same ``extra``, e.g. a data loader position).
+
+        The state: both 2bw weight versions, the optimizer state (one format for torch.optim and
+        the fused kernels), the lr scheduler, :attr:`steps`, each rank's RNG state, the plan and
+        the traced example, keyed by the original model's parameter names (fxpipe/checkpoint.py).
+        Finishes in-flight micro-batches first (a flush: no numbers change) and returns once the
+        state is copied to host memory; a background thread writes the files
+        (``torch.distributed.checkpoint.async_save``). The next ``save``/``load`` waits for it, as
+        does :meth:`wait_for_checkpoint` and the end of the process."""
+        from . import checkpoint
+
+        self._require_setup("save")
+        self.wait_for_checkpoint()
+        self.flush()
+        if not self._saving_registered:  # finish the last checkpoint before the process ends
+            atexit.register(self.wait_for_checkpoint)
+            self._saving_registered = True
+        self._saving = checkpoint.save(self, path, extra, self._checkpoint_pg())
+        return self._saving[0]
+
+    def wait_for_checkpoint(self) -> str | None:
+        """Wait until the checkpoint being written (if any) is complete; returns its directory.
+        Raises what the writer raised."""
+        from .checkpoint import point_latest
+
+        if self._saving is None:
+            return None
+        path, future = self._saving
+        self._saving = None
+        try:
+            future.result()
+        except Exception as e:
+            raise FxpipeError(f"writing checkpoint {path} failed: {e}") from e
+        if self.rank == 0:  # the writer's callback may still be on its way
+            point_latest(os.path.dirname(path), path)
+        return path
+
+    def load(self, path: str) -> dict | None:
+        """Restore what :meth:`save` wrote and return its ``extra``. ``path``: a folder given to
+        ``save`` (its ``latest`` checkpoint) or one checkpoint directory. A collective under
+        torchrun. Right after a lazy ``compile(model)`` (no example inputs) the pipeline is
+        built from the checkpoint's traced example and, unless ``stages``/``plan`` were given,
+        its plan. The layout may differ from the saving run's (other d, w): tensors are read
+        by key. Reports every missing and unexpected key of a checkpoint of another model."""
+        from . import checkpoint
+
+        self.wait_for_checkpoint()
+        resolved = checkpoint.resolve(path)
+        meta = checkpoint.read_meta(resolved)
+        if not self._setup_done:
+            self._setup_from_checkpoint(meta)
+        self.flush()
+        extra = checkpoint.load(self, resolved, meta, self._checkpoint_pg())
+        self.t = self.epoch_start = meta["steps"]
+        return extra
+
+    def _setup_from_checkpoint(self, meta: dict) -> None:
+        from .plan import Plan
+
+        o = self.config
+        saved = Plan.from_json(meta["plan"])
+        world = self.world_size if self.distributed else saved.stages * saved.width
+        if (o.plan is None and o.stages is None and saved.schedule == o.schedule
+                and o.microbatches in (None, saved.microbatches) and saved.stages * saved.width == world):
+            self.config = replace(o, plan=saved)
+        self._setup(*normalize_inputs(meta["example"]))
+
+    def _checkpoint_pg(self):
+        """A gloo group of all ranks for checkpoint writers (None in one process): the writer
+        thread's collectives must not interleave with training's on the default group, and
+        ``async_save`` needs a CPU backend even when training runs on NCCL."""
+        if self.distributed and self._checkpoint_group is None:
+            self._checkpoint_group = dist.new_group(backend="gloo")
+        return self._checkpoint_group
+
     def _require_setup(self, what: str) -> None:
         if not self._setup_done:
             raise FxpipeError(
@@ -643,6 +745,19 @@ def _init_distributed(requested_device) -> tuple[bool, torch.device]:
     return False, choose_device(requested_device, distributed=False)
 
 
+def _known_device(device) -> bool:
+    """Whether ``device`` names a device fxpipe computes on: None/"auto", the CPU or a CUDA device
+    (whether CUDA is really there is :func:`fxpipe.device.choose`'s check, when the pipeline is built)."""
+    if device is None or device == "auto":
+        return True
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        return False
+    try:
+        return torch.device(device).type in ("cpu", "cuda")
+    except (RuntimeError, ValueError, TypeError):
+        return False
+
+
 def _destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -660,20 +775,10 @@ def _kernel_backend(choice: str, device: torch.device):
     return None if choice == "off" else choice
 
 
-def _split_batch(batch, n: int, *, what: str) -> list:
-    """Split every tensor leaf of ``batch`` along dim 0 into ``n`` equal micro-batches."""
+def _split_batch(batch, n: int) -> list:
+    """Split every tensor leaf of ``batch`` with a dim 0 into ``n`` equal micro-batches along it
+    (the sizes were checked by :mod:`fxpipe.inputs`); other leaves go to every micro-batch."""
     leaves, spec = pytree.tree_flatten(batch)
-    sizes = {x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0}
-    if len(sizes) != 1:
-        raise ValueError(
-            f"{what}: every tensor must have the same batch size in dim 0; found sizes {sorted(sizes)}"
-        )
-    (size,) = sizes
-    if size % n:
-        raise ValueError(
-            f"{what} has {size} samples, which does not split into {n} equal micro-batches "
-            f"(microbatches x data-parallel width). Use a batch size that is a multiple of {n}."
-        )
     split = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in leaves]
     return [pytree.tree_unflatten([s[i] for s in split], spec) for i in range(n)]
 

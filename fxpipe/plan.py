@@ -13,6 +13,7 @@ Example (``print(plan)``)::
     0      61     input_ids .. add_7 (h.0 .. h.1)   0.21    0.33     0.10       1.9        0.4   no
     1      58     layer_norm_4 .. cross_entropy     0.24    0.38     0.10       1.7        0.4   no
     predicted 2.36 ms per step, 3390 samples/s; chosen over d=1 w=2 b=2 recompute=off (3012 samples/s)
+    global batch: b·m·w = 2 x 4 x 1 = 8 samples per step
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class Plan:
 
     @property
     def global_batch(self) -> int:
+        """Samples per optimizer step, b * m * w: exactly what ``Pipeline.step`` needs."""
         return self.microbatch_size * self.microbatches * self.width
 
     def stage_nodes(self, stage: int) -> list[str]:
@@ -170,7 +172,9 @@ class Plan:
             f"({self.cost_mode} costs on {self.device.name}, memory limit {self.memory_limit / 1e6:.1f} MB, "
             f"graph {self.graph_hash[:12]})"
         )
-        return "\n".join([head, self.table(), self.why()])
+        batch = (f"global batch: b·m·w = {self.microbatch_size} x {self.microbatches} x {self.width} = "
+                 f"{self.global_batch} samples per step")
+        return "\n".join([head, self.table(), self.why(), batch])
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,7 +25,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from .errors import FxpipeError
+
 __all__ = ["WeightStore", "weight_bytes", "versions_of"]
+
+_STRUCTURE = ("params", "param_names")  # what a param group holds beside its hyper-parameters
 
 
 def versions_of(schedule: str) -> int:
@@ -77,6 +81,10 @@ class WeightStore:
                 p.data = self.leaves[0][s.name].detach()
                 self.opt_params[s.name] = p
         self.optimizer = optimizer(list(self.opt_params.items())) if self.opt_params else None
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            from .errors import ConfigError
+            raise ConfigError(f"optimizer factory returned {type(self.optimizer).__name__}, expected a torch.optim."
+                              f"Optimizer; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
         self.lr_scheduler = lr_scheduler(self.optimizer) if (lr_scheduler and self.optimizer) else None
         self.strategy = (_Fused(self, kernels) if kernels is not None and self.optimizer is not None
                          else _TorchOptim(self))
@@ -125,12 +133,62 @@ class WeightStore:
         """Views of the newest version (after the last UPDATE), detached."""
         return {n: v.detach() for n, v in self.compute(self.updates).items()}
 
-    def load(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Set every version to ``tensors`` (name -> tensor)."""
+    def load(self, tensors: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None = None,
+             newest: int | None = None) -> None:
+        """Set the newest version to ``tensors`` (name -> tensor) and, under 2bw, the one before
+        it to ``previous`` (default: the same values). ``newest``: the version number the
+        newest becomes (a resumed run's step count; default: unchanged)."""
+        if newest is not None:
+            self.updates = newest
         with torch.no_grad():
-            for slot in self.slots:
+            for i, slot in enumerate(self.slots):
+                src = tensors if i == self.slot(self.updates) or previous is None else previous
                 for n, v in self.layout.views(slot).items():
-                    v.copy_(tensors[n])
+                    v.copy_(src[n])
+
+    # checkpoints: the optimizer's part in torch.optim's own per-parameter format, whichever
+    # strategy keeps it, so a checkpoint of one strategy loads into the other.
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Trainable parameter -> its optimizer state as ``torch.optim`` keys it (``step``,
+        ``exp_avg``, ...); empty before the first update."""
+        return self.strategy.per_param_state() if self.optimizer is not None else {}
+
+    def hyperparameters(self) -> dict[str, dict]:
+        """Trainable parameter -> the hyper-parameters of its param group (``lr`` as the
+        scheduler left it, ``betas``, ``weight_decay``, ...)."""
+        if self.optimizer is None:
+            return {}
+        names = {id(p): n for n, p in self.opt_params.items()}
+        return {names[id(p)]: {k: v for k, v in g.items() if k not in _STRUCTURE}
+                for g in self.optimizer.param_groups for p in g["params"]}
+
+    def load_optimizer(self, state: dict[str, dict[str, torch.Tensor]], hyper: dict[str, dict]) -> None:
+        """Restore :meth:`optimizer_state` and :meth:`hyperparameters` (per parameter; the
+        param groups are the factory's, each must find one set of values among its members)."""
+        if self.optimizer is None:
+            return
+        names = {id(p): n for n, p in self.opt_params.items()}
+        for i, g in enumerate(self.optimizer.param_groups):
+            members = [names[id(p)] for p in g["params"]]
+            values = [hyper[n] for n in members]
+            differ = [n for n, v in zip(members, values) if v != values[0]]
+            if differ:
+                raise FxpipeError(
+                    f"load: the optimizer's param group {i} holds {members[0]!r} and {differ[0]!r}, whose "
+                    f"saved hyper-parameters differ ({values[0]} vs {hyper[differ[0]]}). Build the param "
+                    f"groups the checkpoint was trained with (the same optimizer factory)."
+                )
+            mine = {k for k in g if k not in _STRUCTURE}
+            if values and set(values[0]) != mine:
+                raise FxpipeError(
+                    f"load: the checkpoint's optimizer has hyper-parameters {sorted(values[0])}, this "
+                    f"pipeline's {type(self.optimizer).__name__} has {sorted(mine)}. "
+                    f"Resume with the optimizer the checkpoint was trained with."
+                )
+            if values:
+                g.update(values[0])
+        self.strategy.load_per_param_state(state)
 
     def nbytes(self) -> int:
         """Bytes this store holds: versions, gradient buffers, optimizer state, scratch."""
@@ -179,6 +237,17 @@ class _TorchOptim:
         if opt is None:
             return 0
         return sum(v.nbytes for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor))
+
+    def per_param_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        opt = self.store.optimizer
+        return {n: dict(opt.state[p]) for n, p in self.store.opt_params.items() if p in opt.state}
+
+    def load_per_param_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        opt = self.store.optimizer
+        opt.state.clear()
+        for n, p in self.store.opt_params.items():
+            if n in state:  # torch.optim keeps ``step`` on the CPU, the rest beside the weight
+                opt.state[p] = {k: v.clone() if k == "step" else v.to(p.device, copy=True) for k, v in state[n].items()}
 
 
 class _Fused:
@@ -229,3 +298,25 @@ class _Fused:
     def nbytes(self) -> int:
         return (sum(v.nbytes for st in self.state.values() for v in st.values())
                 + sum(b.nbytes for b in self.scratch.values()))
+
+    def _views(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Trainable parameter -> state name -> its slice of the flat state, shaped like it."""
+        return {s.name: {k: self.state[s.dtype][k][s.offset:s.offset + s.numel].view(s.shape)
+                         for k in self.spec.state_names}
+                for s in self.store.layout.slots if s.requires_grad}
+
+    def per_param_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        steps = self.store.updates  # the kernels take the batch number as Adam's step
+        if steps == 0:
+            return {}
+        step = torch.tensor(float(steps))  # torch.optim's format: a float32 CPU scalar
+        return {n: {"step": step, **views} for n, views in self._views().items()}
+
+    def load_per_param_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for n, views in self._views().items():
+                for k, v in views.items():
+                    if n in state:
+                        v.copy_(state[n][k])
+                    else:
+                        v.zero_()

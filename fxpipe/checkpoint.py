@@ -1,0 +1,326 @@
+"""checkpoint: the full training state, saved and loaded with torch.distributed.checkpoint (DCP).
+
+A checkpoint is one DCP directory (``ROOT/step-00000120``) that every rank writes in parallel:
+each rank contributes its own stage's tensors, DCP's planner keeps one copy of what replicas of a
+stage hold alike, and loading reads each tensor by key, so a checkpoint of one layout loads into
+another (d = 2 into d = 3, d = 1 or w = 2). Every key is the ORIGINAL model's (what
+``model.state_dict()`` calls it), in these sections::
+
+    model.<key>                 W(t): the newest weights, and the module buffers
+    model_previous.<key>        W(t-1): the older 2bw weight version (2bw only)
+    optim.state.<key>.<name>    the optimizer state as torch.optim keys it (step, exp_avg, ...)
+    optim.param_groups.<key>    the hyper-parameters of the parameter's group (lr as scheduled)
+    lr_scheduler                the scheduler's state, less its per-group lists
+    rng.rank<r>                 each rank's torch RNG state (the only per-rank entry)
+    fxpipe                      steps, plan, schedule, seed, version, the traced example
+    extra                       the caller's dict (e.g. a data loader position)
+
+Objects (everything but tensors) are pickled by DCP, one value per key: an entry that differs
+between ranks would silently keep one rank's value, so :func:`save` checks that ``fxpipe``,
+``lr_scheduler`` and ``extra`` agree on every rank, and keys the RNG state by rank.
+
+``ROOT/latest`` names the newest complete checkpoint. DCP writes its ``.metadata`` last, after
+every rank's data, and only then does rank 0 replace ``latest`` (write a temporary file, rename:
+atomic on POSIX), so ``latest`` never names a partial checkpoint. Multi-node runs need ROOT on a
+filesystem every node sees.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+import warnings
+import pickle
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.utils._pytree as pytree
+
+from .errors import FxpipeError
+
+if TYPE_CHECKING:
+    from .pipeline import Pipeline
+
+__all__ = ["save", "load", "resolve", "read_meta", "CheckpointError"]
+
+# DCP warns on every single-process save and load that it assumes a single process: fxpipe
+# passes no_dist=True exactly then, so the warning says nothing.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+FORMAT = 1  # bumped when the layout above changes
+LATEST = "latest"
+_SHARED = ("fxpipe", "lr_scheduler", "extra")  # objects that must be equal on every rank
+_PER_GROUP = ("base_lrs", "_last_lr")  # a scheduler's lists with one entry per param group
+
+
+class CheckpointError(FxpipeError):
+    """A checkpoint cannot be written or does not fit this pipeline."""
+
+
+def step_dir(root: str, steps: int) -> str:
+    return os.path.join(root, f"step-{steps:08d}")
+
+
+def resolve(path: str) -> str:
+    """The checkpoint directory ``path`` names: itself when it holds DCP's ``.metadata``,
+    else the one its ``latest`` file names."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return path
+    latest = os.path.join(path, LATEST)
+    if os.path.exists(latest):
+        with open(latest) as f:
+            return os.path.join(path, f.read().strip())
+    raise CheckpointError(
+        f"no checkpoint at {path!r}: expected a checkpoint directory (with a .metadata file) or a "
+        f"folder written by Pipeline.save (with a {LATEST!r} file). Check the path, or start from scratch."
+    )
+
+
+def _pack(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+# ------------------------------------------------------------------------------------- saving
+
+
+def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
+    """This rank's DCP state dict: its stages' tensors (replica 0's in one process) under the
+    original keys, and the shared and per-rank objects."""
+    key = _key_of(pipe)
+    model, previous, opt_state, groups = {}, {}, {}, {}
+    two_versions = pipe.plan.schedule == "2bw"
+    seen = set()
+    for wk in pipe.workers.values():
+        if wk.index in seen:  # in one process the replicas of a stage hold the same values
+            continue
+        seen.add(wk.index)
+        store = wk.store
+        for n, v in store.compute(store.updates).items():
+            for k in pipe.staged.originals.get(n, [n]):
+                model[k] = v.detach()
+            if two_versions:
+                previous[key[n]] = store.compute(store.updates - 1)[n].detach()
+        for n, b in wk.buffers.items():
+            for k in pipe.staged.originals.get(n, []):  # non-persistent buffers stay out, as in PyTorch
+                model[k] = b
+        for n, st in store.optimizer_state().items():
+            opt_state[key[n]] = st
+        for n, hp in store.hyperparameters().items():
+            groups[key[n]] = _pack(hp)
+    for n, t in pipe.staged.unused_state.items():
+        for k in pipe.staged.originals.get(n, []):
+            model[k] = t
+    sd: dict[str, Any] = {"model": model, "optim": {"state": opt_state, "param_groups": groups}}
+    if two_versions:
+        sd["model_previous"] = previous
+    scheduler = next((wk.store.lr_scheduler for wk in pipe.workers.values()), None)
+    if scheduler is not None:
+        sd["lr_scheduler"] = _pack({k: v for k, v in scheduler.state_dict().items() if k not in _PER_GROUP})
+    from . import __version__
+
+    meta = {
+        "format": FORMAT, "fxpipe_version": __version__, "torch_version": torch.__version__,
+        "steps": pipe.t, "seed": pipe.config.seed, "schedule": pipe.plan.schedule,
+        "plan": pipe.plan.to_json(), "world_size": pipe.world_size,
+        "example": pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, pipe._example),
+    }
+    sd["fxpipe"] = _pack(meta)
+    sd["extra"] = _pack(extra)
+    sd["rng"] = {f"rank{pipe.rank}": _rng_state(pipe.device)}
+    return sd
+
+
+def check_shared(pipe: "Pipeline", sd: dict[str, Any]) -> None:
+    """Raise on every rank if an object DCP keeps once differs between ranks (a collective)."""
+    if not pipe.distributed:
+        return
+    mine = [sd.get(k) for k in _SHARED]
+    everyone: list = [None] * pipe.world_size
+    dist.all_gather_object(everyone, mine)
+    for i, name in enumerate(_SHARED):
+        differ = [r for r in range(pipe.world_size) if everyone[r][i] != everyone[0][i]]
+        if differ:
+            what = "the extra dict passed to save()" if name == "extra" else f"fxpipe's {name!r} entry"
+            raise CheckpointError(
+                f"save: {what} differs between rank 0 and ranks {differ}; a checkpoint keeps ONE value of "
+                f"it. Pass the same extra on every rank (keep per-rank values in files of your own)."
+            )
+
+
+def save(pipe: "Pipeline", root: str, extra: dict | None, group) -> tuple[str, Any]:
+    """Start writing the checkpoint of step ``pipe.t`` under ``root``: returns (directory,
+    future). Returns once the state is copied to host memory; the files are written by a
+    background thread (``dcp.async_save`` over ``group``, a gloo group of its own, so the
+    writer's collectives never interleave with training's)."""
+    if extra is not None and not isinstance(extra, dict):
+        raise CheckpointError(f"save: extra must be a dict (or None), found {type(extra).__name__}")
+    sd = state(pipe, extra)
+    check_shared(pipe, sd)
+    path = step_dir(root, pipe.t)
+    if pipe.rank == 0:
+        os.makedirs(path, exist_ok=True)
+    future = dcp.async_save(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed)
+    if pipe.rank == 0:  # as soon as the writer finishes (finish() also does it, for a waiter)
+        future.add_done_callback(lambda f: f.exception() is None and point_latest(root, path))
+    return path, future
+
+
+def point_latest(root: str, path: str) -> None:
+    """Make ``root/latest`` name the complete checkpoint ``path`` (write aside, then rename),
+    unless it already names a newer one."""
+    latest = os.path.join(root, LATEST)
+    if os.path.exists(latest):
+        with open(latest) as f:
+            if f.read().strip() > os.path.basename(path):  # zero-padded step numbers sort
+                return
+    tmp = os.path.join(root, f".{LATEST}.{os.getpid()}.{threading.get_ident()}")
+    with open(tmp, "w") as f:
+        f.write(os.path.basename(path) + "\n")
+    os.replace(tmp, os.path.join(root, LATEST))
+
+
+def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def read_meta(path: str) -> dict:
+    """The ``fxpipe`` entry of the checkpoint at ``path`` (steps, plan, example, ...)."""
+    box = {"fxpipe": None}
+    dcp.load(box, checkpoint_id=path, no_dist=True)
+    meta = _unpack(box["fxpipe"])
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} is in checkpoint format {meta.get('format')}, this fxpipe reads format {FORMAT}. "
+            f"Load it with the fxpipe version that wrote it ({meta.get('fxpipe_version')})."
+        )
+    return meta
+
+
+def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
+    """Load the checkpoint at ``path`` (already resolved, its ``meta`` read) into ``pipe``'s
+    workers, which are flushed; returns the caller's extra dict."""
+    key = _key_of(pipe)
+    stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+    _check_keys(pipe, path, stored, meta)
+    if meta["seed"] != pipe.config.seed:
+        raise CheckpointError(
+            f"load: {path} was trained with seed={meta['seed']}, this pipeline has seed={pipe.config.seed}; "
+            f"dropout would draw other numbers from here on. Pass seed={meta['seed']} to fxpipe.compile."
+        )
+    steps = meta["steps"]
+    want_previous = pipe.plan.schedule == "2bw"
+    if want_previous and meta["schedule"] != "2bw" and steps > 0:
+        raise CheckpointError(
+            f"load: {path} comes from schedule {meta['schedule']!r}, which keeps one weight version; 2bw "
+            f"needs W(t-1) too. Resume with schedule={meta['schedule']!r} (or 1f1b/gpipe)."
+        )
+    want_previous = want_previous and meta["schedule"] == "2bw"
+    sd: dict[str, Any] = {"model": {}, "optim": {"state": {}, "param_groups": {}}, "extra": None}
+    if want_previous:
+        sd["model_previous"] = {}
+    if "lr_scheduler" in stored:
+        sd["lr_scheduler"] = None
+    rng_key = f"rng.rank{pipe.rank}.cpu"
+    if meta["world_size"] == pipe.world_size and rng_key in stored:
+        sd["rng"] = {f"rank{pipe.rank}": {"cpu": torch.empty(0, dtype=torch.uint8)}}
+        if f"rng.rank{pipe.rank}.cuda" in stored:
+            sd["rng"][f"rank{pipe.rank}"]["cuda"] = torch.empty(0, dtype=torch.uint8)
+    opt_names = {}
+    for wk in pipe.workers.values():
+        layout = wk.store.layout
+        for s in layout.slots:
+            sd["model"][key[s.name]] = torch.empty(s.shape, dtype=s.dtype)
+            if want_previous:
+                sd["model_previous"][key[s.name]] = torch.empty(s.shape, dtype=s.dtype)
+        for n, b in wk.buffers.items():
+            if n in key:
+                sd["model"][key[n]] = torch.empty_like(b, device="cpu")
+        for n, p in wk.store.opt_params.items():
+            k = key[n]
+            opt_names[k] = [x for x in stored if x.startswith(f"optim.state.{k}.")]
+            sd["optim"]["state"][k] = {x[len(f"optim.state.{k}."):]: torch.empty(0) for x in opt_names[k]}
+            sd["optim"]["param_groups"][k] = None
+    _fill_shapes(sd, path)
+    dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed)
+    scheduler_state = _unpack(sd["lr_scheduler"]) if sd.get("lr_scheduler") is not None else None
+    for wk in pipe.workers.values():
+        newest = {s.name: sd["model"][key[s.name]] for s in wk.store.layout.slots}
+        previous = {n: sd["model_previous"][key[n]] for n in newest} if want_previous else None
+        wk.store.load(newest, previous, newest=steps)
+        with torch.no_grad():
+            for n, b in wk.buffers.items():
+                if n in key:
+                    b.copy_(sd["model"][key[n]])
+        names = wk.store.opt_params
+        wk.store.load_optimizer({n: sd["optim"]["state"][key[n]] for n in names if sd["optim"]["state"][key[n]]},
+                                {n: _unpack(sd["optim"]["param_groups"][key[n]]) for n in names})
+        scheduler = wk.store.lr_scheduler
+        if scheduler is not None and scheduler_state is not None:
+            scheduler.load_state_dict({**scheduler.state_dict(), **scheduler_state})
+            scheduler._last_lr = [g["lr"] for g in wk.store.optimizer.param_groups]
+    if "rng" in sd:
+        rng = sd["rng"][f"rank{pipe.rank}"]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and pipe.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], pipe.device)
+    return _unpack(sd["extra"])
+
+
+def _fill_shapes(sd: dict, path: str) -> None:
+    """Optimizer state tensors take the checkpoint's shapes and dtypes (``step`` is a scalar)."""
+    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    for k, st in sd["optim"]["state"].items():
+        for name in st:
+            m = md[f"optim.state.{k}.{name}"]
+            st[name] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+    for section in ("rng",):
+        for rank, parts in sd.get(section, {}).items():
+            for name in parts:
+                m = md[f"{section}.{rank}.{name}"]
+                parts[name] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+
+
+def _key_of(pipe: "Pipeline") -> dict[str, str]:
+    """Canonical name -> the original key a checkpoint stores it under (the first alias)."""
+    return {n: keys[0] for n, keys in pipe.staged.originals.items() if keys}
+
+
+def _check_keys(pipe: "Pipeline", path: str, stored: set[str], meta: dict) -> None:
+    """Every key the model needs is in the checkpoint and every model key there belongs to the
+    model: DCP would stop at the first missing key and ignore unexpected ones."""
+    originals = pipe.staged.originals
+    expected = {k for keys in originals.values() for k in keys}
+    have = {k[len("model."):] for k in stored if k.startswith("model.")}
+    missing = sorted(keys[0] for keys in originals.values() if keys and not any(k in have for k in keys))
+    unexpected = sorted(have - expected)
+    trainable = {n for wk in pipe.workers.values() for n in wk.store.opt_params}
+    no_optim = sorted(originals[n][0] for n in trainable
+                      if f"optim.param_groups.{originals[n][0]}" not in stored and originals[n][0] not in missing)
+    if missing or unexpected or no_optim:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} model keys: {missing}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} model keys: {unexpected}")
+        if no_optim:
+            parts.append(f"no optimizer state for {no_optim}")
+        raise CheckpointError(
+            f"load: {path} does not fit this model ({pipe.trace_info.model_class}): " + "; ".join(parts)
+            + ". Load a checkpoint saved from the same model (for weights alone, load_state_dict takes a "
+              "plain state dict)."
+        )

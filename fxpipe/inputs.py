@@ -1,0 +1,328 @@
+"""inputs: the traced example's input signature, and the check of every batch against it.
+
+The traced graph is specialised to the example micro-batch: its structure, every tensor's dtype
+and every dim but the batch dim 0; and the micro-batch size b itself is fixed at trace time, so
+a step needs exactly ``b * m * w`` samples (m micro-batches per replica, w data-parallel
+replicas). :class:`InputSignature` records the example at set-up; :meth:`InputSignature.check`
+compares a global batch given to ``Pipeline.step``/``eval_step`` with it BEFORE anything is
+split or communicated, so a bad batch raises :class:`~fxpipe.errors.InputError` on every rank
+alike and leaves no half-run step behind. The rules:
+
+* **structure**: as many positional inputs and the same keyword names as the example (keyword
+  order is free: the batch is reordered to the traced order), the same nesting;
+* **shapes**: every tensor has the traced number of dims and the traced size in every dim but 0
+  (a feature size, a sequence length: the graph is specialised to it); a 0-dim tensor is given
+  whole to every micro-batch and must stay 0-dim;
+* **batch size**: every tensor with a dim 0 has ``b * m * w`` samples there (b: its size in the
+  example), which is what splits into the ``m * w`` micro-batches; the target's tensors too;
+* **dtypes**: as traced (no silent casts);
+* **devices**: the CPU or the pipeline's own device, whatever device the example was on. The
+  pipeline copies each micro-batch to its device itself (:func:`fxpipe.device.to_device`), so a
+  CPU batch is the usual case, and a batch already there is used in place. Any other device (a
+  second GPU, ``meta``) is refused: a copy across GPUs behind the user's back would hide a
+  mistake (under torchrun each rank's batch belongs on the CPU or on its ``cuda:LOCAL_RANK``);
+* **non-tensor inputs** (ints, flags) are constants baked into the graph: they must equal the
+  example's.
+
+The lazy path (``fxpipe.compile(model)`` without example inputs) has no signature before its
+first step: :func:`check_first_batch` checks only what that step needs to cut its first
+micro-batch (equal batch sizes that split into the micro-batches, devices); the first
+micro-batch then defines the signature, which checks the following batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+import torch.utils._pytree as pytree
+
+from .errors import InputError
+
+__all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch"]
+
+_SCALARS = (bool, int, float, str, type(None))
+_CASTS = {
+    torch.float32: ".float()", torch.float64: ".double()", torch.float16: ".half()",
+    torch.bfloat16: ".bfloat16()", torch.int64: ".long()", torch.int32: ".int()", torch.int16: ".short()",
+    torch.int8: ".char()", torch.uint8: ".byte()", torch.bool: ".bool()",
+}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One flat input of the traced example (a placeholder of the graph)."""
+
+    name: str  #: placeholder name (``TraceInfo.input_names``; "" if they do not match the leaves)
+    where: str  #: how the user passes it: ``input 'x' (positional 0)``, ``input 'mask'``
+    shape: tuple[int, ...] | None  #: one micro-batch's shape; None for a non-tensor input
+    dtype: torch.dtype | None
+    device: torch.device | None  #: the example's device (recorded; the rule is in the module docstring)
+    value: Any = None  #: a non-tensor input's traced value
+
+    @property
+    def batched(self) -> bool:
+        return self.shape is not None and len(self.shape) > 0
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """The traced example's inputs: (args, kwargs) structure and one :class:`InputSpec` per flat input."""
+
+    positional: int  #: number of positional inputs
+    keywords: tuple[str, ...]  #: keyword names, in the traced order
+    spec: Any  #: pytree spec of ``(args, kwargs)``
+    inputs: tuple[InputSpec, ...]
+    batch_size: int | None  #: b, the traced micro-batch size (``TraceInfo.batch_size``)
+
+    @classmethod
+    def record(cls, trace_info, args: tuple, kwargs: dict) -> "InputSignature":
+        """The signature of the example ``(args, kwargs)`` that ``trace_info`` was traced from."""
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        names = list(trace_info.input_names)  # one placeholder per leaf, in the same (pytree) order
+        if len(names) != len(leaves):
+            names = None
+        inputs = []
+        for i, (x, where) in enumerate(zip(leaves, _wheres(args, kwargs, names))):
+            name = names[i] if names else ""
+            if isinstance(x, torch.Tensor):
+                inputs.append(InputSpec(name, where, tuple(int(s) for s in x.shape), x.dtype, x.device))
+            else:
+                inputs.append(InputSpec(name, where, None, None, None, x))
+        return cls(len(args), tuple(kwargs), spec, tuple(inputs), trace_info.batch_size)
+
+    def check(self, args: tuple, kwargs: dict, target, *, microbatches: int, width: int, device: torch.device,
+              what: str = "step()") -> tuple[tuple, dict]:
+        """Check one global batch (module docstring); return ``(args, kwargs)`` with the keyword
+        inputs in the traced order. Raises :class:`InputError` naming every problem found."""
+        args, kwargs = self._structure(args, kwargs, what)
+        m, w = microbatches, width
+        problems: list[str] = []
+        leaves = pytree.tree_leaves((args, kwargs))
+        sizes: list[tuple[InputSpec, int]] = []  # (spec, dim 0) of every batched input
+        for s, x in zip(self.inputs, leaves):
+            if s.shape is None:
+                if isinstance(x, torch.Tensor) or (isinstance(x, _SCALARS) and isinstance(s.value, _SCALARS)
+                                                   and (type(x), x) != (type(s.value), s.value)):
+                    problems.append(
+                        f"{s.where}: expected the constant {s.value!r} the model was traced with (non-tensor "
+                        f"inputs are baked into the graph), got {_show(x)}; pass {s.value!r}, or compile "
+                        f"with an example that has the new value"
+                    )
+                continue
+            if not isinstance(x, torch.Tensor):
+                problems.append(f"{s.where}: expected a tensor as traced ({_spec(s)}), got {_show(x)}")
+                continue
+            problems += _device_problem(s.where, x, device)
+            if x.dtype != s.dtype:
+                cast = _CASTS.get(s.dtype, f".to({s.dtype})")
+                problems.append(f"{s.where}: expected {s.dtype} as traced, got {x.dtype}; convert with {cast}")
+            if x.dim() != len(s.shape):
+                problems.append(
+                    f"{s.where}: expected {len(s.shape)} dims (traced shape {list(s.shape)} per micro-batch), "
+                    f"got {x.dim()} dims (shape {list(x.shape)})"
+                )
+                continue
+            for dim in range(1, x.dim()):
+                if x.shape[dim] != s.shape[dim]:
+                    problems.append(
+                        f"{s.where}: expected size {s.shape[dim]} in dim {dim} (traced shape {list(s.shape)} per "
+                        f"micro-batch), got {x.shape[dim]} (shape {list(x.shape)}). Every dim but the batch dim 0 "
+                        f"(a feature size, a sequence length) is fixed at trace time: pass size {s.shape[dim]} "
+                        f"there (pad or truncate), or compile with an example of the new shape"
+                    )
+            if s.batched:
+                sizes.append((s, int(x.shape[0])))
+        if problems:
+            _raise(what, problems)
+
+        if self.batch_size is None:
+            raise InputError(
+                f"{what}: the model was traced with no tensor input that has a batch dim, so there is nothing "
+                f"to split into {m * w} micro-batches. Pass example inputs whose tensors have the micro-batch "
+                f"size in dim 0."
+            )
+        wrong = [(s, n) for s, n in sizes if n != s.shape[0] * m * w]
+        if wrong:
+            problems.append(_batch_problem(wrong, len(sizes), m, w))
+        # The target follows the inputs as given (one wrong batch size is reported once).
+        b, given = self.batch_size, {n for _, n in sizes}
+        n_in = given.pop() if len(given) == 1 else self.batch_size * m * w
+        for where, x in _target_leaves(target):
+            problems += _device_problem(where, x, device)
+            if x.dim() > 0 and x.shape[0] != n_in:
+                like = f" ({_recipe(b, m, w)})" if n_in == b * m * w else ""
+                problems.append(
+                    f"{where}: expected {n_in} samples in dim 0 like the inputs{like}, got {x.shape[0]}: the "
+                    f"target is split along dim 0 into the same micro-batches as the inputs"
+                )
+        if problems:
+            _raise(what, problems)
+        return args, kwargs
+
+    def _traced(self) -> str:
+        """``1 positional input and keyword inputs ['mask']``, as the example had them."""
+        pos = f"{self.positional} positional input{'s' if self.positional != 1 else ''}"
+        kw = f"keyword inputs {_names(self.keywords)}" if self.keywords else "no keyword inputs"
+        return kw if not self.positional else f"{pos} and {kw}"
+
+    def _structure(self, args: tuple, kwargs: dict, what: str) -> tuple[tuple, dict]:
+        traced = list(self.keywords)
+        missing = [k for k in traced if k not in kwargs]
+        unexpected = [k for k in kwargs if k not in self.keywords]
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"missing keyword input{'s' if len(missing) > 1 else ''} {_names(missing)}")
+            if unexpected:
+                parts.append(f"unexpected keyword input{'s' if len(unexpected) > 1 else ''} {_names(unexpected)}")
+            raise InputError(
+                f"{what}: {' and '.join(parts)}; the model was traced with {self._traced()}. Pass the same "
+                f"inputs as the example, by the same names."
+            )
+        if len(args) != self.positional:
+            raise InputError(
+                f"{what}: expected {self.positional} positional input{'s' if self.positional != 1 else ''} as "
+                f"traced, got {len(args)}; the model was traced with {self._traced()}. Pass the same inputs as "
+                f"the example, in the same order."
+            )
+        kwargs = {k: kwargs[k] for k in traced}  # the traced order: the pytree spec depends on it
+        _, spec = pytree.tree_flatten((tuple(args), kwargs))
+        if spec != self.spec:
+            raise InputError(
+                f"{what}: the inputs are nested differently from the example: expected {self.spec}, found "
+                f"{spec}. Pass the same (tuple/list/dict) structure as the example inputs."
+            )
+        return tuple(args), kwargs
+
+
+def batch_inputs(inputs, what: str = "step()") -> tuple[tuple, dict]:
+    """A global batch's inputs as ``(args, kwargs)``: a tensor is one positional input, a
+    tuple/list positional inputs, a dict keyword inputs."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    raise InputError(
+        f"{what}: inputs must be a tensor, a tuple/list (positional inputs) or a dict (keyword inputs) of the "
+        f"global batch; got {type(inputs).__name__}"
+    )
+
+
+def check_first_batch(args: tuple, kwargs: dict, target, *, microbatches: int, width: int,
+                      device: torch.device, what: str = "step()") -> None:
+    """The lazy path's first batch (no signature yet): every tensor is on the CPU or ``device``,
+    and every tensor with a dim 0 has the same number of samples there, a multiple of
+    ``microbatches * width``: the first micro-batch, that fraction of it, is what gets traced."""
+    m, w = microbatches, width
+    found = [(where, x) for where, x in zip(_wheres(args, kwargs, None), pytree.tree_leaves((args, kwargs)))
+             if isinstance(x, torch.Tensor)]
+    targets = list(_target_leaves(target))
+    problems = [p for where, x in found + targets for p in _device_problem(where, x, device)]
+    if problems:
+        _raise(what, problems)
+    batched = [(where, int(x.shape[0])) for where, x in found + targets if x.dim() > 0]
+    if not any(x.dim() > 0 for _, x in found):
+        raise InputError(
+            f"{what}: the first batch has no input tensor with a batch dim (dim 0) to split into {m * w} "
+            f"micro-batches; pass the inputs with the global batch in dim 0."
+        )
+    if len({n for _, n in batched}) > 1:
+        raise InputError(
+            f"{what}: every tensor of the first batch needs the same number of samples in dim 0, got "
+            + ", ".join(f"{n} in {where}" for where, n in batched)
+            + ". Pass the inputs and target of one global batch."
+        )
+    n = batched[0][1]
+    if n % (m * w):
+        raise InputError(
+            f"{what}: the batch has {n} samples, which does not split into {m * w} equal micro-batches"
+            f"{_split_clause(m, w)}; the first step traces the model on one micro-batch of it. Pass a multiple "
+            f"of {m * w} samples, e.g. {max(1, round(n / (m * w))) * m * w}."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _wheres(args: tuple, kwargs: dict, names) -> list[str]:
+    """User-facing names of the flat inputs: ``input 'mask'`` (a keyword; ``'mask'[0]`` nested),
+    ``input 'x' (positional 0)`` (with the placeholder name when known)."""
+    out = []
+    for i, (path, _) in enumerate(pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]):
+        rest = "".join(str(k) for k in path[2:])
+        if path[0].idx == 1:
+            out.append(f"input {path[1].key!r}{rest}")
+        else:
+            label = f"input {names[i]!r} (positional {path[1].idx}{rest})" if names else \
+                f"positional input {path[1].idx}{rest}"
+            out.append(label)
+    return out
+
+
+def _target_leaves(target):
+    """(name, tensor) of every tensor in ``target``: ``target``, ``target[0]``, ``target['y']``."""
+    for path, x in pytree.tree_flatten_with_path(target)[0]:
+        if isinstance(x, torch.Tensor):
+            yield "target" + "".join(str(k) for k in path), x
+
+
+def _device_problem(where: str, x: torch.Tensor, device: torch.device) -> list[str]:
+    if x.device.type == "cpu" or x.device == device:
+        return []
+    if device.type == "cpu":
+        fix = "pass CPU tensors (.cpu())"
+    else:
+        fix = f"pass tensors on the CPU or on {device} (fxpipe moves each micro-batch to {device} itself)"
+    return [f"{where} is on {x.device}, but the pipeline computes on {device}; {fix}"]
+
+
+def _recipe(b: int, m: int, w: int) -> str:
+    per = f"{b} per micro-batch x {m} micro-batch{'es' if m != 1 else ''}"
+    return per + (f" x {w} replicas" if w > 1 else "")
+
+
+def _split_clause(m: int, w: int) -> str:
+    return f" ({m} micro-batches x {w} replicas)" if w > 1 else ""
+
+
+def _batch_problem(wrong: list, batched: int, m: int, w: int) -> str:
+    """The batch-size message: what a step needs (b*m*w), what was given, what to do."""
+    first, n0 = wrong[0]
+    b = first.shape[0]
+    whole = len({n for _, n in wrong}) == 1 and len(wrong) == batched  # every input has the same wrong size
+    got = f"got {n0}" if whole else "got " + ", ".join(f"{n} in {s.where}" for s, n in wrong)
+    head = f"the plan has w = {w} data-parallel replicas: " if w > 1 else ""
+    if whole and n0 % (m * w):
+        head = (f"the batch has {n0} samples, which does not split into {m * w} equal micro-batches"
+                f"{_split_clause(m, w)}; ") + head
+    fix = f"The micro-batch size b = {b} is fixed by the traced example"
+    if whole and n0 and n0 % (m * w) == 0:
+        k = n0 // (m * w)
+        fix += (f"; to train on {n0} samples per step, compile with an example micro-batch of {k} "
+                f"sample{'s' if k != 1 else ''}")
+    return f"{head}pass {b * m * w} samples ({_recipe(b, m, w)}), {got}. {fix}."
+
+
+def _spec(s: InputSpec) -> str:
+    return f"{s.dtype} of shape {list(s.shape)} per micro-batch"
+
+
+def _show(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor ({x.dtype}, shape {list(x.shape)})"
+    return f"{type(x).__name__} {x!r}"[:120]
+
+
+def _names(names) -> str:
+    return "[" + ", ".join(repr(n) for n in names) + "]"
+
+
+def _raise(what: str, problems: list[str]):
+    if len(problems) == 1:
+        raise InputError(f"{what}: {problems[0]}")
+    raise InputError(f"{what}: {len(problems)} problems with the batch:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -1,0 +1,351 @@
+"""Bad input is caught before any communication, with a message that says what was expected,
+what was found and what to do (fxpipe/inputs.py, PipelineConfig, WeightStore).
+
+Every pipeline here runs in ONE process with tiny inline models. The pipelines the error tests
+share are never stepped successfully: a rejected batch must leave them untouched, which
+test_rejected_step_leaves_no_state checks on its own pipelines.
+"""
+
+import functools
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.errors import ConfigError, FxpipeError, InputError
+
+B, M = 4, 4  # traced micro-batch size, micro-batches per step
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def _mse(out, y):
+    return (out - y).pow(2).mean()
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4))
+
+
+class Tagger(nn.Module):
+    """Keyword inputs: token ids (a sequence length in dim 1) and a mask."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(50, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, input_ids, mask):
+        return self.head(self.emb(input_ids)) * mask.unsqueeze(-1)
+
+
+def _compile(model=None, example=None, **kw):
+    kw = {"loss_fn": _mse, "optimizer": SGD, "microbatches": M, "stages": 2, "schedule": "1f1b",
+          "verbose": False, **kw}
+    return fxpipe.compile(model if model is not None else _mlp(),
+                          example if example is not None else (torch.randn(B, 16),), **kw)
+
+
+def _batch(n=B * M, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return _compile()
+
+
+@pytest.fixture(scope="module")
+def tagger():
+    example = {"input_ids": torch.randint(0, 50, (2, 8)), "mask": torch.ones(2, 8)}
+    return _compile(Tagger(), example, loss_fn=lambda out, y: out.pow(2).mean())
+
+
+def _tokens(n=2 * M, seq=8):
+    return {"input_ids": torch.randint(0, 50, (n, seq)), "mask": torch.ones(n, seq)}
+
+
+# ------------------------------------------------------------------------- structure
+
+
+def test_missing_keyword_input_is_named(tagger):
+    batch = _tokens()
+    del batch["mask"]
+    with pytest.raises(InputError, match=re.escape(
+            "step(): missing keyword input ['mask']; the model was traced with keyword inputs "
+            "['input_ids', 'mask']. Pass the same inputs as the example, by the same names.")):
+        tagger.step(batch)
+
+
+def test_unexpected_keyword_input_is_named(tagger):
+    batch = {**_tokens(), "labels": torch.zeros(8, 8)}
+    with pytest.raises(InputError, match=re.escape(
+            "step(): unexpected keyword input ['labels']; the model was traced with keyword inputs "
+            "['input_ids', 'mask']")):
+        tagger.step(batch)
+
+
+def test_wrong_number_of_positional_inputs(pipe):
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "step(): expected 1 positional input as traced, got 2; the model was traced with 1 positional "
+            "input and no keyword inputs")):
+        pipe.step((x, x), y)
+
+
+def test_inputs_of_an_unknown_kind(pipe):
+    with pytest.raises(InputError, match=r"step\(\): inputs must be a tensor, a tuple/list .* got str"):
+        pipe.step("x", None)
+
+
+def test_keyword_order_does_not_matter():
+    example = {"input_ids": torch.randint(0, 50, (2, 8)), "mask": torch.ones(2, 8)}
+    a = _compile(Tagger(), example, loss_fn=lambda out, y: out.pow(2).mean())
+    b = _compile(Tagger(), example, loss_fn=lambda out, y: out.pow(2).mean())
+    batch = _tokens()
+    assert a.step(batch) == b.step({"mask": batch["mask"], "input_ids": batch["input_ids"]})
+
+
+# ------------------------------------------------------------------------- shapes, dtypes, devices
+
+
+def test_feature_size_that_differs(pipe):
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "step(): input 'input_1' (positional 0): expected size 16 in dim 1 (traced shape [4, 16] per "
+            "micro-batch), got 15 (shape [16, 15])")) as e:
+        pipe.step(x[:, :15], y)
+    assert "compile with an example of the new shape" in str(e.value)
+
+
+def test_sequence_length_that_differs(tagger):
+    batch = _tokens(seq=8)
+    batch["input_ids"] = batch["input_ids"][:, :6]
+    with pytest.raises(InputError, match=re.escape(
+            "step(): input 'input_ids': expected size 8 in dim 1 (traced shape [2, 8] per micro-batch), "
+            "got 6 (shape [8, 6])")):
+        tagger.step(batch)
+
+
+def test_number_of_dims_that_differs(pipe):
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "expected 2 dims (traced shape [4, 16] per micro-batch), got 3 dims (shape [16, 1, 16])")):
+        pipe.step(x.unsqueeze(1), y)
+
+
+def test_dtype_that_differs(pipe, tagger):
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "step(): input 'input_1' (positional 0): expected torch.float32 as traced, got torch.float64; "
+            "convert with .float()")):
+        pipe.step(x.double(), y)
+    batch = _tokens()
+    batch["input_ids"] = batch["input_ids"].int()
+    with pytest.raises(InputError, match=re.escape(
+            "input 'input_ids': expected torch.int64 as traced, got torch.int32; convert with .long()")):
+        tagger.step(batch)
+
+
+def test_every_problem_is_listed(tagger):
+    batch = _tokens()
+    batch["input_ids"] = batch["input_ids"][:, :6].int()
+    batch["mask"] = batch["mask"].double()
+    with pytest.raises(InputError, match=r"step\(\): 3 problems with the batch:\n  - input 'input_ids'") as e:
+        tagger.step(batch)
+    assert "got 6" in str(e.value) and "got torch.int32" in str(e.value) and "got torch.float64" in str(e.value)
+
+
+def test_device_other_than_cpu_or_the_pipelines(pipe):
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "step(): input 'input_1' (positional 0) is on meta, but the pipeline computes on cpu; pass CPU "
+            "tensors (.cpu())")):
+        pipe.step(x.to("meta"), y)
+    with pytest.raises(InputError, match=re.escape("target is on meta, but the pipeline computes on cpu")):
+        pipe.step(x, y.to("meta"))
+
+
+def test_non_tensor_input_must_equal_the_traced_constant():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 4)
+
+        def forward(self, x, scale):
+            return self.b(self.a(x)) * scale
+
+    p = _compile(Scaled(), (torch.randn(B, 16), 3))
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "step(): input 'scale' (positional 1): expected the constant 3 the model was traced with (non-tensor "
+            "inputs are baked into the graph), got int 5")):
+        p.step((x, 5), y)
+    assert isinstance(p.step((x, 3), y), float)
+
+
+# ------------------------------------------------------------------------- batch sizes
+
+
+def test_batch_that_does_not_split_into_the_micro_batches(pipe):
+    x, y = _batch(7)
+    with pytest.raises(InputError, match=re.escape(
+            "step(): the batch has 7 samples, which does not split into 4 equal micro-batches; pass 16 samples "
+            "(4 per micro-batch x 4 micro-batches), got 7.")):
+        pipe.step(x, y)
+
+
+def test_batch_of_the_wrong_size_one_replica(pipe):
+    x, y = _batch(8)
+    with pytest.raises(InputError, match=re.escape(
+            "step(): pass 16 samples (4 per micro-batch x 4 micro-batches), got 8. The micro-batch size b = 4 is "
+            "fixed by the traced example; to train on 8 samples per step, compile with an example micro-batch "
+            "of 2 samples.")) as e:
+        pipe.step(x, y)
+    assert "replica" not in str(e.value)
+
+
+def test_batch_of_the_wrong_size_two_replicas():
+    model, example = _mlp(), (torch.randn(B, 16),)
+    plan = fxpipe.plan(model, example, stages=2, microbatches=M, schedule="1f1b", world_size=4)
+    assert (plan.stages, plan.width) == (2, 2)
+    p = _compile(model, example, plan=plan)
+    x, y = _batch(16)
+    with pytest.raises(InputError, match=re.escape(
+            "step(): the plan has w = 2 data-parallel replicas: pass 32 samples (4 per micro-batch x 4 "
+            "micro-batches x 2 replicas), got 16.")):
+        p.step(x, y)
+    x, y = _batch(12)
+    with pytest.raises(InputError, match=re.escape(
+            "step(): the batch has 12 samples, which does not split into 8 equal micro-batches (4 micro-batches "
+            "x 2 replicas); the plan has w = 2 data-parallel replicas: pass 32 samples")):
+        p.step(x, y)
+    assert "global batch: b·m·w = 4 x 4 x 2 = 32 samples per step" in str(p.plan)
+    x, y = _batch(32)
+    assert isinstance(p.step(x, y), float)
+
+
+def test_inputs_that_disagree_on_the_batch_size(tagger):
+    batch = _tokens()
+    batch["mask"] = batch["mask"][:4]
+    with pytest.raises(InputError, match=re.escape(
+            "step(): pass 8 samples (2 per micro-batch x 4 micro-batches), got 4 in input 'mask'.")):
+        tagger.step(batch)
+
+
+def test_target_batch_must_match_the_inputs(pipe):
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "step(): target: expected 16 samples in dim 0 like the inputs (4 per micro-batch x 4 micro-batches), "
+            "got 8: the target is split along dim 0")):
+        pipe.step(x, y[:8])
+    # a wrong batch is reported once, not again for a target that matches it
+    with pytest.raises(InputError) as e:
+        pipe.step(x[:8], y[:8])
+    assert "target" not in str(e.value)
+
+
+def test_eval_step_checks_its_batch_too(pipe):
+    x, y = _batch(8)
+    with pytest.raises(InputError, match=re.escape("eval_step(): pass 16 samples")):
+        pipe.eval_step(x, y)
+
+
+# ------------------------------------------------------------------------- the lazy path
+
+
+def test_lazy_path_first_batch_defines_the_signature():
+    pipe = fxpipe.compile(_mlp(), loss_fn=_mse, optimizer=SGD, microbatches=M, stages=2, schedule="1f1b",
+                          verbose=False)
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "step(): the batch has 7 samples, which does not split into 4 equal micro-batches; the first step "
+            "traces the model on one micro-batch of it. Pass a multiple of 4 samples, e.g. 8.")):
+        pipe.step(x[:7], y[:7])
+    with pytest.raises(InputError, match=re.escape(
+            "step(): every tensor of the first batch needs the same number of samples in dim 0, got 16 in "
+            "positional input 0, 8 in target")):
+        pipe.step(x, y[:8])
+    assert pipe.plan is None  # nothing was built
+    assert isinstance(pipe.step(x, y), float)
+    assert pipe.inputs.batch_size == B
+    with pytest.raises(InputError, match=re.escape(
+            "step(): pass 16 samples (4 per micro-batch x 4 micro-batches), got 8")):
+        pipe.step(x[:8], y[:8])
+    with pytest.raises(InputError, match=re.escape("expected size 16 in dim 1 (traced shape [4, 16] per micro-batch)")):
+        pipe.step(x[:, :15], y)
+
+
+# ------------------------------------------------------------------------- nothing was sent
+
+
+def test_rejected_step_leaves_no_state():
+    """2bw carries micro-batches across steps: a rejected batch must not count, feed or post
+    anything, so the run after it equals a run without it, loss for loss and weight for weight."""
+    batches = [_batch(seed=s) for s in (1, 2, 3)]
+
+    def run(reject: bool):
+        p = _compile(schedule="2bw")
+        losses = []
+        for i, (x, y) in enumerate(batches):
+            if reject:
+                for bad in ((x[:8], y[:8]), (x.double(), y), (x, y[:8])):
+                    with pytest.raises(InputError):
+                        p.step(*bad)
+                assert p.t == i
+            losses.append(p.step(x, y))
+        return losses, p.state_dict()
+
+    (clean, sd_clean), (rejected, sd_rejected) = run(False), run(True)
+    assert clean == rejected
+    assert all(torch.equal(sd_clean[k], sd_rejected[k]) for k in sd_clean)
+
+
+# ------------------------------------------------------------------------- compile's arguments
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(microbatches=0), "fxpipe.compile: microbatches must be an int >= 1 (or None), found 0; pass e.g. "
+                           "microbatches=4, or None for the default (8)"),
+    (dict(max_grad_norm=0.0), "fxpipe.compile: max_grad_norm must be a number > 0 (or None for no clipping), found "
+                              "0.0; pass e.g. max_grad_norm=1.0, or None to train without clipping"),
+    (dict(schedule="pipedream"), "fxpipe.compile: schedule must be '2bw', '1f1b' or 'gpipe', found 'pipedream'; "
+                                 "'2bw' is PipeDream-2BW (the default), '1f1b' PipeDream-Flush, 'gpipe' GPipe"),
+    (dict(device="tpu"), "fxpipe.compile: device must be 'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of "
+                         "those), found 'tpu'; fxpipe computes on the CPU or on CUDA GPUs"),
+    (dict(device=torch.device("mps")), "device must be 'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of "
+                                       "those), found device(type='mps')"),
+])
+def test_compile_rejects_bad_arguments(kwargs, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        fxpipe.compile(_mlp(), (torch.randn(B, 16),), verbose=False, **kwargs)
+    assert isinstance(e.value, FxpipeError) and isinstance(e.value, ValueError)
+
+
+def test_optimizer_factory_must_return_an_optimizer():
+    with pytest.raises(ConfigError, match=re.escape(
+            "optimizer factory returned list, expected a torch.optim.Optimizer; pass e.g. "
+            "functools.partial(torch.optim.AdamW, lr=1e-3)")):
+        _compile(optimizer=lambda named: [p for _, p in named])
+
+
+def test_input_errors_are_fxpipe_and_value_errors(pipe):
+    with pytest.raises(FxpipeError):
+        pipe.step(*_batch(8))
+    with pytest.raises(ValueError):
+        pipe.step(*_batch(8))
+
+
+# ------------------------------------------------------------------------- the printed plan
+
+
+def test_describe_states_the_global_batch_and_verbose_false_is_silent(capsys):
+    p = _compile(verbose=False)
+    assert capsys.readouterr().out == ""
+    assert "global batch: b·m·w = 4 x 4 x 1 = 16 samples per step" in p.describe()
+    _compile(verbose=True)
+    assert "global batch: b·m·w = 4 x 4 x 1 = 16 samples per step" in capsys.readouterr().out
