@@ -136,6 +136,10 @@ def add_demo_arguments(p) -> None:
     p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--out", default="fxpipe-out/demo", help="folder for the plan, stage code and timeline")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here, and resume from the latest one when it exists")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="steps between checkpoints (0: only after the last step); needs --checkpoint-dir")
 
 
 def main(args) -> int:
@@ -145,8 +149,9 @@ def main(args) -> int:
     from torch.distributed.run import main as torchrun_main
 
     argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "fxpipe.demo"]
-    for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out"):
-        argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out", "checkpoint_dir", "save_every"):
+        if getattr(args, name) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torchrun_main(argv)
     return 0
@@ -177,9 +182,17 @@ def train(args) -> int:
     )
     batch = m * b * pipe.plan.width
     say = pipe.rank == pipe.world_size - 1  # the last stage holds the loss
+    ckpt = args.checkpoint_dir
+    if args.save_every and not ckpt:
+        raise SystemExit(f"fxpipe demo: --save-every {args.save_every} needs --checkpoint-dir DIR to save into")
+    if ckpt and os.path.exists(os.path.join(ckpt, "latest")):
+        # Resume: weights, optimizer, step count, RNG; the data stream's position is ours to keep.
+        data.set_state(pipe.load(ckpt)["data"])
+        if pipe.rank == 0:
+            print(f"resumed from {ckpt} after step {pipe.steps}", flush=True)
     first = last = None
-    start = time.perf_counter()
-    for step in range(1, args.steps + 1):
+    start, done = time.perf_counter(), pipe.steps
+    for step in range(pipe.steps + 1, args.steps + 1):
         x, y = fibonacci_batch(batch, seq, cfg.vocab_size, data)
         pipe.record = step > args.steps - 2  # keep the last two steps' timeline
         loss = pipe.step(x, y)  # a float here; elsewhere a Loss that would wait for it
@@ -187,15 +200,19 @@ def train(args) -> int:
             first = loss if first is None else first
             last = loss
             if say and (step % 25 == 0 or step == 1):
-                rate = step * batch / (time.perf_counter() - start)
+                rate = (step - done) * batch / (time.perf_counter() - start)
                 print(f"step {step:4d}  loss {loss:.4f}  {rate:8.1f} samples/s", flush=True)
+        if ckpt and (step == args.steps or args.save_every and step % args.save_every == 0):
+            pipe.save(ckpt, extra={"data": data.get_state()})
     pipe.flush()
+    pipe.wait_for_checkpoint()
     elapsed = time.perf_counter() - start
+    ran = args.steps - done
     paths = pipe.dump(args.out)
-    if say:
+    if say and ran > 0:
         print(
-            f"done: {args.steps} steps of {batch} sequences in {elapsed:.1f} s "
-            f"({args.steps * batch / elapsed:.1f} samples/s); loss {first:.4f} -> {last:.4f} "
+            f"done: {ran} steps of {batch} sequences in {elapsed:.1f} s "
+            f"({ran * batch / elapsed:.1f} samples/s); loss {first:.4f} -> {last:.4f} "
             f"(chance level {math.log(cfg.vocab_size):.4f})",
             flush=True,
         )

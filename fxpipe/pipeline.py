@@ -17,6 +17,7 @@ finishes inside the next ``step`` or in :meth:`Pipeline.flush`.
 from __future__ import annotations
 
 import atexit
+import datetime
 import gc
 import os
 import time
@@ -41,6 +42,7 @@ from .trace import normalize_inputs, trace
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
 
 DEFAULT_MICROBATCHES = 8  # m when not given: enough to keep up to 8 stages busy (m >= d)
+DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it raises (compile(timeout=...))
 
 
 def default_optimizer(named_params):
@@ -68,6 +70,7 @@ def compile(
     kernels: str = "auto",
     device: str | torch.device | None = None,
     verbose: bool = True,
+    timeout: float | None = None,
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
 
@@ -83,7 +86,7 @@ def compile(
         loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
         stages=stages, plan=plan, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, recompute=recompute,
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
-        device=device, verbose=verbose,
+        device=device, verbose=verbose, timeout=timeout,
     )
     return Pipeline(model, example_inputs, config)
 
@@ -108,6 +111,9 @@ class PipelineConfig:
     kernels: str = "auto"  # "auto" | "triton" | "torch" | "off"
     device: Any = None  # "auto"/None | "cpu" | "cuda[:i]" | torch.device
     verbose: bool = True  # rank 0 prints the plan
+    # Seconds any wait for another rank may take (None: DEFAULT_TIMEOUT when fxpipe creates the
+    # process group, else the group's own). On NCCL the group's watchdog enforces it.
+    timeout: float | None = None
 
     def __post_init__(self) -> None:
         def bad(name, expected, found, fix=""):
@@ -138,6 +144,10 @@ class PipelineConfig:
                 bad(name, "a callable (or None)", getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             bad("seed", "an int", self.seed)
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                                         or not self.timeout > 0):
+            bad("timeout", "a number of seconds > 0 (or None)", self.timeout,
+                f"pass e.g. timeout=600, or None for {DEFAULT_TIMEOUT:.0f} s (or the process group's own)")
         if not _known_device(self.device):
             bad("device", "'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of those)", self.device,
                 "fxpipe computes on the CPU or on CUDA GPUs")
@@ -198,7 +208,7 @@ class Pipeline:
         self.model = model
         self.config = config = config or PipelineConfig()
         self._setup_done = False
-        self.distributed, self.device = _init_distributed(config.device)
+        self.distributed, self.device, self.timeout = _init_distributed(config.device, config.timeout)
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
         self.plan = None
@@ -291,7 +301,10 @@ class Pipeline:
                                                     if len(tp.stages) > 1))
         groups = topo.groups()
         hub = None if self.distributed else LocalHub(d * w, groups)
-        comm_for = (lambda r: DistComm(groups)) if self.distributed else hub.comm
+        # A host-side wait with a timeout would block the thread that feeds the GPU: on NCCL
+        # the process group's watchdog enforces the timeout instead (docs/design.md).
+        wait_limit = self.timeout if self.device.type == "cpu" else None
+        comm_for = (lambda r: DistComm(groups, timeout=wait_limit)) if self.distributed else hub.comm
         self.workers: dict[int, StageWorker] = {}
         for r in ranks:
             s, rep = stage_and_replica(r, d)
@@ -436,7 +449,9 @@ class Pipeline:
             raise
         except Exception as e:
             grid = format_actions({r: lst}, mark=(r, i), rows=range(max(0, i - 4), min(len(lst), i + 3)))
-            raise RuntimeError(f"rank {r} failed running action {a}:\n{grid}") from e
+            posted = getattr(wk.comm, "last_posted", "")  # NCCL's watchdog errors name no action
+            posted = f" (its last posted communication: {posted})" if posted else ""
+            raise RuntimeError(f"rank {r} failed running action {a}{posted}:\n{grid}") from e
         if self.record:
             self.timeline.append((r, str(a), start - self._t0, time.perf_counter() - self._t0))
 
@@ -725,24 +740,37 @@ class Loss:
 # helpers
 
 
-def _init_distributed(requested_device) -> tuple[bool, torch.device]:
-    """(multi-process?, this process's device). Uses the default process group, or creates it
-    (gloo for CPU, NCCL for CUDA) when torchrun's environment says so."""
+def _init_distributed(requested_device, timeout: float | None) -> tuple[bool, torch.device, float | None]:
+    """(multi-process?, this process's device, seconds a wait may take). Uses the default process
+    group (and its timeout unless ``timeout`` is given), or creates it (gloo for CPU, NCCL for
+    CUDA, with ``timeout`` or DEFAULT_TIMEOUT) when torchrun's environment says so."""
     if dist.is_available() and dist.is_initialized():
         backend = dist.get_backend()
         if requested_device in (None, "auto") and backend != "nccl":
             requested_device = "cpu"  # "auto" follows the existing group: gloo moves CPU tensors
         device = choose_device(requested_device, distributed=True)
         check_backend(backend, device)
-        return dist.get_world_size() > 1, device
+        return dist.get_world_size() > 1, device, timeout if timeout is not None else _group_timeout(device)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = choose_device(requested_device, distributed=True)
-        dist.init_process_group(backend_for(device))
+        timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
         # The group is fxpipe's, so fxpipe tears it down: a gloo group still alive when the
         # interpreter finalises aborts the process ("terminate called without an active exception").
         atexit.register(_destroy_process_group)
-        return True, device
-    return False, choose_device(requested_device, distributed=False)
+        return True, device, timeout
+    return False, choose_device(requested_device, distributed=False), None
+
+
+def _group_timeout(device: torch.device) -> float:
+    """The default process group's own timeout in seconds (torch's default if it hides it)."""
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu") if device.type == "cpu" else device)
+        return backend.options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        from torch.distributed.constants import default_pg_timeout
+
+        return default_pg_timeout.total_seconds()
 
 
 def _known_device(device) -> bool:

@@ -31,7 +31,7 @@ def batch(step: int):
 
 
 def compile(schedule: str, stages: int, microbatches: int, *, width: int = 1, dropout: float = 0.1, lazy: bool = False,
-            kernels: str = "off", world: int | None = None, dtype: torch.dtype = torch.float32):
+            kernels: str = "off", world: int | None = None, dtype: torch.dtype = torch.float32, **options):
     """The pipeline of one layout. ``world``: ranks of the process group (None: one process,
     where ``width`` > 1 comes from a plan made for ``stages * width`` ranks). Runs of different
     layouts are compared in float64 (``dtype``): the attention key bias has a zero gradient, and
@@ -50,7 +50,7 @@ def compile(schedule: str, stages: int, microbatches: int, *, width: int = 1, dr
         net, None if lazy else example, loss_fn=lm_loss, microbatches=microbatches, schedule=schedule,
         stages=None if plan is not None else stages, plan=plan, max_grad_norm=0.5, verbose=False, kernels=kernels,
         optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s)),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s)), **options,
     )
 
 

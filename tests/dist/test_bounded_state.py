@@ -33,6 +33,7 @@ def held_after_30_and_60_steps(rank: int, world: int) -> list[dict]:
     return out
 
 
+@pytest.mark.slow  # 4 ranks; tests/unit/test_runtime_core.py proves the same in one process, by default
 def test_ranks_hold_the_same_after_30_and_60_steps():
     results = run_function(4, "tests.dist.test_bounded_state:held_after_30_and_60_steps", timeout=240)
     for rank, res in enumerate(results):

@@ -63,5 +63,6 @@ def test_three_ranks():
     check_cases(3, ["d3_2bw_sgd", "d3_2bw_adamw", "d3_gpt2_2bw", "d3_gpt2_2bw_adamw", "d3_llama_2bw_adamw", "d3_dropout_1f1b"], 300)
 
 
+@pytest.mark.slow  # the default suite's time budget holds worlds up to 3
 def test_four_ranks_two_replicas_or_four_stages():
     check_cases(4, ["w2_2bw_adamw", "w2_1f1b_sgd", "w2_gpt2_2bw", "w2_gpipe_recompute", "d4_gpt2_2bw"], 300)

@@ -166,7 +166,8 @@ def _run(world: int, timeout: float) -> None:
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+# 4 ranks (w = 2 among them) and more are slow tests: the default suite's time budget.
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_posts_pair_up_and_fit_one_global_order(world):
     _run(world, 240)
 

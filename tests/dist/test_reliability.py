@@ -1,0 +1,191 @@
+"""Checkpoints and failures under real process groups (gloo ranks on loopback).
+
+Exact resume: ranks save at step 3, and FRESH processes load and finish; losses and weights are
+bitwise those of the uninterrupted run. Resharding: a d = 2 checkpoint continues as d = 1, w = 2.
+Faults: a rank that hangs or raises mid-step makes its peer raise a PeerError naming the action
+within the timeout, instead of waiting for the process group's 30 minutes.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests import resume
+from tests.dist.harness import run_function
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
+
+SCHEDULES = ("2bw", "1f1b", "gpipe")
+DIR = "FXPIPE_TEST_CHECKPOINTS"  # where the ranks write (the spawned ranks inherit the environment)
+
+
+def _layouts(world: int) -> dict[str, tuple[int, int]]:
+    """(stages, microbatches) of the saving runs on ``world`` ranks, per schedule (w = 1)."""
+    return {s: (world, max(world, 2)) for s in SCHEDULES}
+
+
+def first_half(rank: int, world: int) -> dict:
+    """Per schedule: the uninterrupted 6 steps, and 3 steps that end in a checkpoint; and a
+    float64 dropout-free d = world run saved at step 3 for the resharding test."""
+    root = os.environ[DIR]
+    out = {}
+    for schedule, (d, m) in _layouts(world).items():
+        out[schedule] = resume.run(resume.compile(schedule, d, m, world=world), 0, 6)
+        resume.run(resume.compile(schedule, d, m, world=world), 0, 3, save=os.path.join(root, schedule))
+    layout = dict(dropout=0.0, dtype=torch.float64, world=world)
+    resume.run(resume.compile("2bw", world, 4, **layout), 0, 3, save=os.path.join(root, "reshard"))
+    return out
+
+
+def second_half(rank: int, world: int) -> dict:
+    """Fresh processes: lazy compile, load, 3 more steps; and the resharded continuation
+    (d = 1, w = world, m halved) next to the uninterrupted run of that layout."""
+    root = os.environ[DIR]
+    out = {}
+    for schedule, (d, m) in _layouts(world).items():
+        pipe = resume.compile(schedule, d, m, world=world, lazy=True)
+        out[schedule] = resume.run(pipe, 3, 3, load=os.path.join(root, schedule))
+    layout = dict(dropout=0.0, dtype=torch.float64, world=world, width=world)
+    out["reshard_full"] = resume.run(resume.compile("2bw", 1, 2, **layout), 0, 5)
+    out["reshard"] = resume.run(resume.compile("2bw", 1, 2, **layout), 3, 2, load=os.path.join(root, "reshard"))
+    return out
+
+
+def _check_resume(world: int, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(DIR, str(tmp_path))
+    before = run_function(world, "tests.dist.test_reliability:first_half", timeout=300)
+    after = run_function(world, "tests.dist.test_reliability:second_half", timeout=300)
+    for rank in range(world):
+        assert before[rank]["error"] is None, before[rank]["error"]
+        assert after[rank]["error"] is None, after[rank]["error"]
+        for schedule in SCHEDULES:
+            full, resumed = before[rank]["value"][schedule], after[rank]["value"][schedule]
+            assert resumed["steps"] == 6
+            assert resumed["losses"] == full["losses"][3:], (rank, schedule)
+            for k, v in full["state"].items():
+                assert torch.equal(v, resumed["state"][k]), (rank, schedule, k)
+        full, resumed = after[rank]["value"]["reshard_full"], after[rank]["value"]["reshard"]
+        full = {"losses": full["losses"][3:], "state": full["state"]}
+        assert resume.max_rel_diff(resumed, full) < 1e-5, rank
+
+
+def test_two_ranks_resume_bitwise_and_reshard(tmp_path, monkeypatch):
+    _check_resume(2, tmp_path, monkeypatch)
+
+
+@pytest.mark.slow
+def test_four_ranks_resume_bitwise_and_reshard(tmp_path, monkeypatch):
+    _check_resume(4, tmp_path, monkeypatch)
+
+
+# ------------------------------------------------------------------------------------- faults
+
+TIMEOUT = 1.0  # seconds: compile(timeout=...) of the fault tests
+
+
+def _faulty_pipeline(rank: int, fault):
+    """A 2-rank 1f1b pipeline whose rank 1 runs ``fault`` instead of its backward of micro-batch 3."""
+    from fxpipe.runtime import StageWorker
+
+    pipe = resume.compile("1f1b", 2, 2, world=2, timeout=TIMEOUT)
+    if rank == 1:
+        original = StageWorker._do_b
+
+        def patched(self, a):
+            if a.index == 3:
+                fault()
+            return original(self, a)
+
+        StageWorker._do_b = patched
+    return pipe
+
+
+def _train_until_error(rank: int, fault) -> dict:
+    pipe = _faulty_pipeline(rank, fault)
+    start = time.monotonic()
+    try:
+        for t in range(1, 5):
+            float(pipe.step(*resume.batch(t)))
+    except Exception as e:  # what a rank's user would see
+        return {"type": type(e).__name__, "message": str(e), "cause": repr(e.__cause__),
+                "seconds": time.monotonic() - start}
+    return {"type": None}
+
+
+def hang(rank: int, world: int) -> dict:
+    return _train_until_error(rank, lambda: time.sleep(3 * TIMEOUT))
+
+
+def crash(rank: int, world: int) -> dict:
+    def fail():
+        raise ValueError("a bug in the user's model")
+
+    return _train_until_error(rank, fail)
+
+
+def test_a_rank_that_hangs_makes_its_peer_raise_within_the_timeout():
+    rank0, rank1 = run_function(2, "tests.dist.test_reliability:hang", timeout=120)
+    seen = rank0["value"]
+    assert seen["type"] == "PeerError", seen
+    assert re.search(r"rank 0 waited \d+ s for 0RECV_GRAD3 from rank 1: no answer within compile\(timeout=...\)",
+                     seen["message"]), seen["message"]
+    assert "check its log" in seen["message"]
+    waited = float(re.search(r"waited (\d+) s", seen["message"]).group(1))
+    assert waited <= TIMEOUT + 1 and seen["seconds"] < 3 * TIMEOUT + 10, seen
+    assert rank1["value"]["type"] is not None  # it woke to a dead peer and stopped too
+
+
+def test_a_rank_that_raises_makes_its_peer_raise_not_hang():
+    rank0, rank1 = run_function(2, "tests.dist.test_reliability:crash", timeout=120)
+    raised = rank1["value"]
+    assert raised["type"] == "RuntimeError" and "a bug in the user's model" in raised["cause"], raised
+    seen = rank0["value"]
+    assert seen["type"] == "PeerError", seen
+    assert re.search(r"rank 0 (waited \d+ s for|waited for) 0RECV_GRAD3 from rank 1", seen["message"]), seen["message"]
+
+
+# ---------------------------------------------------------------------------- kill and restart
+
+
+def _demo(tmp: str, name: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+            "-m", "fxpipe.demo", "--steps", "120", "--microbatches", "2", "--microbatch-size", "2",
+            "--save-every", "20", "--checkpoint-dir", os.path.join(tmp, name), "--out", os.path.join(tmp, name + "-out")]
+
+
+def _final(tmp: str, name: str) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(os.path.join(tmp, name, "step-00000120"), os.path.join(tmp, name + ".pt"))
+    return torch.load(os.path.join(tmp, name + ".pt"), weights_only=False)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_if_uninterrupted(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tmp = str(tmp_path)
+    clean = subprocess.run(_demo(tmp, "clean"), env=env, capture_output=True, text=True, timeout=300)
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    job = subprocess.Popen(_demo(tmp, "killed"), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    latest = os.path.join(tmp, "killed", "latest")
+    deadline = time.monotonic() + 120
+    while not os.path.exists(latest) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    workers = subprocess.run(["pgrep", "-P", str(job.pid)], capture_output=True, text=True).stdout.split()
+    assert os.path.exists(latest) and len(workers) == 2, (workers, job.poll())
+    os.kill(int(workers[1]), signal.SIGKILL)  # mid-training: the first checkpoint was just written
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, out[-3000:]
+    assert "resumed from" in out and "after step" in out, out[-3000:]
+    assert "SIGKILL" in out or "Signals.SIGKILL" in out or "exitcode: -9" in out, out[-3000:]
+    a, b = _final(tmp, "clean"), _final(tmp, "killed")
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
+    last = [re.findall(r"loss [0-9.]+ -> ([0-9.]+)", text) for text in (clean.stdout, out)]
+    assert last[0] and last[0] == last[1], last  # the final loss, printed by the last stage
