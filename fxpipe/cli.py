@@ -54,8 +54,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     argv = [f"--nproc-per-node={args.nproc}", *args.torchrun_args, args.script, *args.script_args]
     if args.nproc > 1 and not any(a.startswith("--rdzv") or a.startswith("--master") for a in args.torchrun_args):
         argv.insert(0, "--standalone")
+    os.environ.setdefault(*RESTARTABLE)
     torchrun_main(argv)
     return 0
+
+
+# torchrun shares its rendezvous store with the workers' process group; after a restart
+# (--max-restarts) the new workers can read the dead workers' addresses from it and fail to
+# connect (pytorch/pytorch#135712). A store of their own avoids it; fxpipe's launchers set this.
+RESTARTABLE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
 def build_parser() -> argparse.ArgumentParser:

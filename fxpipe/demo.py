@@ -152,7 +152,10 @@ def main(args) -> int:
     for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out", "checkpoint_dir", "save_every"):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    from .cli import RESTARTABLE
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault(*RESTARTABLE)
     torchrun_main(argv)
     return 0
 

@@ -168,7 +168,9 @@ def _final(tmp: str, name: str) -> dict:
 
 @pytest.mark.slow
 def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_if_uninterrupted(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    from fxpipe.cli import RESTARTABLE
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", RESTARTABLE[0]: RESTARTABLE[1]}  # as `fxpipe run` sets it
     tmp = str(tmp_path)
     clean = subprocess.run(_demo(tmp, "clean"), env=env, capture_output=True, text=True, timeout=300)
     assert clean.returncode == 0, clean.stderr[-3000:]
