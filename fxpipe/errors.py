@@ -35,3 +35,7 @@ class InputError(FxpipeError, ValueError):
 
 class PeerError(FxpipeError, RuntimeError):
     """A wait on another rank failed: the peer died, hangs, or answered too late."""
+
+
+class NonFiniteError(FxpipeError, FloatingPointError):
+    """A loss or gradient was NaN or infinite (``nonfinite="raise"``); no weight took it in."""

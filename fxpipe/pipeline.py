@@ -21,6 +21,7 @@ import datetime
 import gc
 import os
 import time
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -33,7 +34,7 @@ from .comm import DistComm, LocalHub
 from .cost import DeviceModel
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
-from .errors import ConfigError, FxpipeError, RuntimeMismatchError
+from .errors import ConfigError, FxpipeError, NonFiniteError, RuntimeMismatchError
 from .inputs import InputSignature, batch_inputs, check_first_batch
 from .runtime import StageWorker, WorkerConfig
 from .schedule import Action, Program, format_actions, rank_of, stage_and_replica
@@ -71,6 +72,7 @@ def compile(
     device: str | torch.device | None = None,
     verbose: bool = True,
     timeout: float | None = None,
+    nonfinite: str = "raise",
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
 
@@ -86,7 +88,7 @@ def compile(
         loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
         stages=stages, plan=plan, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, recompute=recompute,
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
-        device=device, verbose=verbose, timeout=timeout,
+        device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite,
     )
     return Pipeline(model, example_inputs, config)
 
@@ -114,6 +116,9 @@ class PipelineConfig:
     # Seconds any wait for another rank may take (None: DEFAULT_TIMEOUT when fxpipe creates the
     # process group, else the group's own). On NCCL the group's watchdog enforces it.
     timeout: float | None = None
+    # A NaN/inf loss or gradient, found by the per-step norm all-reduce before any update:
+    # "raise" NonFiniteError on every rank, or "skip" that step's update everywhere and warn.
+    nonfinite: str = "raise"
 
     def __post_init__(self) -> None:
         def bad(name, expected, found, fix=""):
@@ -148,6 +153,9 @@ class PipelineConfig:
                                          or not self.timeout > 0):
             bad("timeout", "a number of seconds > 0 (or None)", self.timeout,
                 f"pass e.g. timeout=600, or None for {DEFAULT_TIMEOUT:.0f} s (or the process group's own)")
+        if self.nonfinite not in ("raise", "skip"):
+            bad("nonfinite", "'raise' or 'skip'", self.nonfinite,
+                "'raise' stops at a NaN/inf loss or gradient, 'skip' drops that step's update and trains on")
         if not _known_device(self.device):
             bad("device", "'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of those)", self.device,
                 "fxpipe computes on the CPU or on CUDA GPUs")
@@ -182,12 +190,12 @@ class Topology:
 
     def groups(self) -> dict[str, list[int]]:
         d, w = self.stages, self.width
-        groups = {f"pipe:{r}": [rank_of(s, r, d) for s in range(d)] for r in range(w)}
+        groups = {}
         for _, stages in self.tied:
             groups[self.tied_group(stages)] = [rank_of(s, r, d) for r in range(w) for s in stages]
         for s in range(d):
             groups[f"dp:{s}"] = [rank_of(s, r, d) for r in range(w)]
-        groups["all"] = list(range(d * w))  # the LOSS all-reduce: every rank gets the loss
+        groups["all"] = list(range(d * w))  # LOSS (every rank gets the loss) and NORM (all decide alike)
         return groups
 
     def tied_groups_of(self, stage: int) -> dict[str, str]:
@@ -214,6 +222,8 @@ class Pipeline:
         self.plan = None
         self.t = 0  # batches given to step() so far
         self.epoch_start = 0  # the pipeline was last empty after this batch (a flush)
+        self.skipped_steps: list[int] = []  # nonfinite="skip": batches whose update was dropped
+        self._stopped: Exception | None = None  # nonfinite="raise" stopped the pipeline
         self._saving = None  # (directory, future) of the checkpoint being written, if any
         self._checkpoint_group = None  # the gloo group checkpoint writers coordinate over
         self._saving_registered = False
@@ -262,7 +272,7 @@ class Pipeline:
                     device=device_model,
                     recompute=o.recompute,
                     torch_device=self.device,
-                    clip=o.max_grad_norm is not None,
+                    clip=True,  # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
                     accumulation="autograd" if kernels is None else "fused",
                 )
                 plan_json = made.to_json()
@@ -323,12 +333,13 @@ class Pipeline:
                 kernels=kernels,
                 tied_groups=topo.tied_groups_of(s),
                 tied_owner=topo.tied_owner_of(s),
+                nonfinite=o.nonfinite,
             )
             self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
                                           device=self.device)
         self.hub = hub
         self.program = Program(plan.schedule, d, plan.microbatches, width=w, recompute=list(plan.recompute),
-                               tied=topo.tied_stages or None, clip=o.max_grad_norm is not None)
+                               tied=topo.tied_stages or None, clip=True)  # NORM every step: see compile(nonfinite=)
         self._setup_done = True
         # Every rank waits for the slowest: a full (generation 2) garbage collection on one rank
         # stalls them all. Tracing and planning leave a large heap (graphs, nodes, cost
@@ -364,6 +375,8 @@ class Pipeline:
         batch t's loss after the first stage's ``step(t)`` returned). A batch that does not fit the
         traced example (:mod:`fxpipe.inputs`: b*m*w samples, names, dtypes, shapes, devices) raises
         :class:`~fxpipe.errors.InputError` before anything is split or communicated."""
+        if self._stopped is not None:
+            raise self._stopped
         args, kwargs = batch_inputs(inputs, "step()")
         if not self._setup_done:  # the lazy path: the first micro-batch defines the signature
             m, w = self.config.microbatches or DEFAULT_MICROBATCHES, self._width_hint()
@@ -382,6 +395,7 @@ class Pipeline:
         for r, wk in self.workers.items():
             self._give(wk, wk.stage, chunks, first=(t - 1) * m + 1)
         self._execute(lambda stage: self.program.segment(stage, t, self.epoch_start), f"step {t}")
+        self._report_nonfinite(t)
         return self._batch_loss(t, sync)
 
     def _give(self, wk: StageWorker, stage, chunks: list, first: int) -> None:
@@ -479,7 +493,39 @@ class Pipeline:
         self._execute(lambda stage: self.program.drain(stage, t, self.epoch_start), f"flush after step {t}")
         for wk in self.workers.values():
             wk.drain()
+        self._report_nonfinite(None)
         self.epoch_start = t
+
+    def _report_nonfinite(self, through: int | None) -> None:
+        """Report non-finite batches once EVERY rank has seen them: by the end of the segment of
+        step ``through`` every stage ran their NORM_WAIT (``None``: a flush, which runs them
+        all). Each rank decides from the same all-reduced parts, so all raise, or all warn, in
+        the same call. The workers already left those updates out (and, for "raise", every
+        later one), so weights and optimizer state are those before the batch."""
+        found: dict[int, set[int]] = {}
+        for wk in self.workers.values():
+            for t, stages in wk.nonfinite.items():
+                found.setdefault(t, set()).update(stages)
+        ready = sorted(t for t in found if through is None or self.program.norm_done(t, through, self.epoch_start))
+        for wk in self.workers.values():
+            for t in ready:
+                wk.nonfinite.pop(t, None)
+        if not ready or self._stopped is not None:  # after a stop (flush, state_dict): reported already
+            return
+        where = "; ".join(f"step {t}: stage(s) {sorted(found[t])}" for t in ready)
+        if self.config.nonfinite == "skip":
+            self.skipped_steps.extend(ready)
+            warnings.warn(f"fxpipe: a non-finite loss or gradient in {where}; that update was skipped on every "
+                          f"rank (nonfinite='skip'), {len(self.skipped_steps)} skipped so far", RuntimeWarning,
+                          stacklevel=3)
+            return
+        self._stopped = NonFiniteError(
+            f"a non-finite (NaN or infinite) loss or gradient in {where}. No weight or optimizer state took it in: "
+            f"every rank holds the state from before step {ready[0]}, and this pipeline is stopped. Load the last "
+            f"checkpoint and lower the learning rate or clip (max_grad_norm=), check the data of that step, or "
+            f"pass nonfinite='skip' to drop such updates and train on."
+        )
+        raise self._stopped
 
     # ------------------------------------------------------------------ evaluation
 
@@ -619,6 +665,8 @@ class Pipeline:
         from . import checkpoint
 
         self._require_setup("save")
+        if self._stopped is not None:  # its step count would not match its weights
+            raise self._stopped
         self.wait_for_checkpoint()
         self.flush()
         if not self._saving_registered:  # finish the last checkpoint before the process ends

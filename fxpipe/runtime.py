@@ -51,6 +51,7 @@ class WorkerConfig:
     kernels: Any = None  # fxpipe.kernels backend seam, or None for plain torch.optim
     tied_groups: dict[str, str] = field(default_factory=dict)  # param name -> comm group name
     tied_owner: dict[str, bool] = field(default_factory=dict)  # param name -> counted in the norm here
+    nonfinite: str = "raise"  # a non-finite loss or gradient: "raise" or "skip" the update
 
 
 class StageWorker:
@@ -71,13 +72,12 @@ class StageWorker:
         self.is_last = self.index == d - 1
 
         self.layout = stage.flat.layout
-        # A stage with reductions to overlap (data parallel, tied weights, clipping) keeps two
-        # gradient buffers: batch t's is reduced while batch t+1 accumulates into the other.
-        # Without, UPDATE t runs before batch t+1's first backward and one buffer suffices.
-        reduces = cfg.width > 1 or bool(cfg.tied_groups) or cfg.max_grad_norm is not None
-        # In one process the replicas of a stage share its generated module: each worker owns
-        # its weights and module buffers (BatchNorm statistics), as a rank of its own would.
-        self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=2 if reduces else 1,
+        # Every step reduces (at least the norm all-reduce that clips and checks for non-finite
+        # values), so a stage keeps two gradient buffers: batch t's is reduced while batch t+1
+        # accumulates into the other. In one process the replicas of a stage share its generated
+        # module: each worker owns its weights and module buffers (BatchNorm statistics), as a
+        # rank of its own would.
+        self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=2,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
                                  device=self.device, share_initial=replica == 0)
         self.buffers = {n: b.detach().clone() for n, b in stage.module.named_buffers()}
@@ -95,6 +95,10 @@ class StageWorker:
         self.reductions: dict[tuple[Kind, int], Handle] = {}
         self.norm_sq: dict[int, torch.Tensor] = {}
         self.clip_coef: dict[int, torch.Tensor] = {}  # batch -> 0-dim factor on the device
+        self.loss_check: dict[int, torch.Tensor] = {}  # last stage: batch -> 0, or NaN if a loss was not
+        self.nonfinite: dict[int, list[int]] = {}  # batch -> stages where a non-finite value appeared
+        self.dropped: set[int] = set()  # batches whose UPDATE is skipped
+        self.halted = False  # nonfinite="raise" and one was found: no UPDATE runs any more
         self.losses: dict[int, torch.Tensor] = {}
         self.batch_loss: dict[int, tuple[torch.Tensor, torch.Tensor, Handle]] = {}  # see _do_loss
         # eval_step: the eval-mode stage, the weights it reads and the loss summed on the last stage
@@ -242,7 +246,10 @@ class StageWorker:
             pairs = [(o, g) for o, g in zip(outs, bufs) if o.requires_grad]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         boundary = [x for x, f in zip(ctx["boundary"], self.float_in) if f]
-        self.store.backward(self._batch(k), a.version, roots, seeds, boundary)
+        t = self._batch(k)
+        if self.is_last:  # x * 0 is 0 for a finite loss and NaN otherwise: the norm carries it
+            self.loss_check[t] = self.loss_check.get(t, 0.0) + ctx["loss"].detach().double() * 0
+        self.store.backward(t, a.version, roots, seeds, boundary)
         # A boundary input that did not influence the outputs still gets a (zero) gradient, so
         # both sides of the channel always exchange the same tensors.
         self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
@@ -340,27 +347,49 @@ class StageWorker:
         self.reductions.pop((Kind.TIED_START, a.index)).wait()
 
     def _do_norm_start(self, a: Action) -> None:
-        # The norm is that of the reduced gradient: the list waits for batch t's other
-        # reductions before this action (the validator checks it).
+        """Post the all-reduce (over every rank) of a vector holding, at this rank's index, the
+        squared norm of its reduced gradient of batch t (plus 0, or NaN on the last stage when a
+        loss was not finite). One small collective serves clipping and the non-finite check; the
+        list waits for batch t's other reductions before this action (the validator checks it)."""
         t = a.index
         views = self.store.grad_views_of(t)
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for name, g in views.items():
             if self.cfg.tied_owner.get(name, True):  # a tied weight counts once, on its owner
                 sq += g.detach().double().pow(2).sum()
-        self.norm_sq[t] = sq
-        self.reductions[Kind.NORM_START, t] = self.comm.all_reduce(sq, f"pipe:{self.replica}", str(a))
+        if self.is_last:
+            sq += self.loss_check.pop(t)
+        parts = torch.zeros(self.cfg.stages * self.cfg.width, dtype=torch.float64, device=self.device)
+        parts[self.rank] = sq
+        self.norm_sq[t] = parts
+        self.reductions[Kind.NORM_START, t] = self.comm.all_reduce(parts, "all", str(a))
 
     def _do_norm_wait(self, a: Action) -> None:
         t = a.index
         self.reductions.pop((Kind.NORM_START, t)).wait()
-        total = self.norm_sq.pop(t).sqrt()
+        parts = self.norm_sq.pop(t)
+        # Every rank sees every rank's part, so all decide alike. Reading the flag is a host
+        # sync; on the CPU it costs nothing.
+        if not bool(torch.isfinite(parts).all()):
+            d = self.cfg.stages
+            self.nonfinite[t] = sorted({r % d for r in range(len(parts)) if not torch.isfinite(parts[r])})
+            self.dropped.add(t)
+            self.halted = self.halted or self.cfg.nonfinite == "raise"
+            return
+        if self.cfg.max_grad_norm is None:
+            return
+        d = self.cfg.stages
+        # this replica's stages, summed in stage order: the same bits in one process and in many
+        total = parts[self.replica * d:(self.replica + 1) * d].sum().sqrt()
         # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up. Kept
         # a device tensor (no host sync on CUDA); multiplying by exactly 1.0 changes no gradient.
         self.clip_coef[t] = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
 
     def _do_update(self, a: Action) -> None:
-        self.store.update(a.index, self.clip_coef.pop(a.index, None))
+        t = a.index
+        skip = t in self.dropped or self.halted
+        self.dropped.discard(t)
+        self.store.update(t, self.clip_coef.pop(t, None), skip=skip)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -509,6 +509,13 @@ class Program:
         """What stage ``stage`` runs at a flush after step ``t`` (empty when nothing is in flight)."""
         return self._moved(stage, t, epoch_start, 1)
 
+    def norm_done(self, t: int, through: int, epoch_start: int = 0) -> bool:
+        """Whether every stage has run ``NORM_WAIT t`` by the end of its segment of step
+        ``through`` (all of batch t's norm parts are known everywhere)."""
+        first = max(t, epoch_start + 1)
+        return all(any(Action(s, Kind.NORM_WAIT, t) in self.segment(s, T, epoch_start) for T in range(first, through + 1))
+                   for s in range(self.stages))
+
     def eval(self, stage: int) -> list[Action]:
         """A forward-only pass over one batch (``eval_step``, after a flush): stage ``stage``
         evaluates micro-batches 1..m in order, each receive posted one micro-batch ahead."""

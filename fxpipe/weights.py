@@ -70,6 +70,7 @@ class WeightStore:
         self.grad_pool = [layout.zeros_like() for _ in range(grad_buffers)]
         self.grad_views = [layout.views(g) for g in self.grad_pool]
         self.updates = 0  # the newest version
+        self.optimizer_steps = 0  # updates applied (a skipped non-finite batch applies none)
         # The optimizer's own Parameters: aliases pointed at the slot being written right before
         # each step. They never enter a forward, so re-pointing them is safe. Each alias has its
         # own version counter (never ``leaf.detach()``, which shares the leaf's, so a step would
@@ -115,14 +116,23 @@ class WeightStore:
         t's accumulator, boundary inputs get their ``.grad``."""
         self.strategy.backward(t, self.compute(version), roots, seeds, boundary)
 
-    def update(self, t: int, coef: torch.Tensor | None) -> None:
+    def update(self, t: int, coef: torch.Tensor | None, *, skip: bool = False) -> None:
         """``UPDATE t``: write ``W(t)`` from ``W(t-1)`` and batch t's (clipped) gradient into its
-        slot, then zero that gradient buffer and step the learning-rate scheduler."""
+        slot, then zero that gradient buffer and step the learning-rate scheduler. ``skip`` (a
+        non-finite batch): ``W(t)`` is a copy of ``W(t-1)``; optimizer state, its step count and
+        the scheduler stay as they were."""
         grads = self.grads(t)
-        if self.optimizer is not None:
-            src = self.slots[self.slot(max(t - 1, 0))]
-            dst = self.slots[self.slot(t)]
-            self.strategy.update(t, grads, src, dst, coef)
+        src = self.slots[self.slot(max(t - 1, 0))]
+        dst = self.slots[self.slot(t)]
+        if skip:
+            if src is not dst:
+                with torch.no_grad():
+                    for dt in dst:
+                        dst[dt].copy_(src[dt])
+            self.strategy.drop(t)
+        elif self.optimizer is not None:
+            self.optimizer_steps += 1
+            self.strategy.update(t, self.optimizer_steps, grads, src, dst, coef)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         for g in grads.values():
@@ -189,6 +199,7 @@ class WeightStore:
             if values:
                 g.update(values[0])
         self.strategy.load_per_param_state(state)
+        self.optimizer_steps = max((int(st["step"]) for st in state.values() if "step" in st), default=0)
 
     def nbytes(self) -> int:
         """Bytes this store holds: versions, gradient buffers, optimizer state, scratch."""
@@ -215,7 +226,7 @@ class _TorchOptim:
         for leaf in leaves.values():
             leaf.grad = None
 
-    def update(self, t, grads, src, dst, coef) -> None:
+    def update(self, t, step, grads, src, dst, coef) -> None:
         store = self.store
         if coef is not None:
             for g in grads.values():
@@ -231,6 +242,9 @@ class _TorchOptim:
         store.optimizer.step()
         for p in store.opt_params.values():
             p.grad = None
+
+    def drop(self, t) -> None:
+        """Batch t's update is skipped: nothing of it is kept here."""
 
     def nbytes(self) -> int:
         opt = self.store.optimizer
@@ -288,11 +302,14 @@ class _Fused:
         for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
             x.grad = g
 
-    def update(self, t, grads, src, dst, coef) -> None:
+    def update(self, t, step, grads, src, dst, coef) -> None:
         lr = self.store.optimizer.param_groups[0]["lr"]
         with torch.no_grad():
             for dt in dst:
-                self.ops.update(self.spec, t, grads[dt], src[dt], dst[dt], self.state[dt], clip=coef, lr=lr)
+                self.ops.update(self.spec, step, grads[dt], src[dt], dst[dt], self.state[dt], clip=coef, lr=lr)
+        self.drop(t)
+
+    def drop(self, t) -> None:
         self.accumulated.pop(t, None)
 
     def nbytes(self) -> int:
@@ -306,7 +323,7 @@ class _Fused:
                 for s in self.store.layout.slots if s.requires_grad}
 
     def per_param_state(self) -> dict[str, dict[str, torch.Tensor]]:
-        steps = self.store.updates  # the kernels take the batch number as Adam's step
+        steps = self.store.optimizer_steps
         if steps == 0:
             return {}
         step = torch.tensor(float(steps))  # torch.optim's format: a float32 CPU scalar

@@ -191,3 +191,69 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_if_uninterrupted(tm
         assert torch.equal(v, b["model"][k]), k
     last = [re.findall(r"loss [0-9.]+ -> ([0-9.]+)", text) for text in (clean.stdout, out)]
     assert last[0] and last[0] == last[1], last  # the final loss, printed by the last stage
+
+
+# --------------------------------------------------------------------------- non-finite values
+
+
+def _poisoning(backward):
+    """``StageWorker._do_b`` that then writes a NaN into one of stage 1's weight gradients of batch 3."""
+
+    def do_b(self, a):
+        backward(self, a)
+        if self.index == 1 and a.index == 2 * self.cfg.microbatches + 1:  # batch 3's first backward
+            views = self.store.grad_views_of(3)
+            views[next(s.name for s in self.store.layout.slots if s.requires_grad)].view(-1)[0] = float("nan")
+
+    return do_b
+
+
+def nonfinite_on_the_middle_stage(rank: int, world: int) -> dict:
+    """3 ranks, d = 3: rank 1 poisons one weight gradient of batch 3. Per policy, the step at
+    which this rank raised or warned, and the skipped steps."""
+    import warnings
+
+    from fxpipe.errors import NonFiniteError
+    from fxpipe.runtime import StageWorker
+
+    StageWorker._do_b = _poisoning(StageWorker._do_b)
+    out = {}
+    for schedule in ("2bw", "1f1b"):
+        pipe = resume.compile(schedule, 3, 4, dropout=0.0, world=world)
+        try:
+            for t in range(1, 8):
+                float(pipe.step(*resume.batch(t)))
+            out[schedule] = None
+        except NonFiniteError as e:
+            out[schedule] = (t, str(e))
+    pipe = resume.compile("2bw", 3, 4, dropout=0.0, world=world, nonfinite="skip")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warned_at = []
+        for t in range(1, 8):
+            n = len(caught)
+            float(pipe.step(*resume.batch(t)))
+            if len(caught) > n:
+                warned_at.append(t)
+    out["skip"] = (warned_at, pipe.skipped_steps, {k: v.double() for k, v in pipe.state_dict().items()})
+    return out
+
+
+def test_every_rank_raises_or_skips_at_the_same_step(monkeypatch):
+    results = run_function(3, "tests.dist.test_reliability:nonfinite_on_the_middle_stage", timeout=200)
+    values = [r["value"] for r in results]
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    for schedule in ("2bw", "1f1b"):
+        raised = {v[schedule][0] for v in values}
+        assert len(raised) == 1 and all("in step 3: stage(s) [1]" in v[schedule][1] for v in values), schedule
+    assert all(v["skip"][:2] == values[0]["skip"][:2] for v in values) and values[0]["skip"][1] == [3]
+    # the ranks trained on after the skip exactly as all three stages do in one process
+    from fxpipe.runtime import StageWorker
+
+    monkeypatch.setattr(StageWorker, "_do_b", _poisoning(StageWorker._do_b))
+    pipe = resume.compile("2bw", 3, 4, dropout=0.0, nonfinite="skip")
+    with pytest.warns(RuntimeWarning):
+        for t in range(1, 8):
+            pipe.step(*resume.batch(t))
+    for k, w in pipe.state_dict().items():
+        assert torch.equal(w.double(), values[0]["skip"][2][k]), k

@@ -265,6 +265,7 @@ def test_topology_names_every_group_once():
 
     topo = Topology(3, 2, (("wte", (0, 2)),))
     groups = topo.groups()
-    assert groups["pipe:1"] == [3, 4, 5] and groups["dp:2"] == [2, 5] and groups["all"] == list(range(6))
+    assert groups["dp:2"] == [2, 5] and groups["all"] == list(range(6))  # NORM and LOSS span every rank
+    assert sorted(groups) == ["all", "dp:0", "dp:1", "dp:2", "tied:0-2"]
     assert groups["tied:0-2"] == [0, 2, 3, 5]  # every copy of every replica, one all-reduce
     assert topo.tied_groups_of(1) == {} and topo.tied_owner_of(2) == {"wte": False}

@@ -1,0 +1,104 @@
+"""A NaN or infinite loss or gradient: found by the per-step norm all-reduce, agreed on by every
+rank before any weight changes; ``nonfinite="raise"`` stops, ``"skip"`` drops the update."""
+
+import math
+
+import pytest
+import torch
+
+from fxpipe.errors import NonFiniteError
+from fxpipe.runtime import StageWorker
+from fxpipe.weights import WeightStore
+from tests import resume
+
+BAD = 3  # the batch whose gradient (or loss) is poisoned
+
+
+def _snapshot(store: WeightStore, version: int) -> dict:
+    state = {n: {k: v.clone() for k, v in st.items()} for n, st in store.optimizer_state().items()}
+    weights = {dt: b.clone() for dt, b in store.slots[store.slot(version)].items()}
+    return {"weights": weights, "optim": state, "steps": store.optimizer_steps}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return (a["steps"] == b["steps"] and all(torch.equal(a["weights"][dt], b["weights"][dt]) for dt in a["weights"])
+            and a["optim"].keys() == b["optim"].keys()
+            and all(torch.equal(v, b["optim"][n][k]) for n, st in a["optim"].items() for k, v in st.items()))
+
+
+@pytest.fixture
+def poisoned_gradient(monkeypatch):
+    """Stage 1 (of 3) writes a NaN into one weight gradient of batch BAD after its first backward
+    of that batch; every UPDATE BAD records the store before and after."""
+    seen = {}
+    backward, update = StageWorker._do_b, WeightStore.update
+
+    def do_b(self, a):
+        backward(self, a)
+        if self.index == 1 and a.index == (BAD - 1) * self.cfg.microbatches + 1:
+            views = self.store.grad_views_of(BAD)
+            name = next(s.name for s in self.store.layout.slots if s.requires_grad)
+            views[name].view(-1)[0] = float("nan")
+
+    def record(self, t, coef, *, skip=False):
+        before = _snapshot(self, t - 1)
+        update(self, t, coef, skip=skip)
+        if t == BAD:
+            seen.setdefault("updates", []).append((before, _snapshot(self, t)))
+
+    monkeypatch.setattr(StageWorker, "_do_b", do_b)
+    monkeypatch.setattr(WeightStore, "update", record)
+    return seen
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe"])
+def test_raise_stops_every_rank_before_the_bad_update(poisoned_gradient, schedule):
+    pipe = resume.compile(schedule, 3, 4, dropout=0.0)
+    with pytest.raises(NonFiniteError, match=rf"in step {BAD}: stage\(s\) \[1\]\. No weight or optimizer state took it in"):
+        for t in range(1, 8):
+            pipe.step(*resume.batch(t))
+    assert len(poisoned_gradient["updates"]) == 3  # every stage ran UPDATE BAD as a no-op
+    assert all(_same(before, after) for before, after in poisoned_gradient["updates"])
+    with pytest.raises(NonFiniteError):  # stopped
+        pipe.step(*resume.batch(t + 1))
+    # What it holds is bitwise the state of a clean run stopped after step BAD - 1.
+    clean = resume.compile(schedule, 3, 4, dropout=0.0)
+    for t in range(1, BAD):
+        clean.step(*resume.batch(t))
+    got, want = pipe.state_dict(), clean.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    for wk, ref in zip(pipe.workers.values(), clean.workers.values()):
+        assert _same(_snapshot(wk.store, wk.store.updates), _snapshot(ref.store, ref.store.updates))
+
+
+def test_skip_drops_the_update_everywhere_and_trains_on(poisoned_gradient):
+    pipe = resume.compile("2bw", 3, 4, dropout=0.0, nonfinite="skip")
+    with pytest.warns(RuntimeWarning, match=rf"step {BAD}: stage\(s\) \[1\]; that update was skipped on every rank"):
+        losses = [float(pipe.step(*resume.batch(t))) for t in range(1, 8)]
+    assert pipe.skipped_steps == [BAD]
+    assert all(math.isfinite(x) for x in losses)
+    assert len(poisoned_gradient["updates"]) == 3 and all(_same(b, a) for b, a in poisoned_gradient["updates"])
+    assert all(wk.store.optimizer_steps == wk.store.updates - 1 for wk in pipe.workers.values())
+
+
+def test_an_infinite_loss_with_finite_gradients_is_caught_too():
+    # inf + loss: the gradient is that of the loss alone (finite); only the loss shows it.
+    from fxpipe.demo import lm_loss
+
+    def loss_fn(out, y):
+        return lm_loss(out, y.clamp(min=0)) + (float("inf") if bool((y < 0).any()) else 0.0)
+
+    pipe = resume.compile("1f1b", 3, 4, dropout=0.0, loss_fn=loss_fn, nonfinite="skip")
+    with pytest.warns(RuntimeWarning, match=r"step 2: stage\(s\) \[2\]"):
+        for t in range(1, 4):
+            x, y = resume.batch(t)
+            if t == 2:
+                y = y.clone()
+                y[0, 0] = -1
+            pipe.step(x, y)
+    assert pipe.skipped_steps == [2]
+
+
+def test_nonfinite_must_be_raise_or_skip():
+    with pytest.raises(ValueError, match=r"nonfinite must be 'raise' or 'skip', found 'ignore'"):
+        resume.compile("1f1b", 2, 2, nonfinite="ignore")
