@@ -541,8 +541,9 @@ def plan(
     makes the planner also choose the micro-batch size b, with ``m = global_batch / (b * w)``;
     otherwise b is the traced batch size and m is ``microbatches``. ``device_memory`` (bytes)
     overrides ``device.memory_bytes``. ``costs`` reuses an earlier :func:`fxpipe.cost.annotate`.
-    ``clip``: training clips by the global gradient norm; like data parallelism (w > 1) this makes
-    every stage keep a second gradient buffer, which the memory model then counts.
+    ``clip``: a global-norm all-reduce runs every step (``fxpipe.compile`` always runs one: it
+    clips and checks for non-finite values); like data parallelism (w > 1) this makes every stage
+    keep a second gradient buffer, which the memory model then counts.
     ``accumulation``: ``"autograd"`` (torch.optim) or ``"fused"`` (the kernels' path, one more
     scratch gradient per stage); see :func:`fxpipe.weights.weight_bytes`.
     """

@@ -53,8 +53,13 @@ def second_half(rank: int, world: int) -> dict:
         out[schedule] = resume.run(pipe, 3, 3, load=os.path.join(root, schedule))
     layout = dict(dropout=0.0, dtype=torch.float64, world=world, width=world)
     out["reshard_full"] = resume.run(resume.compile("2bw", 1, 2, **layout), 0, 5)
-    out["reshard"] = resume.run(resume.compile("2bw", 1, 2, **layout), 3, 2, load=os.path.join(root, "reshard"))
+    pipe = resume.compile("2bw", 1, 2, **layout)
+    out["reshard"] = resume.run(pipe, 3, 2, load=os.path.join(root, "reshard"), save=os.path.join(root, "replicas"))
     return out
+
+
+def _data_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".distcp"))
 
 
 def _check_resume(world: int, tmp_path, monkeypatch) -> None:
@@ -73,6 +78,10 @@ def _check_resume(world: int, tmp_path, monkeypatch) -> None:
         full, resumed = after[rank]["value"]["reshard_full"], after[rank]["value"]["reshard"]
         full = {"losses": full["losses"][3:], "state": full["state"]}
         assert resume.max_rel_diff(resumed, full) < 1e-5, rank
+    # w = world replicas write the model once: no more bytes than the d = world checkpoint
+    staged = _data_bytes(os.path.join(tmp_path, "reshard", "step-00000003"))
+    replicated = _data_bytes(os.path.join(tmp_path, "replicas", "step-00000005"))
+    assert replicated < 1.1 * staged, (replicated, staged)
 
 
 def test_two_ranks_resume_bitwise_and_reshard(tmp_path, monkeypatch):

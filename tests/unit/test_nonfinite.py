@@ -97,8 +97,3 @@ def test_an_infinite_loss_with_finite_gradients_is_caught_too():
                 y[0, 0] = -1
             pipe.step(x, y)
     assert pipe.skipped_steps == [2]
-
-
-def test_nonfinite_must_be_raise_or_skip():
-    with pytest.raises(ValueError, match=r"nonfinite must be 'raise' or 'skip', found 'ignore'"):
-        resume.compile("1f1b", 2, 2, nonfinite="ignore")
