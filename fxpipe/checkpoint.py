@@ -215,8 +215,8 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
     """Load the checkpoint at ``path`` (already resolved, its ``meta`` read) into ``pipe``'s
     workers, which are flushed; returns the caller's extra dict."""
     key = _key_of(pipe)
-    stored = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
-    _check_keys(pipe, path, stored, meta)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # key -> shape, dtype
+    _check_keys(pipe, path, stored)
     if meta["seed"] != pipe.config.seed:
         raise CheckpointError(
             f"load: {path} was trained with seed={meta['seed']}, this pipeline has seed={pipe.config.seed}; "
@@ -235,27 +235,21 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
         sd["model_previous"] = {}
     if "lr_scheduler" in stored:
         sd["lr_scheduler"] = None
-    rng_key = f"rng.rank{pipe.rank}.cpu"
-    if meta["world_size"] == pipe.world_size and rng_key in stored:
-        sd["rng"] = {f"rank{pipe.rank}": {"cpu": torch.empty(0, dtype=torch.uint8)}}
-        if f"rng.rank{pipe.rank}.cuda" in stored:
-            sd["rng"][f"rank{pipe.rank}"]["cuda"] = torch.empty(0, dtype=torch.uint8)
-    opt_names = {}
+    rng = f"rng.rank{pipe.rank}."  # the RNG state of this rank, when the world is the same
+    if meta["world_size"] == pipe.world_size:
+        sd["rng"] = {f"rank{pipe.rank}": {x[len(rng):]: _empty(stored[x]) for x in stored if x.startswith(rng)}}
     for wk in pipe.workers.values():
-        layout = wk.store.layout
-        for s in layout.slots:
+        for s in wk.store.layout.slots:
             sd["model"][key[s.name]] = torch.empty(s.shape, dtype=s.dtype)
             if want_previous:
                 sd["model_previous"][key[s.name]] = torch.empty(s.shape, dtype=s.dtype)
         for n, b in wk.buffers.items():
             if n in key:
                 sd["model"][key[n]] = torch.empty_like(b, device="cpu")
-        for n, p in wk.store.opt_params.items():
-            k = key[n]
-            opt_names[k] = [x for x in stored if x.startswith(f"optim.state.{k}.")]
-            sd["optim"]["state"][k] = {x[len(f"optim.state.{k}."):]: torch.empty(0) for x in opt_names[k]}
-            sd["optim"]["param_groups"][k] = None
-    _fill_shapes(sd, path)
+        for n in wk.store.opt_params:
+            prefix = f"optim.state.{key[n]}."  # step, exp_avg, ...: whatever the optimizer kept
+            sd["optim"]["state"][key[n]] = {x[len(prefix):]: _empty(stored[x]) for x in stored if x.startswith(prefix)}
+            sd["optim"]["param_groups"][key[n]] = None
     dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed)
     scheduler_state = _unpack(sd["lr_scheduler"]) if sd.get("lr_scheduler") is not None else None
     for wk in pipe.workers.values():
@@ -273,7 +267,7 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
         if scheduler is not None and scheduler_state is not None:
             scheduler.load_state_dict({**scheduler.state_dict(), **scheduler_state})
             scheduler._last_lr = [g["lr"] for g in wk.store.optimizer.param_groups]
-    if "rng" in sd:
+    if sd.get("rng", {}).get(f"rank{pipe.rank}"):
         rng = sd["rng"][f"rank{pipe.rank}"]
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and pipe.device.type == "cuda":
@@ -281,18 +275,9 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
     return _unpack(sd["extra"])
 
 
-def _fill_shapes(sd: dict, path: str) -> None:
-    """Optimizer state tensors take the checkpoint's shapes and dtypes (``step`` is a scalar)."""
-    md = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    for k, st in sd["optim"]["state"].items():
-        for name in st:
-            m = md[f"optim.state.{k}.{name}"]
-            st[name] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-    for section in ("rng",):
-        for rank, parts in sd.get(section, {}).items():
-            for name in parts:
-                m = md[f"{section}.{rank}.{name}"]
-                parts[name] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+def _empty(md) -> torch.Tensor:
+    """A tensor of the shape and dtype a checkpoint stores (``md``: its TensorStorageMetadata)."""
+    return torch.empty(tuple(md.size), dtype=md.properties.dtype)
 
 
 def _key_of(pipe: "Pipeline") -> dict[str, str]:
@@ -300,9 +285,10 @@ def _key_of(pipe: "Pipeline") -> dict[str, str]:
     return {n: keys[0] for n, keys in pipe.staged.originals.items() if keys}
 
 
-def _check_keys(pipe: "Pipeline", path: str, stored: set[str], meta: dict) -> None:
-    """Every key the model needs is in the checkpoint and every model key there belongs to the
-    model: DCP would stop at the first missing key and ignore unexpected ones."""
+def _check_keys(pipe: "Pipeline", path: str, stored: dict) -> None:
+    """Every key the model needs is in the checkpoint, with the shape and dtype this model has,
+    and every model key there belongs to the model: DCP would stop at the first missing key, fail
+    on a shape with a message about storage offsets, and ignore unexpected keys."""
     originals = pipe.staged.originals
     expected = {k for keys in originals.values() for k in keys}
     have = {k[len("model."):] for k in stored if k.startswith("model.")}
@@ -311,7 +297,16 @@ def _check_keys(pipe: "Pipeline", path: str, stored: set[str], meta: dict) -> No
     trainable = {n for wk in pipe.workers.values() for n in wk.store.opt_params}
     no_optim = sorted(originals[n][0] for n in trainable
                       if f"optim.param_groups.{originals[n][0]}" not in stored and originals[n][0] not in missing)
-    if missing or unexpected or no_optim:
+    mine = {}
+    for wk in pipe.workers.values():
+        mine.update({s.name: (s.shape, s.dtype) for s in wk.store.layout.slots})
+        mine.update({n: (tuple(b.shape), b.dtype) for n, b in wk.buffers.items()})
+    differ = []
+    for n, (shape, dtype) in sorted(mine.items()):
+        md = stored.get(f"model.{originals[n][0]}") if originals.get(n) else None
+        if md is not None and (tuple(md.size), md.properties.dtype) != (tuple(shape), dtype):
+            differ.append(f"{originals[n][0]} is {list(md.size)} {md.properties.dtype} there, {list(shape)} {dtype} here")
+    if missing or unexpected or no_optim or differ:
         parts = []
         if missing:
             parts.append(f"missing {len(missing)} model keys: {missing}")
@@ -319,6 +314,8 @@ def _check_keys(pipe: "Pipeline", path: str, stored: set[str], meta: dict) -> No
             parts.append(f"unexpected {len(unexpected)} model keys: {unexpected}")
         if no_optim:
             parts.append(f"no optimizer state for {no_optim}")
+        if differ:
+            parts.append(f"{len(differ)} tensors of another shape or dtype: {differ}")
         raise CheckpointError(
             f"load: {path} does not fit this model ({pipe.trace_info.model_class}): " + "; ".join(parts)
             + ". Load a checkpoint saved from the same model (for weights alone, load_state_dict takes a "

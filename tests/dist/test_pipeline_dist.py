@@ -59,6 +59,7 @@ def test_two_ranks():
                 "dropout_2bw"], 300)
 
 
+@pytest.mark.slow  # time budget: d = 3 runs by default in one process (tests/unit/test_pipeline.py) and in test_post_order
 def test_three_ranks():
     check_cases(3, ["d3_2bw_sgd", "d3_2bw_adamw", "d3_gpt2_2bw", "d3_gpt2_2bw_adamw", "d3_llama_2bw_adamw", "d3_dropout_1f1b"], 300)
 

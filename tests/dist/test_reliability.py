@@ -248,6 +248,7 @@ def nonfinite_on_the_middle_stage(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # 3 ranks; tests/unit/test_nonfinite.py checks the same in one process by default
 def test_every_rank_raises_or_skips_at_the_same_step(monkeypatch):
     results = run_function(3, "tests.dist.test_reliability:nonfinite_on_the_middle_stage", timeout=200)
     values = [r["value"] for r in results]

@@ -102,6 +102,12 @@ def test_loading_another_models_checkpoint_names_every_missing_and_unexpected_ke
                            schedule="1f1b", verbose=False)
     with pytest.raises(CheckpointError, match=r"unexpected 12 model keys: \['blocks\.1\.attn\.proj\.bias'"):
         other.load(str(tmp_path))
+    wider = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=32, block_size=resume.SEQ))
+    other = fxpipe.compile(wider, (resume.batch(0)[0][:2],), loss_fn=lm_loss, microbatches=2, stages=2,
+                           schedule="1f1b", verbose=False)
+    with pytest.raises(CheckpointError, match=r"of another shape or dtype: \['blocks\.0\.attn\.proj\.bias is \[16\] "
+                                              r"torch\.float32 there, \[32\] torch\.float32 here'"):
+        other.load(str(tmp_path))
 
 
 def test_checkpoint_errors_say_what_to_do(tmp_path):
