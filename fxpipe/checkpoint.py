@@ -31,7 +31,6 @@ import io
 import os
 import threading
 import warnings
-import pickle
 from typing import TYPE_CHECKING, Any
 
 import torch

@@ -33,12 +33,13 @@ micro-batch then defines the signature, which checks the following batches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from .errors import InputError
+from .trace import normalize_inputs
 
 __all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch"]
 
@@ -198,18 +199,16 @@ class InputSignature:
 
 
 def batch_inputs(inputs, what: str = "step()") -> tuple[tuple, dict]:
-    """A global batch's inputs as ``(args, kwargs)``: a tensor is one positional input, a
-    tuple/list positional inputs, a dict keyword inputs."""
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,), {}
-    if isinstance(inputs, Mapping):
-        return (), dict(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), {}
-    raise InputError(
-        f"{what}: inputs must be a tensor, a tuple/list (positional inputs) or a dict (keyword inputs) of the "
-        f"global batch; got {type(inputs).__name__}"
-    )
+    """A global batch's inputs as ``(args, kwargs)``, read as :func:`fxpipe.trace.normalize_inputs`
+    reads example inputs: a tensor is one positional input, a tuple/list positional inputs, a
+    dict keyword inputs."""
+    try:
+        return normalize_inputs(inputs)
+    except TypeError:
+        raise InputError(
+            f"{what}: inputs must be a tensor, a tuple/list (positional inputs) or a dict (keyword inputs) of the "
+            f"global batch; got {type(inputs).__name__}"
+        ) from None
 
 
 def check_first_batch(args: tuple, kwargs: dict, target, *, microbatches: int, width: int,
