@@ -331,6 +331,7 @@ class Pipeline:
                 max_grad_norm=o.max_grad_norm,
                 seed=o.seed,
                 kernels=kernels,
+                strict_kernels=o.kernels == "triton",
                 tied_groups=topo.tied_groups_of(s),
                 tied_owner=topo.tied_owner_of(s),
                 nonfinite=o.nonfinite,
@@ -338,6 +339,10 @@ class Pipeline:
             self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
                                           device=self.device)
         self.hub = hub
+        for r, wk in self.workers.items():
+            if wk.store.fallback and wk.replica == 0:
+                warnings.warn(f"fxpipe: stage {wk.index} updates with torch.optim instead of the fused kernels: "
+                              f"{wk.store.fallback}", RuntimeWarning, stacklevel=3)
         self.program = Program(plan.schedule, d, plan.microbatches, width=w, recompute=list(plan.recompute),
                                tied=topo.tied_stages or None, clip=True)  # NORM every step: see compile(nonfinite=)
         self._setup_done = True
@@ -361,7 +366,9 @@ class Pipeline:
             f"fxpipe: schedule={self.plan.schedule} stages={self.plan.stages} width={self.plan.width} "
             f"microbatches={self.plan.microbatches} optimizer={opt_name} "
             f"max_grad_norm={o.max_grad_norm} device={self.device} "
-            f"mode={'torchrun' if self.distributed else 'single-process'}"
+            f"mode={'torchrun' if self.distributed else 'single-process'}\n"
+            f"update{' on this rank' if self.distributed else ''}: "
+            + ", ".join(f"stage {s} {path}" for s, path in sorted({wk.index: wk.store.path for wk in self.workers.values()}.items()))
         )
 
     # ------------------------------------------------------------------ training

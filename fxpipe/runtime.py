@@ -49,6 +49,7 @@ class WorkerConfig:
     max_grad_norm: float | None = None
     seed: int = 0
     kernels: Any = None  # fxpipe.kernels backend seam, or None for plain torch.optim
+    strict_kernels: bool = False  # kernels="triton": no fallback to torch.optim, raise instead
     tied_groups: dict[str, str] = field(default_factory=dict)  # param name -> comm group name
     tied_owner: dict[str, bool] = field(default_factory=dict)  # param name -> counted in the norm here
     nonfinite: str = "raise"  # a non-finite loss or gradient: "raise" or "skip" the update
@@ -79,6 +80,7 @@ class StageWorker:
         # rank of its own would.
         self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=2,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
+                                 strict_kernels=cfg.strict_kernels,
                                  device=self.device, share_initial=replica == 0)
         self.buffers = {n: b.detach().clone() for n, b in stage.module.named_buffers()}
         self.dp_ranges = self._dp_ranges() if cfg.width > 1 else []

@@ -58,7 +58,8 @@ class WeightStore:
     """One stage's weights on one rank (module docstring)."""
 
     def __init__(self, flat, *, schedule: str, grad_buffers: int, optimizer: Callable,
-                 lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True):
+                 lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True,
+                 strict_kernels: bool = False):
         self.layout = layout = flat.layout
         self.device = device
         n = versions_of(schedule)
@@ -87,8 +88,24 @@ class WeightStore:
             raise ConfigError(f"optimizer factory returned {type(self.optimizer).__name__}, expected a torch.optim."
                               f"Optimizer; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
         self.lr_scheduler = lr_scheduler(self.optimizer) if (lr_scheduler and self.optimizer) else None
-        self.strategy = (_Fused(self, kernels) if kernels is not None and self.optimizer is not None
-                         else _TorchOptim(self))
+        # The fused kernels where they implement the optimizer; torch.optim otherwise, with the
+        # reason in ``fallback`` (``strict_kernels``, i.e. kernels="triton": raise it instead).
+        self.fallback: str | None = None
+        self.strategy = _TorchOptim(self)
+        if kernels is not None and self.optimizer is not None:
+            from .kernels import KernelError
+
+            try:
+                self.strategy = _Fused(self, kernels)
+            except KernelError as e:
+                if strict_kernels:
+                    raise
+                self.fallback = str(e)
+
+    @property
+    def path(self) -> str:
+        """Which update runs: ``"fused (triton)"``, ``"fused (torch)"`` or ``"torch.optim"``."""
+        return f"fused ({self.strategy.ops.name})" if isinstance(self.strategy, _Fused) else "torch.optim"
 
     def _make_leaves(self, buffers) -> dict[str, torch.Tensor]:
         views = self.layout.views(buffers)
@@ -267,16 +284,39 @@ class _TorchOptim:
 class _Fused:
     """:mod:`fxpipe.kernels`: each micro-batch's weight gradient lands in a flat scratch buffer and
     one accumulate launch per dtype folds it in (the first of a batch overwrites); UPDATE is one
-    fused launch per dtype. The torch.optim object only holds the hyper-parameters (its lr follows
-    the user's scheduler); the state is flat fp32."""
+    fused launch per *segment*: a run of neighbouring parameters of one dtype and one param group
+    (one segment per dtype without groups), with that group's hyper-parameters. Frozen parameters
+    lie in no segment, so nothing (not even weight decay) touches them. The torch.optim object
+    only holds the hyper-parameters (its groups' lr follow the user's scheduler); the state is
+    flat fp32. Raises ``KernelError`` for what the kernels do not implement."""
 
     def __init__(self, store: WeightStore, kernels):
-        from .kernels import OptimizerSpec, init_state, ops
+        from .kernels import KernelError, OptimizerSpec, init_state, ops
+        from .kernels.errors import FLOAT_DTYPES
 
         self.store = store
         layout = store.layout
         self.ops = ops(store.device, force=kernels)
-        self.spec = OptimizerSpec.from_torch(store.optimizer)
+        opt = store.optimizer
+        specs = [OptimizerSpec.from_group(opt, g) for g in opt.param_groups]
+        self.spec = specs[0]  # every group keeps the same state buffers (one optimizer class)
+        group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        self.segments: list[tuple[torch.dtype, int, int, int]] = []  # (dtype, start, end, group)
+        for s in layout.slots:
+            p = store.opt_params.get(s.name)
+            if p is None:
+                continue
+            g = group_of[id(p)]
+            last = self.segments[-1] if self.segments else None
+            if last and (last[0], last[2], last[3]) == (s.dtype, s.offset, g):
+                self.segments[-1] = (s.dtype, last[1], s.offset + s.numel, g)
+            else:
+                self.segments.append((s.dtype, s.offset, s.offset + s.numel, g))
+        self.specs = specs
+        unsupported = [dt for dt, _ in layout.sizes if dt not in FLOAT_DTYPES]
+        if unsupported:
+            raise KernelError(f"the fused kernels update float32, bfloat16 and float16 weights, this stage "
+                              f"holds {', '.join(map(str, unsupported))}")
         self.state = {dt: init_state(self.spec, n, store.device) for dt, n in layout.sizes}
         self.scratch = layout.zeros_like()  # one micro-batch's gradient, flat
         self.scratch_views = layout.views(self.scratch)
@@ -303,10 +343,12 @@ class _Fused:
             x.grad = g
 
     def update(self, t, step, grads, src, dst, coef) -> None:
-        lr = self.store.optimizer.param_groups[0]["lr"]
+        groups = self.store.optimizer.param_groups
         with torch.no_grad():
-            for dt in dst:
-                self.ops.update(self.spec, step, grads[dt], src[dt], dst[dt], self.state[dt], clip=coef, lr=lr)
+            for dt, lo, hi, g in self.segments:
+                state = {k: v[lo:hi] for k, v in self.state[dt].items()}
+                self.ops.update(self.specs[g], step, grads[dt][lo:hi], src[dt][lo:hi], dst[dt][lo:hi], state,
+                                clip=coef, lr=float(groups[g]["lr"]))
         self.drop(t)
 
     def drop(self, t) -> None:

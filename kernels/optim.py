@@ -96,6 +96,12 @@ class OptimizerSpec:
                           f"found {type(optimizer).__name__}")
 
     @classmethod
+    def from_group(cls, optimizer, group: dict) -> "OptimizerSpec":
+        """The spec of one param group of a ``torch.optim`` instance (its hyper-parameters as the
+        scheduler left them): one per group, each updating its own segments of the flat buffers."""
+        return cls._from_class(type(optimizer), {k: v for k, v in group.items() if k not in ("params", "param_names")})
+
+    @classmethod
     def _from_class(cls, klass, given: dict) -> "OptimizerSpec":
         kinds = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adamw"}
         if klass not in kinds:

@@ -1,0 +1,91 @@
+"""The fused update path (fxpipe.kernels, here with its torch math: kernels="torch") takes what
+torch.optim takes: parameter groups with their own hyper-parameters, frozen parameters, and,
+for what the kernels do not implement, a fallback to torch.optim for that stage, said in one
+line and in describe()."""
+
+import functools
+
+import pytest
+import torch
+
+import fxpipe
+from tests.models import rmsnorm_residual
+
+
+def _groups(named):
+    """Three groups with their own lr, weight decay and betas; names decide, as users write it."""
+    named = list(named)
+    norms = [p for n, p in named if "norm" in n]
+    embed = [p for n, p in named if "embed" in n]
+    rest = [p for n, p in named if "norm" not in n and "embed" not in n]
+    return torch.optim.AdamW([
+        {"params": rest, "weight_decay": 0.1},
+        {"params": norms, "weight_decay": 0.0, "lr": 5e-3},
+        {"params": embed, "betas": (0.8, 0.99), "eps": 1e-6},
+    ], lr=1e-2)
+
+
+def _sgd_groups(named):
+    named = list(named)
+    return torch.optim.SGD([
+        {"params": [p for n, p in named if "norm" not in n], "momentum": 0.9, "nesterov": True},
+        {"params": [p for n, p in named if "norm" in n], "momentum": 0.5, "dampening": 0.1, "weight_decay": 1e-2},
+    ], lr=5e-2)
+
+
+def _train(kernels: str, optimizer, *, schedule="2bw", frozen=False, steps=6):
+    model, example = rmsnorm_residual(batch=2)
+    if frozen:
+        model.final_norm.weight.requires_grad_(False)
+    sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # noqa: E731
+    pipe = fxpipe.compile(model, example, loss_fn=lambda out, y: out.float().pow(2).mean(), microbatches=2,
+                          schedule=schedule, stages=2, kernels=kernels, optimizer=optimizer, lr_scheduler=sched,
+                          verbose=False)
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 50, (4, 8), generator=g)
+        losses.append(pipe.step(x, x))
+    return pipe, losses, pipe.state_dict()
+
+
+@pytest.mark.parametrize("optimizer", [_groups, _sgd_groups], ids=["adamw-groups", "sgd-groups"])
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_param_groups_train_through_the_fused_path_as_torch_optim_does(optimizer, schedule):
+    fused, losses, state = _train("torch", optimizer, schedule=schedule)
+    assert "update: stage 0 fused (torch), stage 1 fused (torch)" in fused.describe()
+    plain, ref_losses, ref_state = _train("off", optimizer, schedule=schedule)
+    assert "stage 0 torch.optim" in plain.describe()
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for k, v in ref_state.items():
+        assert torch.allclose(state[k], v, rtol=1e-5, atol=1e-6), k
+
+
+def test_frozen_parameters_are_left_alone_by_the_fused_update():
+    # AdamW's decoupled decay would shrink a frozen weight if its range were updated
+    model, _ = rmsnorm_residual(batch=2)
+    before = model.final_norm.weight.detach().clone()
+    pipe, _, state = _train("torch", functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.5), frozen=True)
+    assert torch.equal(state["final_norm.weight"], before)
+
+
+@pytest.mark.parametrize("optimizer,why", [
+    (functools.partial(torch.optim.RMSprop, lr=1e-3), "expected torch.optim.SGD, Adam or AdamW, found RMSprop"),
+    (functools.partial(torch.optim.Adam, lr=1e-3, amsgrad=True), "Adam(amsgrad=True) is not implemented by the fused"),
+])
+def test_what_the_kernels_cannot_do_falls_back_to_torch_optim_in_one_line(optimizer, why):
+    with pytest.warns(RuntimeWarning, match=r"stage 0 updates with torch.optim instead of the fused kernels: .*"
+                                            + why.replace("(", r"\(").replace(")", r"\)")):
+        pipe, losses, state = _train("torch", optimizer, steps=3)
+    assert "update: stage 0 torch.optim, stage 1 torch.optim" in pipe.describe()
+    _, ref_losses, ref_state = _train("off", optimizer, steps=3)  # exactly torch.optim's numbers
+    assert losses == ref_losses and all(torch.equal(state[k], v) for k, v in ref_state.items())
+
+
+def test_float64_weights_fall_back_with_the_reason():
+    model, example = rmsnorm_residual(batch=2)
+    with pytest.warns(RuntimeWarning, match=r"the fused kernels update float32, bfloat16 and float16 weights, this "
+                                            r"stage holds torch\.float64"):
+        pipe = fxpipe.compile(model.double(), example, loss_fn=lambda out, y: out.pow(2).mean(), microbatches=2,
+                              stages=2, kernels="torch", verbose=False)
+    assert "stage 0 torch.optim" in pipe.describe()
