@@ -601,7 +601,7 @@ class Pipeline:
                 stage = max(stage, train.get(node.name, stage))
                 mapping[node.name] = stage
         build = sorted({wk.index for wk in self.workers.values()})
-        return split(gm, mapping, build=build)
+        return split(gm, mapping, build=build, device=self.device)  # buffers, constants
 
     # ------------------------------------------------------------------ checkpoints
 

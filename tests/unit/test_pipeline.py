@@ -269,3 +269,19 @@ def test_topology_names_every_group_once():
     assert sorted(groups) == ["all", "dp:0", "dp:1", "dp:2", "tied:0-2"]
     assert groups["tied:0-2"] == [0, 2, 3, 5]  # every copy of every replica, one all-reduce
     assert topo.tied_groups_of(1) == {} and topo.tied_owner_of(2) == {"wte": False}
+
+
+def test_eval_stages_are_built_on_the_pipelines_device(monkeypatch):
+    # The eval-mode trace's stages (buffers, constants) go where the training stages are: on
+    # CUDA they would otherwise stay on the CPU. The device seam records what split was given.
+    from fxpipe import codegen
+
+    model, example = rmsnorm_residual(batch=2)
+    pipe = fxpipe.compile(model, example, loss_fn=lambda out, y: out.pow(2).mean(), microbatches=2, stages=2,
+                          verbose=False)
+    devices = []
+    real = codegen.split
+    monkeypatch.setattr(codegen, "split", lambda *a, **k: devices.append(k.get("device")) or real(*a, **k))
+    x = torch.randint(0, 50, (4, 8))
+    pipe.eval_step(x, x)
+    assert devices == [pipe.device]
