@@ -21,8 +21,8 @@ Two things decide when an action of :mod:`fxpipe.schedule` may run or finish:
   cannot show a violation; this engine does, in one process and without tensors.
 
 :func:`fxpipe.schedule.validate` runs it with labels only (zero cost), :class:`fxpipe.comm.LocalHub`
-with real tensors (the single-process driver), and :func:`fxpipe.simulate.simulate` reads the
-same :func:`waits_for`.
+with real tensors (the single-process driver), and :func:`fxpipe.simulate.simulate` with times
+(each of a rank's streams a lane of its own); all three read the same :func:`waits_for`.
 """
 
 from __future__ import annotations
@@ -74,19 +74,26 @@ class Rendezvous:
     completed operation with every participant's :class:`CommOp` (the two halves of a p2p
     transfer, or all members of a collective, in rank order). Raises :class:`CommOrderError` the
     moment a post cannot be matched with its counterpart.
+
+    ``lane(op)``: the queue an operation completes in order within; by default its rank, which is
+    rule (b). The simulator times each of a rank's streams (``p2p_prev``, ``p2p_next``,
+    ``reduce``) on its own and passes ``(rank, stream)``: the matching (rule (a), collective
+    membership and signatures) is the same code either way.
     """
 
-    def __init__(self, groups: Mapping[str, Sequence[int]], on_complete: Callable[[list[CommOp]], None] | None = None):
+    def __init__(self, groups: Mapping[str, Sequence[int]], on_complete: Callable[[list[CommOp]], None] | None = None,
+                 lane: Callable[[CommOp], Hashable] | None = None):
         self.groups = {name: sorted(ranks) for name, ranks in groups.items()}
         self.on_complete = on_complete
-        self.queue: dict[int, deque[CommOp]] = defaultdict(deque)  # rank -> posted, not complete
+        self.lane = lane or (lambda op: op.rank)
+        self.queue: dict[Hashable, deque[CommOp]] = defaultdict(deque)  # lane -> posted, not complete
         self._unmatched: dict[tuple, deque[CommOp]] = defaultdict(deque)  # (rank, peer|group) -> posts
 
     def post(self, op: CommOp) -> CommOp:
         if op.kind in ("send", "recv"):
             if op.peer == op.rank or op.peer is None:
                 raise CommOrderError(f"{op}: a point-to-point operation needs another rank as its peer")
-            self.queue[op.rank].append(op)
+            self.queue[self.lane(op)].append(op)
             mine, theirs = self._unmatched[op.rank, op.peer], self._unmatched[op.peer, op.rank]
             mine.append(op)
             if theirs:
@@ -95,7 +102,7 @@ class Rendezvous:
             members = self.groups.get(op.group)
             if members is None or op.rank not in members:
                 raise CommOrderError(f"{op}: rank {op.rank} is not a member of group {op.group!r} {members}")
-            self.queue[op.rank].append(op)
+            self.queue[self.lane(op)].append(op)
             self._unmatched[op.rank, op.group].append(op)
             waiting = [self._unmatched[r, op.group] for r in members]
             if all(waiting):
@@ -129,32 +136,32 @@ class Rendezvous:
         progress = any_progress = True
         while progress:
             progress = False
-            for rank in list(self.queue):
-                q = self.queue[rank]
+            for key in list(self.queue):
+                q = self.queue[key]
                 if not q or not q[0].partners:
                     continue
                 ops = q[0].partners
-                if all(self.queue[o.rank] and self.queue[o.rank][0] is o for o in ops):
+                if all(self.queue[self.lane(o)] and self.queue[self.lane(o)][0] is o for o in ops):
                     for o in ops:
-                        self.queue[o.rank].popleft()
+                        self.queue[self.lane(o)].popleft()
                         o.done = True
                     if self.on_complete is not None:
                         self.on_complete(ops)
                     progress = any_progress = True
-            for rank in [r for r, q in self.queue.items() if not q]:
-                del self.queue[rank]
+            for key in [k for k, q in self.queue.items() if not q]:
+                del self.queue[key]
         return any_progress
 
     def blocked(self) -> list[str]:
-        """One line per rank with posts still incomplete: the head op and what it waits for."""
+        """One line per lane (rank) with posts still incomplete: the head op and what it waits for."""
         lines = []
-        for rank in sorted(self.queue):
-            head = self.queue[rank][0]
+        for key in sorted(self.queue, key=str):
+            head = self.queue[key][0]
             if not head.partners:
                 why = "no matching post yet"
             else:
-                late = [o for o in head.partners if self.queue[o.rank][0] is not o]
-                why = "; ".join(f"rank {o.rank} first completes {self.queue[o.rank][0].label}" for o in late)
+                late = [o for o in head.partners if self.queue[self.lane(o)][0] is not o]
+                why = "; ".join(f"rank {o.rank} first completes {self.queue[self.lane(o)][0].label}" for o in late)
             lines.append(f"{head} waits: {why}")
         return lines
 

@@ -28,15 +28,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from xml.sax.saxutils import escape
 
+from fxpipe.deps import CommOp, Rendezvous
 from fxpipe.errors import ScheduleError
 from fxpipe.schedule import (
     COMPUTE,
-    P2P,
-    STARTS,
-    WAITS,
     SPEC,
+    WAITS,
     Action,
     Kind,
+    _groups,
+    comm_op,
     format_actions,
     lower_to_streams,
     stream_of,
@@ -142,9 +143,14 @@ def _derive(events: list[Event], steps_hint: int | None = None) -> Timeline:
 def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | None = None) -> Timeline:
     """Time one pipeline replica's lists (``generate``'s dict) under ``costs``.
 
-    Replicas of a stage run identical timelines, so a data-parallel all-reduce costs
-    ``costs.reduce`` with no cross-replica waiting. Raises :class:`ScheduleError` on a p2p order
-    mismatch or a deadlock (which :func:`fxpipe.schedule.validate` would report too).
+    Each rank's streams (:func:`fxpipe.schedule.lower_to_streams`) run their ops in order, an op
+    once its local waits are done. A communication op is posted to :class:`fxpipe.deps.Rendezvous`
+    (the engine the validator and the single-process driver use, with each stream as its own
+    lane) and runs, for its cost, from the moment the engine matches it with its counterpart or
+    every member of its collective. Replicas of a stage run identical timelines, so a
+    data-parallel all-reduce (a group of one stage here) costs ``costs.reduce`` with no
+    cross-replica waiting. Raises :class:`ScheduleError` on a p2p order mismatch (the engine's
+    :class:`~fxpipe.deps.CommOrderError`) or a deadlock, as :func:`fxpipe.schedule.validate` would.
     """
     costs = costs or Costs()
     ops = {s: lower_to_streams(actions_by_stage[s]) for s in actions_by_stage}
@@ -156,10 +162,7 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
     free = {key: 0.0 for key in streams}
     done: dict[tuple[int, str], float] = {}
     events: list[Event] = []
-    members: dict[Kind, list[int]] = defaultdict(list)
-    for s, lst in actions_by_stage.items():
-        for kind in {a.kind for a in lst if a.kind in STARTS and a.kind is not Kind.DP_START}:
-            members[kind].append(s)
+    posted: set[tuple[int, str]] = set()  # streams whose head op is posted and not complete
 
     def ready(key) -> float | None:
         op = streams[key][head[key]]
@@ -179,48 +182,32 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
         free[key] = end
         head[key] += 1
 
+    def complete(matched: list[CommOp]) -> None:
+        """The engine matched these posts: they run together from the last one's ready time."""
+        start = max(o.payload[1] for o in matched)
+        for o in matched:
+            key = o.payload[0]
+            posted.discard(key)
+            finish(key, start, start + duration(key[0], streams[key][head[key]].action))
+
+    engine = Rendezvous(_groups(actions_by_stage), on_complete=complete, lane=lambda op: op.payload[0])
     progress = True
     while progress:
         progress = False
         for key in list(streams):
-            while head[key] < len(streams[key]):
+            while head[key] < len(streams[key]) and key not in posted:
                 t = ready(key)
                 if t is None:
                     break
-                s, name = key
                 a = streams[key][head[key]].action
-                if a.kind in P2P:
-                    peer_key = (a.peer, "p2p_prev" if name == "p2p_next" else "p2p_next")
-                    if peer_key not in streams or head[peer_key] >= len(streams[peer_key]):
-                        break
-                    other = streams[peer_key][head[peer_key]].action
-                    if other != a.counterpart():
-                        raise ScheduleError(
-                            f"p2p order mismatch: stage {s} is at {a} but stage {a.peer}'s next operation "
-                            f"with it is {other}; run fxpipe.schedule.validate for the grid"
-                        )
-                    t_peer = ready(peer_key)
-                    if t_peer is None:
-                        break
-                    start = max(t, t_peer)
-                    finish(peer_key, start, start + costs.p2p)
-                    finish(key, start, start + costs.p2p)
-                elif a.kind in STARTS and a.kind is not Kind.DP_START:
-                    keys = [(g, "reduce") for g in members[a.kind]]
-                    heads = [streams[k][head[k]].action if head[k] < len(streams[k]) else None for k in keys]
-                    if any(h is None or h.kind is not a.kind or h.index != a.index for h in heads):
-                        break
-                    times = [ready(k) for k in keys]
-                    if any(x is None for x in times):
-                        break
-                    start = max(times)
-                    for k in keys:
-                        finish(k, start, start + costs.reduce)
-                elif a.kind is Kind.DP_START:
-                    finish(key, t, t + costs.reduce)
-                else:
-                    finish(key, t, t + duration(s, a))
                 progress = True
+                if SPEC[a.kind].comm is None:
+                    finish(key, t, t + duration(key[0], a))
+                    continue
+                op = comm_op(a)
+                op.payload = (key, t)
+                posted.add(key)
+                engine.post(op)  # completes it, and whatever it unblocks, when matched
     stuck = [(k, streams[k][head[k]].action) for k in streams if head[k] < len(streams[k])]
     if stuck:
         where = "; ".join(f"stage {k[0]} {k[1]} at {a}" for k, a in sorted(stuck))
