@@ -166,8 +166,9 @@ def _run(world: int, timeout: float) -> None:
     assert not problems, "\n".join(problems)
 
 
-# 4 ranks (w = 2 among them) and more are slow tests: the default suite's time budget.
-@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+# 3 and 4 ranks (w = 2 among them) and more are slow tests (CI runs them): the default suite's
+# time budget. The single-process tests enforce the same rules on every world size by default.
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow), pytest.param(4, marks=pytest.mark.slow)])
 def test_posts_pair_up_and_fit_one_global_order(world):
     _run(world, 240)
 

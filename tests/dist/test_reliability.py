@@ -138,6 +138,7 @@ def crash(rank: int, world: int) -> dict:
     return _train_until_error(rank, fail)
 
 
+@pytest.mark.slow  # time budget; the crash test below runs by default
 def test_a_rank_that_hangs_makes_its_peer_raise_within_the_timeout():
     rank0, rank1 = run_function(2, "tests.dist.test_reliability:hang", timeout=120)
     seen = rank0["value"]
