@@ -38,3 +38,32 @@ def test_nccl_ranks_match_the_reference():
     from tests.dist.test_pipeline_dist import check_cases
 
     check_cases(2, ["2bw_adamw_clip", "1f1b_adamw", "gpt2_2bw", "llama_2bw_adamw"], 500, backend="nccl")
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_cuda_resume_is_bitwise_the_uninterrupted_run(tmp_path, schedule):
+    # Checkpoints of GPU stages (fused optimizer state, CUDA RNG) resume bit for bit.
+    from tests import resume
+
+    def run(start, steps, **io):
+        return resume.run(resume.compile(schedule, 2, 2, kernels="auto", device="cuda"), start, steps, **io)
+
+    full = run(0, 6)
+    run(0, 3, save=str(tmp_path))
+    resumed = run(3, 3, load=str(tmp_path))
+    assert resumed["losses"] == full["losses"][3:]
+    assert all(torch.equal(v, resumed["state"][k]) for k, v in full["state"].items())
+
+
+def test_cuda_nonfinite_gradient_is_skipped_everywhere(monkeypatch):
+    # The non-finite flag is read on the host at NORM_WAIT; on the GPU that is a sync, not a hang.
+    from fxpipe.runtime import StageWorker
+    from tests import resume
+    from tests.dist.test_reliability import _poisoning
+
+    monkeypatch.setattr(StageWorker, "_do_b", _poisoning(StageWorker._do_b))
+    pipe = resume.compile("2bw", 3, 4, dropout=0.0, kernels="auto", device="cuda", nonfinite="skip")
+    with pytest.warns(RuntimeWarning, match=r"step 3: stage\(s\) \[1\]"):
+        for t in range(1, 7):
+            pipe.step(*resume.batch(t))
+    assert pipe.skipped_steps == [3]
