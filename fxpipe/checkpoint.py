@@ -52,7 +52,9 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 FORMAT = 1  # bumped when the layout above changes
 LATEST = "latest"
 _SHARED = ("fxpipe", "lr_scheduler", "extra")  # objects that must be equal on every rank
-_PER_GROUP = ("base_lrs", "_last_lr")  # a scheduler's lists with one entry per param group
+# A scheduler's lists with one entry per param group: the factory rebuilds them on load, and
+# stages may hold different numbers of groups (the lr itself is saved per parameter).
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
 
 
 class CheckpointError(FxpipeError):
