@@ -11,7 +11,7 @@ from tests.dist.harness import run_function
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 HELD = ("sends", "reductions", "recv_act", "recv_grad", "ctx", "inputs", "targets", "losses", "norm_sq", "clip_coef",
-        "batch_loss", "loss_posts")
+        "batch_loss", "loss_posts", "loss_check", "nonfinite", "dropped")
 
 
 def held_after_30_and_60_steps(rank: int, world: int) -> list[dict]:

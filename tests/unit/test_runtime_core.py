@@ -135,7 +135,7 @@ def _held(pipe) -> dict[str, int]:
     }
     for r, wk in pipe.workers.items():
         for name in ("inputs", "targets", "recv_act", "recv_grad", "ctx", "sends", "reductions", "norm_sq",
-                     "clip_coef", "losses", "eval_weights", "batch_loss", "loss_posts"):
+                     "clip_coef", "losses", "eval_weights", "batch_loss", "loss_posts", "loss_check", "nonfinite", "dropped"):
             sizes[f"{r}.{name}"] = len(getattr(wk, name))
     return sizes
 
