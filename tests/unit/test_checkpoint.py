@@ -127,3 +127,19 @@ def test_checkpoint_errors_say_what_to_do(tmp_path):
                            schedule="1f1b", verbose=False, seed=7)
     with pytest.raises(CheckpointError, match=r"trained with seed=0, this pipeline has seed=7"):
         other.load(str(tmp_path))
+
+
+def test_a_checkpoint_converts_to_one_torch_save_file_the_plain_model_loads(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    pipe = resume.compile("2bw", 2, 2)
+    for t in range(1, 3):
+        pipe.step(*resume.batch(t))
+    path = pipe.save(str(tmp_path / "run"))
+    pipe.wait_for_checkpoint()
+    dcp_to_torch_save(path, tmp_path / "ckpt.pt")
+    sd = torch.load(tmp_path / "ckpt.pt", weights_only=False)
+    model = resume.model()
+    model.load_state_dict(sd["model"])  # strict: every key, tied aliases included
+    newest = pipe.state_dict()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in newest.items())
