@@ -292,7 +292,7 @@ class _Fused:
 
     def __init__(self, store: WeightStore, kernels):
         from .kernels import KernelError, OptimizerSpec, init_state, ops
-        from .kernels.errors import FLOAT_DTYPES
+        from .kernels.errors import FLOAT_DTYPES, REFERENCE_DTYPES
 
         self.store = store
         layout = store.layout
@@ -313,11 +313,13 @@ class _Fused:
             else:
                 self.segments.append((s.dtype, s.offset, s.offset + s.numel, g))
         self.specs = specs
-        unsupported = [dt for dt, _ in layout.sizes if dt not in FLOAT_DTYPES]
+        # the Triton kernels take float32, bfloat16 and float16; their torch math float64 too
+        allowed = REFERENCE_DTYPES if self.ops.name == "torch" else FLOAT_DTYPES
+        unsupported = [dt for dt, _ in layout.sizes if dt not in allowed]
         if unsupported:
-            raise KernelError(f"the fused kernels update float32, bfloat16 and float16 weights, this stage "
-                              f"holds {', '.join(map(str, unsupported))}")
-        self.state = {dt: init_state(self.spec, n, store.device) for dt, n in layout.sizes}
+            raise KernelError(f"the {self.ops.name} kernels update {', '.join(str(d) for d in allowed)} weights, "
+                              f"this stage holds {', '.join(map(str, unsupported))}")
+        self.state = {dt: init_state(self.spec, n, store.device, weights=dt) for dt, n in layout.sizes}
         self.scratch = layout.zeros_like()  # one micro-batch's gradient, flat
         self.scratch_views = layout.views(self.scratch)
         self.names = [s.name for s in layout.slots if s.requires_grad]

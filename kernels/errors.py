@@ -11,6 +11,7 @@ from ..errors import FxpipeError
 
 #: Dtypes a flat weight or gradient buffer may have; the math always runs in fp32.
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+REFERENCE_DTYPES = FLOAT_DTYPES + (torch.float64,)  # the torch references also take float64
 
 
 class KernelError(FxpipeError, ValueError):

@@ -3,7 +3,7 @@
 The fused 2BW update and its torch reference implement ``torch.optim.SGD``, ``Adam`` and
 ``AdamW`` with their exact formulas (see ``update.py``). ``OptimizerSpec`` holds the
 hyper-parameters of one stage's optimizer; ``init_state`` makes its state as flat float32
-buffers whose names are ``torch.optim``'s own state keys, so a per-parameter slice
+buffers (float64 for float64 weights) named by ``torch.optim``'s own state keys, so a per-parameter slice
 ``state["exp_avg"][offset:offset + numel]`` is exactly what ``optimizer.state[p]["exp_avg"]``
 holds (a checkpoint converts by slicing at the flat-buffer offsets).
 
@@ -127,13 +127,17 @@ class OptimizerSpec:
         return cls(kind, lr=lr, betas=betas, eps=float(hyper["eps"]), weight_decay=float(hyper["weight_decay"]))
 
 
-def init_state(spec: OptimizerSpec, numel: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Zeroed flat float32 optimizer state for a buffer of ``numel`` weights.
+def state_dtype(weights: torch.dtype) -> torch.dtype:
+    """The optimizer state's dtype for weights of ``weights``: float32 for float32, bfloat16 and
+    float16 (low-precision moments lose the small updates Adam's second moment is made of), and
+    float64 for float64 weights (the torch references only), as torch.optim keeps it."""
+    return torch.float64 if weights == torch.float64 else torch.float32
 
-    State stays float32 whatever the weights' dtype: bf16/fp16 moments lose the small updates
-    that Adam's second moment is made of.
-    """
-    return {name: torch.zeros(numel, dtype=torch.float32, device=device) for name in spec.state_names}
+
+def init_state(spec: OptimizerSpec, numel: int, device: torch.device | str = "cpu",
+               weights: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Zeroed flat optimizer state (:func:`state_dtype`) for a buffer of ``numel`` weights."""
+    return {name: torch.zeros(numel, dtype=state_dtype(weights), device=device) for name in spec.state_names}
 
 
 def adam_scalars(spec: OptimizerSpec, step: int, lr: float) -> tuple[float, float]:
@@ -152,7 +156,8 @@ def check_step(op: str, step: object) -> int:
     return step
 
 
-def check_state(op: str, spec: OptimizerSpec, state: dict, numel: int, device: torch.device) -> None:
+def check_state(op: str, spec: OptimizerSpec, state: dict, numel: int, device: torch.device,
+                dtype: torch.dtype = torch.float32) -> None:
     from .errors import check_flat
 
     if not isinstance(state, dict):
@@ -163,4 +168,4 @@ def check_state(op: str, spec: OptimizerSpec, state: dict, numel: int, device: t
         raise KernelError(f"{op}: expected state keys {list(spec.state_names)} for {spec.kind}, missing {missing}; "
                           f"create the state with fxpipe.kernels.init_state(spec, numel, device)")
     for k in spec.state_names:
-        check_flat(op, f"state[{k!r}]", state[k], numel=numel, device=device, dtypes=(torch.float32,))
+        check_flat(op, f"state[{k!r}]", state[k], numel=numel, device=device, dtypes=(dtype,))

@@ -3,7 +3,8 @@
 These are what the CPU runtime runs (``backend(...) == "torch"``) and what the kernel tests
 compare against. They import no Triton, so the CPU path never pays for it and never fixes
 Triton's interpreter mode before a test has set ``TRITON_INTERPRET``. All math is float32
-whatever the buffers' dtype, rounded once on store, like the kernels.
+whatever the buffers' dtype, rounded once on store, like the kernels; float64 buffers, which only
+the references take (``dtypes=REFERENCE_DTYPES``), are computed in float64 with float64 state.
 
 The update references follow ``torch.optim``'s single-tensor code op for op (``lerp_`` for
 Adam's first moment, ``addcmul_``, ``(sqrt(v) / sqrt(bias_correction2)) + eps``, ``addcdiv``),
@@ -13,37 +14,40 @@ from __future__ import annotations
 
 import torch
 
-from .errors import KernelError, check_flat, check_no_partial_overlap, check_scalar
-from .optim import OptimizerSpec, adam_scalars, check_state, check_step
+from .errors import FLOAT_DTYPES, REFERENCE_DTYPES, KernelError, check_flat, check_no_partial_overlap, check_scalar
+from .optim import OptimizerSpec, adam_scalars, check_state, check_step, state_dtype
 
 # ---------------------------------------------------------------------------------------------
 # argument checks (shared with the Triton launch wrappers)
 # ---------------------------------------------------------------------------------------------
 
 
-def check_accumulate_args(acc, grad, scale):
+def check_accumulate_args(acc, grad, scale, dtypes=FLOAT_DTYPES):
     op = "accumulate"
-    check_flat(op, "grad", grad)
-    check_flat(op, "acc", acc, numel=grad.numel(), device=grad.device)
+    check_flat(op, "grad", grad, dtypes=dtypes)
+    check_flat(op, "acc", acc, numel=grad.numel(), device=grad.device, dtypes=dtypes)
+    if (acc.dtype == torch.float64) != (grad.dtype == torch.float64):
+        raise KernelError(f"{op}: expected float64 acc and grad together (float64 buffers accumulate in float64), "
+                          f"found acc {acc.dtype} and grad {grad.dtype}; keep one flat buffer per dtype")
     check_no_partial_overlap(op, "acc", acc, "grad", grad)
     return check_scalar(op, "scale", scale, grad.device)
 
 
-def check_update_args(spec, step, grad, weights, out, state, clip, lr):
+def check_update_args(spec, step, grad, weights, out, state, clip, lr, dtypes=FLOAT_DTYPES):
     op = "update"
     if not isinstance(spec, OptimizerSpec):
         raise KernelError(f"{op}: expected spec to be an OptimizerSpec, found {type(spec).__name__}; "
                           f"build it with OptimizerSpec.from_torch(functools.partial(torch.optim.AdamW, ...))")
     check_step(op, step)
-    check_flat(op, "grad", grad)
+    check_flat(op, "grad", grad, dtypes=dtypes)
     n, device = grad.numel(), grad.device
-    check_flat(op, "weights", weights, numel=n, device=device)
-    check_flat(op, "out", out, numel=n, device=device)
+    check_flat(op, "weights", weights, numel=n, device=device, dtypes=dtypes)
+    check_flat(op, "out", out, numel=n, device=device, dtypes=dtypes)
     if out.dtype != weights.dtype:
         raise KernelError(f"{op}: expected out (the next version's buffer) to have the weights' dtype "
                           f"{weights.dtype}, found {out.dtype}; pass the other buffer of the same dtype group")
     check_no_partial_overlap(op, "out", out, "weights", weights)
-    check_state(op, spec, state, n, device)
+    check_state(op, spec, state, n, device, state_dtype(weights.dtype))
     for k in spec.state_names:
         for name, t in (("grad", grad), ("weights", weights), ("out", out)):
             check_no_partial_overlap(op, f"state[{k!r}]", state[k], name, t)
@@ -103,10 +107,11 @@ def _slices(n: int):
         yield slice(start, min(start + _CHUNK, n))
 
 
-def _fp32_target(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """A float32 tensor holding ``src`` to compute the new values in: ``dst`` itself when it is fp32."""
-    if dst.dtype != torch.float32:
-        return src.float()
+def _target(src: torch.Tensor, dst: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """A ``compute``-dtype tensor holding ``src`` to compute the new values in: ``dst`` itself
+    when it has that dtype."""
+    if dst.dtype != compute:
+        return src.to(compute)
     if dst.data_ptr() != src.data_ptr():
         dst.copy_(src)
     return dst
@@ -115,21 +120,22 @@ def _fp32_target(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 def accumulate_reference(acc: torch.Tensor, grad: torch.Tensor, scale: float | torch.Tensor = 1.0,
                          *, overwrite: bool = False) -> torch.Tensor:
     """``acc = scale * grad`` (``overwrite=True``, first micro-batch) or ``acc += scale * grad``."""
-    scale = check_accumulate_args(acc, grad, scale)
-    if acc.dtype == grad.dtype == torch.float32 and not isinstance(scale, torch.Tensor):
+    scale = check_accumulate_args(acc, grad, scale, REFERENCE_DTYPES)
+    if acc.dtype == grad.dtype and acc.dtype in (torch.float32, torch.float64) and not isinstance(scale, torch.Tensor):
         # No temporary, so no slicing: torch may fuse scale*g + acc into one rounding where the
         # kernel rounds twice (within 1 ulp).
         torch.mul(grad, scale, out=acc) if overwrite else acc.add_(grad, alpha=scale)
         return acc
+    compute = state_dtype(acc.dtype)  # float32, or float64 for float64 buffers
     for s in _slices(grad.numel()):
         a, g = acc[s], grad[s]
-        total = g.float() * scale
+        total = g.to(compute) * scale
         if overwrite:
             a.copy_(total)
-        elif a.dtype == torch.float32:
+        elif a.dtype == compute:
             a.add_(total)
         else:
-            a.copy_(a.float() + total)
+            a.copy_(a.to(compute) + total)
     return acc
 
 
@@ -137,15 +143,16 @@ def update_reference(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights
                      out: torch.Tensor, state: dict[str, torch.Tensor], *,
                      clip: float | torch.Tensor | None = None, lr: float | None = None) -> torch.Tensor:
     """One ``torch.optim`` step on flat buffers: ``out = step(weights, clip * grad)``; state in place."""
-    clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr)
+    clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr, REFERENCE_DTYPES)
+    compute = state_dtype(weights.dtype)
     if spec.kind != "sgd":
         step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
     for s in _slices(grad.numel()):
-        g = grad[s].float()
+        g = grad[s].to(compute)
         if clip is not None:
             g = g * clip  # clipping scales the gradient before weight decay, as clip_grad_norm_ + step does
         o = out[s]
-        w = _fp32_target(weights[s], o)
+        w = _target(weights[s], o, compute)
         if spec.kind == "sgd":
             if spec.weight_decay != 0:
                 g = g.add(w, alpha=spec.weight_decay)
@@ -214,7 +221,7 @@ def adama_update_reference(spec: OptimizerSpec, step: int, weights: torch.Tensor
     step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
     for s in _slices(weights.numel()):
         o = out[s]
-        w = _fp32_target(weights[s], o)
+        w = _target(weights[s], o, torch.float32)
         if spec.kind == "adamw" and spec.weight_decay != 0:
             w.mul_(1 - lr * spec.weight_decay)
         denom = state["exp_avg_sq"][s].sqrt().div_(bias_correction2_sqrt).add_(spec.eps)

@@ -44,3 +44,14 @@ def test_unsupported_optimizer_on_fused_path_says_what_to_do():
     with pytest.raises(Exception, match="(?i)rmsprop|not supported|supports"):
         fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.RMSprop, lr=0.01),
                        stages=2, microbatches=4, kernels="triton", verbose=False)
+
+
+def test_float64_on_the_triton_kernels_says_they_take_no_float64():
+    # kernels="triton" never falls back; "auto" on CUDA updates such a stage with torch.optim instead
+    from tests.models import rmsnorm_residual
+
+    model, example = rmsnorm_residual(batch=2)
+    with pytest.raises(Exception, match=r"the triton kernels update torch\.float32, torch\.bfloat16, torch\.float16 "
+                                        r"weights, this stage holds torch\.float64"):
+        fxpipe.compile(model.double(), example, loss_fn=lambda out, y: out.pow(2).mean(), microbatches=2, stages=2,
+                       kernels="triton", verbose=False)

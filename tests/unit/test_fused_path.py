@@ -82,10 +82,22 @@ def test_what_the_kernels_cannot_do_falls_back_to_torch_optim_in_one_line(optimi
     assert losses == ref_losses and all(torch.equal(state[k], v) for k, v in ref_state.items())
 
 
-def test_float64_weights_fall_back_with_the_reason():
-    model, example = rmsnorm_residual(batch=2)
-    with pytest.warns(RuntimeWarning, match=r"the fused kernels update float32, bfloat16 and float16 weights, this "
-                                            r"stage holds torch\.float64"):
+@pytest.mark.parametrize("optimizer", [_groups, _sgd_groups], ids=["adamw-groups", "sgd-groups"])
+def test_float64_trains_through_the_fused_torch_math_as_torch_optim_does(optimizer):
+    # float64 weights and float64 optimizer state, as torch.optim keeps them
+    def train(kernels):
+        model, example = rmsnorm_residual(batch=2)
         pipe = fxpipe.compile(model.double(), example, loss_fn=lambda out, y: out.pow(2).mean(), microbatches=2,
-                              stages=2, kernels="torch", verbose=False)
-    assert "stage 0 torch.optim" in pipe.describe()
+                              stages=2, kernels=kernels, optimizer=optimizer, verbose=False)
+        g = torch.Generator().manual_seed(0)
+        losses = [pipe.step(x, x) for x in (torch.randint(0, 50, (4, 8), generator=g) for _ in range(5))]
+        return pipe, losses, pipe.state_dict()
+
+    fused, losses, state = train("torch")
+    assert "update: stage 0 fused (torch), stage 1 fused (torch)" in fused.describe()
+    assert all(st.dtype == torch.float64 for wk in fused.workers.values() for s in wk.store.strategy.state.values()
+               for st in s.values())
+    _, ref_losses, ref_state = train("off")
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    for k, v in ref_state.items():
+        assert torch.allclose(state[k], v, rtol=1e-10, atol=1e-13), k
