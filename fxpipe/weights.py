@@ -21,6 +21,7 @@ any store exists, and a store's :meth:`WeightStore.nbytes` is tested equal to it
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -151,7 +152,11 @@ class WeightStore:
             self.optimizer_steps += 1
             self.strategy.update(t, self.optimizer_steps, grads, src, dst, coef)
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                with warnings.catch_warnings():
+                    # the fused kernels step the weights without optimizer.step(), which torch's
+                    # schedulers take for a scheduler stepped first; the order here is right
+                    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                    self.lr_scheduler.step()
         for g in grads.values():
             g.zero_()
         self.updates = t

@@ -101,3 +101,12 @@ def test_float64_trains_through_the_fused_torch_math_as_torch_optim_does(optimiz
     assert losses == pytest.approx(ref_losses, rel=1e-12)
     for k, v in ref_state.items():
         assert torch.allclose(state[k], v, rtol=1e-10, atol=1e-13), k
+
+
+def test_the_fused_path_steps_the_scheduler_without_torchs_order_warning():
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _train("torch", functools.partial(torch.optim.AdamW, lr=1e-2), steps=3)  # with a LambdaLR
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
