@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import io
 import os
-import threading
 import warnings
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -161,7 +161,8 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group) -> tuple[str, A
     """Start writing the checkpoint of step ``pipe.t`` under ``root``: returns (directory,
     future). Returns once the state is copied to host memory; the files are written by a
     background thread (``dcp.async_save`` over ``group``, a gloo group of its own, so the
-    writer's collectives never interleave with training's)."""
+    writer's collectives never interleave with training's). The future completes once the
+    files are down and, on rank 0, ``latest`` names them."""
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError(f"save: extra must be a dict (or None), found {type(extra).__name__}")
     sd = state(pipe, extra)
@@ -169,21 +170,25 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group) -> tuple[str, A
     path = step_dir(root, pipe.t)
     if pipe.rank == 0:
         os.makedirs(path, exist_ok=True)
-    future = dcp.async_save(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed)
-    if pipe.rank == 0:  # as soon as the writer finishes (finish() also does it, for a waiter)
-        future.add_done_callback(lambda f: f.exception() is None and point_latest(root, path))
-    return path, future
+    written: Future = Future()
+
+    def finish(f: Future) -> None:  # in the writer thread, once DCP has written .metadata
+        error = f.exception()
+        if error is None and pipe.rank == 0:
+            try:
+                _point_latest(root, path)
+            except OSError as e:
+                error = e
+        written.set_exception(error) if error is not None else written.set_result(path)
+
+    dcp.async_save(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed).add_done_callback(finish)
+    return path, written
 
 
-def point_latest(root: str, path: str) -> None:
-    """Make ``root/latest`` name the complete checkpoint ``path`` (write aside, then rename),
-    unless it already names a newer one."""
-    latest = os.path.join(root, LATEST)
-    if os.path.exists(latest):
-        with open(latest) as f:
-            if f.read().strip() > os.path.basename(path):  # zero-padded step numbers sort
-                return
-    tmp = os.path.join(root, f".{LATEST}.{os.getpid()}.{threading.get_ident()}")
+def _point_latest(root: str, path: str) -> None:
+    """Make ``root/latest`` name the complete checkpoint ``path`` (write aside, then rename).
+    Saves run one at a time (each waits for the one before), so the last written is the newest."""
+    tmp = os.path.join(root, f".{LATEST}.{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(os.path.basename(path) + "\n")
     os.replace(tmp, os.path.join(root, LATEST))

@@ -683,10 +683,8 @@ class Pipeline:
         return self._saving[0]
 
     def wait_for_checkpoint(self) -> str | None:
-        """Wait until the checkpoint being written (if any) is complete; returns its directory.
-        Raises what the writer raised."""
-        from .checkpoint import point_latest
-
+        """Wait until the checkpoint being written (if any) is complete and ``latest`` names it;
+        returns its directory. Raises what the writer raised."""
         if self._saving is None:
             return None
         path, future = self._saving
@@ -695,8 +693,6 @@ class Pipeline:
             future.result()
         except Exception as e:
             raise FxpipeError(f"writing checkpoint {path} failed: {e}") from e
-        if self.rank == 0:  # the writer's callback may still be on its way
-            point_latest(os.path.dirname(path), path)
         return path
 
     def load(self, path: str) -> dict | None:

@@ -370,17 +370,16 @@ class StageWorker:
         t = a.index
         self.reductions.pop((Kind.NORM_START, t)).wait()
         parts = self.norm_sq.pop(t)
+        d = self.cfg.stages
         # Every rank sees every rank's part, so all decide alike. Reading the flag is a host
         # sync; on the CPU it costs nothing.
         if not bool(torch.isfinite(parts).all()):
-            d = self.cfg.stages
             self.nonfinite[t] = sorted({r % d for r in range(len(parts)) if not torch.isfinite(parts[r])})
             self.dropped.add(t)
             self.halted = self.halted or self.cfg.nonfinite == "raise"
             return
         if self.cfg.max_grad_norm is None:
             return
-        d = self.cfg.stages
         # this replica's stages, summed in stage order: the same bits in one process and in many
         total = parts[self.replica * d:(self.replica + 1) * d].sum().sqrt()
         # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up. Kept
