@@ -55,7 +55,7 @@ from torch import nn
 
 from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes
 from .errors import PlanError
-from .weights import versions_of, weight_bytes
+from .weights import PRECISIONS, compute_dtype, weight_bytes
 from .plan import Plan, RunnerUp, StagePlan, graph_fingerprint
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan"]
@@ -382,7 +382,7 @@ def min_memory(chain: Chain, model: StageModel) -> float:
 
 def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedule: str = "2bw",
                      optimizer_bytes_per_param: float = 8.0, grad_buffers: int = 1,
-                     accumulation: str = "autograd") -> Chain:
+                     accumulation: str = "autograd", precision: str = "fp32") -> Chain:
     """The chain of ``gm``'s compute nodes with costs at micro-batch size ``batch``.
 
     A parameter costs :func:`fxpipe.weights.weight_bytes` on each stage reading it: its weight
@@ -390,6 +390,10 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
     reduction of batch t's gradients overlaps batch t+1's backwards), the optimizer state
     (``optimizer_bytes_per_param`` per element, AdamW: two fp32 moments = 8) and, with
     ``accumulation="fused"`` (the kernel path), a scratch gradient. A buffer costs its bytes.
+    ``precision="bf16"``/``"fp16"``: weights as :func:`~fxpipe.weights.weight_bytes` counts them
+    (2-byte compute versions beside the master), and a floating activation costs its bytes in the
+    compute dtype (what autocast's low-precision ops produce; the few ops its policy keeps in
+    float32 are not told apart here).
     """
     compute = [nd for nd in gm.graph.nodes if nd.op in _COMPUTE]
     n = len(compute)
@@ -398,6 +402,10 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
     fwd = np.array([c.fwd_time(batch) for c in nc])
     bwd = np.array([c.bwd_time(batch) for c in nc])
     act = np.array([c.out_bytes(batch) for c in nc])
+    low = compute_dtype(precision)
+    if low is not None:
+        shrink = torch.finfo(low).bits / 32
+        act = act * np.array([shrink if _float32_output(nd) else 1.0 for nd in compute])
     diff = np.zeros(n + 1)
     gdiff = np.zeros(n + 1)
     bad = np.zeros(n + 1, dtype=np.int64)
@@ -433,9 +441,11 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
             # the memory model of fxpipe.weights: what a WeightStore of this stage will hold
             cost = weight_bytes(p.numel(), p.element_size(), requires_grad=p.requires_grad, schedule=schedule,
                                 grad_buffers=grad_buffers, optimizer_bytes_per_param=optimizer_bytes_per_param,
-                                accumulation=accumulation)
+                                accumulation=accumulation, precision=precision)
             o = optimizer_bytes_per_param * p.numel() if p.requires_grad else 0.0
-            g = cost - o - versions_of(schedule) * nbytes
+            # the gradient part: what weight_bytes counts beyond the versions, master and state
+            g = cost - o - weight_bytes(p.numel(), p.element_size(), requires_grad=False, schedule=schedule,
+                                        grad_buffers=0, optimizer_bytes_per_param=0.0, precision=precision)
             tparam.append(nbytes)
         elif t in buffers:
             cost, g, o = buffers[t].numel() * buffers[t].element_size(), 0.0, 0.0
@@ -449,6 +459,12 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
         treaders.append(sorted(set(rd)))
     return Chain(fwd, bwd, act, cross, cross_grad, valid, np.array(tcost), tuple(treaders),
                  tuple(nd.name for nd in compute), np.array(tparam), np.array(tgrad), np.array(topt), tuple(names))
+
+
+def _float32_output(nd: fx.Node) -> bool:
+    val = nd.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return any(isinstance(v, torch.Tensor) and v.dtype == torch.float32 for v in vals)
 
 
 def _assignment(gm: fx.GraphModule, bounds: Sequence[tuple[int, int]]) -> tuple[tuple[str, int], ...]:
@@ -532,6 +548,7 @@ def plan(
     torch_device: str | torch.device | None = None,
     clip: bool = False,
     accumulation: str = "autograd",
+    precision: str = "fp32",
 ) -> Plan:
     """Trace (if needed), cost and partition a model; return the best :class:`Plan`.
 
@@ -546,11 +563,15 @@ def plan(
     keep a second gradient buffer, which the memory model then counts.
     ``accumulation``: ``"autograd"`` (torch.optim) or ``"fused"`` (the kernels' path, one more
     scratch gradient per stage); see :func:`fxpipe.weights.weight_bytes`.
+    ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``fxpipe.compile``'s); the memory model
+    counts the master weights, the 2-byte compute versions and compute-dtype activations.
     """
     if schedule not in _SCHEDULES:
         raise PlanError(f"schedule must be one of {_SCHEDULES}, found {schedule!r}")
     if accumulation not in ("autograd", "fused"):
         raise PlanError(f"accumulation must be 'autograd' or 'fused', found {accumulation!r}")
+    if precision not in PRECISIONS:
+        raise PlanError(f"precision must be one of {sorted(PRECISIONS)}, found {precision!r}")
     for name, v in (("stages", stages), ("microbatches", microbatches), ("world_size", world_size),
                     ("global_batch", global_batch), ("device_memory", device_memory)):
         _positive(name, v)
@@ -636,7 +657,7 @@ def plan(
         if (bb, grad_buffers) not in chains:
             chains[bb, grad_buffers] = chain_from_graph(gm, costs, bb, schedule=schedule, grad_buffers=grad_buffers,
                                                         optimizer_bytes_per_param=optimizer_bytes_per_param,
-                                                        accumulation=accumulation)
+                                                        accumulation=accumulation, precision=precision)
         return chains[bb, grad_buffers]
 
     candidates: list[_Candidate] = []

@@ -28,7 +28,7 @@ import torch
 
 from .errors import FxpipeError
 
-__all__ = ["WeightStore", "weight_bytes", "versions_of"]
+__all__ = ["WeightStore", "weight_bytes", "versions_of", "compute_dtype", "PRECISIONS"]
 
 _STRUCTURE = ("params", "param_names")  # what a param group holds beside its hyper-parameters
 
@@ -38,20 +38,40 @@ def versions_of(schedule: str) -> int:
     return 2 if schedule == "2bw" else 1
 
 
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype stages compute in under ``precision`` (None: the model's own, "fp32")."""
+    if precision not in PRECISIONS:
+        from .errors import ConfigError
+        raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, found {precision!r}; "
+                          f"'bf16' or 'fp16' train low-precision compute copies of fp32 master weights")
+    return PRECISIONS[precision]
+
+
 def weight_bytes(numel: int, itemsize: int, *, requires_grad: bool, schedule: str, grad_buffers: int,
-                 optimizer_bytes_per_param: float, accumulation: str = "autograd") -> float:
+                 optimizer_bytes_per_param: float, accumulation: str = "autograd",
+                 precision: str = "fp32") -> float:
     """Bytes one parameter tensor costs on each stage holding it.
 
     Its compute versions (:func:`versions_of`) and ``grad_buffers`` gradient accumulators (the
     gradient buffers share the weights' flat layout, so a frozen tensor has its unused place in
     them too); a trainable tensor also the optimizer state (``optimizer_bytes_per_param`` per
-    element: AdamW's two fp32 moments are 8, SGD momentum 4) and, with ``accumulation="fused"``,
-    its place in the kernels' per-micro-batch scratch gradient.
+    element: AdamW's two fp32 moments are 8, SGD momentum 4) and, with ``accumulation="fused"``
+    or ``"optimizer"`` (AdamA, which passes ``grad_buffers=0``), its place in the kernels'
+    per-micro-batch scratch gradient.
+
+    ``precision="bf16"``/``"fp16"``: the versions and the scratch gradient are 2-byte compute
+    copies, and one master copy in the tensor's own dtype (``itemsize``) is held beside them;
+    the gradient accumulators keep the master's dtype.
     """
     nbytes = numel * itemsize
-    total = (versions_of(schedule) + grad_buffers) * nbytes
+    low = compute_dtype(precision)
+    compute = nbytes if low is None else numel * (torch.finfo(low).bits // 8)
+    total = versions_of(schedule) * compute + grad_buffers * nbytes + (0 if low is None else nbytes)
     if requires_grad:
-        total += optimizer_bytes_per_param * numel + (nbytes if accumulation == "fused" else 0)
+        total += optimizer_bytes_per_param * numel + (compute if accumulation in ("fused", "optimizer") else 0)
     return float(total)
 
 
