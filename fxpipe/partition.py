@@ -55,7 +55,8 @@ from torch import nn
 
 from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes
 from .errors import PlanError
-from .weights import PRECISIONS, compute_dtype, weight_bytes
+from .precision import PRECISIONS, compute_dtype
+from .weights import weight_bytes
 from .plan import Plan, RunnerUp, StagePlan, graph_fingerprint
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan"]

@@ -27,8 +27,9 @@ from typing import Callable, Sequence
 import torch
 
 from .errors import FxpipeError
+from .precision import compute_dtype
 
-__all__ = ["WeightStore", "weight_bytes", "versions_of", "compute_dtype", "PRECISIONS"]
+__all__ = ["WeightStore", "weight_bytes", "versions_of"]
 
 _STRUCTURE = ("params", "param_names")  # what a param group holds beside its hyper-parameters
 
@@ -36,18 +37,6 @@ _STRUCTURE = ("params", "param_names")  # what a param group holds beside its hy
 def versions_of(schedule: str) -> int:
     """Compute versions alive per stage: two under 2bw (W(t) and W(t-1)), one otherwise."""
     return 2 if schedule == "2bw" else 1
-
-
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def compute_dtype(precision: str) -> torch.dtype | None:
-    """The dtype stages compute in under ``precision`` (None: the model's own, "fp32")."""
-    if precision not in PRECISIONS:
-        from .errors import ConfigError
-        raise ConfigError(f"precision must be one of {sorted(PRECISIONS)}, found {precision!r}; "
-                          f"'bf16' or 'fp16' train low-precision compute copies of fp32 master weights")
-    return PRECISIONS[precision]
 
 
 def weight_bytes(numel: int, itemsize: int, *, requires_grad: bool, schedule: str, grad_buffers: int,

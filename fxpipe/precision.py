@@ -1,0 +1,197 @@
+"""precision: mixed-precision training — fp32 master weights, low-precision compute, fp16 loss scaling.
+
+``fxpipe.compile(..., precision="bf16" | "fp16")`` trains as a careful single-device script
+does with ``torch.autocast``:
+
+* the optimizer steps ONE fp32 **master** copy of the weights; every weight version a stage
+  computes with (two under 2bw) is a 2-byte copy the update writes from it
+  (:class:`~fxpipe.weights.WeightStore` owns all of them);
+* each stage runs its forward (and the loss) under ``torch.autocast`` for the device it runs on,
+  so which ops stay in fp32 is autocast's policy *for that device type* (CPU's lists differ from
+  CUDA's: on the CPU, softmax and layer_norm follow their inputs into bf16);
+* gradients accumulate over micro-batches in fp32, the optimizer state is fp32, losses are
+  reported in fp32;
+* a boundary value travels in the dtype the policy gives it (:func:`annotate` finds it with fake
+  tensors before codegen), so activations cross in the compute dtype and the numbers do not
+  depend on where the planner cut.
+
+fp16 adds dynamic loss scaling with ``torch.amp.GradScaler``'s rule (:class:`LossScaler`): the
+last stage seeds its backward with ``loss * scale``; the per-step norm all-reduce over every rank
+(the non-finite agreement of :mod:`fxpipe.runtime`) finds an overflow anywhere, and then every
+rank skips that update and backs the scale off. Which scale a batch uses is fixed by the weight
+version it reads: **batch t's backwards use the scale in force after the update that wrote its
+weights**, UPDATE t-2 under 2bw (its forwards read W(t-2)), UPDATE t-1 under 1f1b and gpipe.
+Under 2bw the next batch's backwards start before batch t's overflow is known, so an overflow the
+scale caused is usually followed by a second one (two skipped steps, the scale quartered); an
+overflow injected once skips exactly one step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .errors import ConfigError
+from .trace import TensorSpec
+
+__all__ = ["Precision", "LossScaler", "annotate", "compute_dtype", "PRECISIONS", "AUTOCAST_META"]
+
+#: ``node.meta`` key of a compute node's output spec under the precision policy (set by
+#: :func:`annotate`, read by codegen for the specs of the values crossing a cut).
+AUTOCAST_META = "fxpipe_autocast"
+
+#: precision name -> compute dtype (None: the model's own)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(precision: str) -> torch.dtype | None:
+    """The dtype stages compute in under ``precision`` (None for "fp32")."""
+    return Precision(precision).dtype
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One of ``"fp32"`` (the model's own dtype, no autocast), ``"bf16"`` or ``"fp16"``."""
+
+    name: str = "fp32"
+
+    def __post_init__(self) -> None:
+        if self.name not in PRECISIONS:
+            raise ConfigError(
+                f"precision must be 'fp32', 'bf16' or 'fp16', found {self.name!r}; 'bf16' and 'fp16' compute "
+                f"in 16 bits from fp32 master weights (README, \"Precision\")"
+            )
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The compute dtype, or None for fp32 (the model's own dtypes, untouched)."""
+        return PRECISIONS[self.name]
+
+    @property
+    def mixed(self) -> bool:
+        return self.dtype is not None
+
+    @property
+    def scaled(self) -> bool:
+        """fp16 scales the loss (bf16 has fp32's exponent range and needs no scaling)."""
+        return self.name == "fp16"
+
+    def autocast(self, device: torch.device):
+        """The context a stage's forward and loss run in on ``device``."""
+        if not self.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.dtype)
+
+    def check_master(self, layout) -> None:
+        """Master weights are fp32: a stage holding parameters of another dtype cannot keep
+        16-bit compute copies of them (raised before any rank communicates)."""
+        if not self.mixed:
+            return
+        other = [(s.name, s.dtype) for s in layout.slots if s.dtype != torch.float32]
+        if other:
+            name, dt = other[0]
+            raise ConfigError(
+                f"fxpipe.compile: precision={self.name!r} keeps fp32 master weights and {self.name} compute "
+                f"copies, but parameter {name!r} is {dt} ({len(other)} such). Build the model in float32 "
+                f"(precision= leaves the model itself untouched), or train with precision='fp32'."
+            )
+
+
+def annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) -> None:
+    """Record on every compute node of ``gm`` (``node.meta[AUTOCAST_META]``) the spec of its
+    output when the model runs under ``precision``'s policy on ``device``: parameters as compute
+    copies, buffers and inputs as they are, every op under ``torch.autocast``. Runs the graph on
+    fake tensors (nothing is computed or allocated); codegen then gives each value that crosses
+    a cut that dtype. A no-op for fp32."""
+    if not precision.mixed:
+        return
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device=device)
+
+    class _Policy(fx.Interpreter):
+        def fetch_attr(self, target: str):
+            obj = super().fetch_attr(target)
+            if isinstance(obj, torch.Tensor):
+                low = obj.is_floating_point() and target in params
+                return fake(obj, precision.dtype if low else obj.dtype)
+            return obj
+
+        def run_node(self, n: fx.Node):
+            out = super().run_node(n)
+            if n.op in ("call_function", "call_method", "call_module") and isinstance(out, torch.Tensor):
+                n.meta[AUTOCAST_META] = TensorSpec.of(out)
+            return out
+
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    with mode, precision.autocast(device):
+        args = [fake(n.meta["val"], n.meta["val"].dtype) if isinstance(n.meta.get("val"), torch.Tensor)
+                else n.meta.get("val") for n in placeholders]
+        _Policy(gm).run(*args)
+
+
+class LossScaler:
+    """fp16's dynamic loss scale, with ``torch.amp.GradScaler``'s rule and defaults: start at
+    ``init_scale``; an overflow multiplies it by ``backoff_factor`` (and the step is skipped);
+    ``growth_interval`` finite steps in a row multiply it by ``growth_factor``.
+
+    Every rank holds one and updates it from the same all-reduced verdict, so all agree. The scale
+    is kept per update count (:meth:`scale_for`): a batch's backwards use the scale in force
+    after the update that wrote the weight version they read (module docstring)."""
+
+    def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000):
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = int(growth_interval)
+        self.scale = float(init_scale)
+        self.growth_tracker = 0
+        self.history: dict[int, float] = {0: self.scale}  # updates applied -> the scale after them
+
+    @classmethod
+    def like(cls, scaler) -> "LossScaler":
+        """From a ``torch.amp.GradScaler`` (its public getters), or None for GradScaler's defaults."""
+        if scaler is None:
+            return cls()
+        if not isinstance(scaler, torch.amp.GradScaler):
+            raise ConfigError(
+                f"fxpipe.compile: scaler must be a torch.amp.GradScaler (its init_scale, growth_factor, "
+                f"backoff_factor and growth_interval are used), found {type(scaler).__name__}; pass e.g. "
+                f"torch.amp.GradScaler('cuda', init_scale=2.**12), or None for its defaults"
+            )
+        return cls(scaler.get_scale() if scaler.is_enabled() else 2.0 ** 16, scaler.get_growth_factor(),
+                   scaler.get_backoff_factor(), scaler.get_growth_interval())
+
+    def scale_for(self, version: int) -> float:
+        """The scale in force after update ``version`` (what a backward on that version uses)."""
+        return self.history[version]
+
+    def update(self, t: int, found_inf: bool) -> None:
+        """Batch t's verdict (UPDATE t, in order): back off on an overflow, else count towards growth."""
+        if found_inf:
+            self.scale *= self.backoff_factor
+            self.growth_tracker = 0
+        else:
+            self.growth_tracker += 1
+            if self.growth_tracker == self.growth_interval:
+                self.scale *= self.growth_factor
+                self.growth_tracker = 0
+        self.history[t] = self.scale
+        for old in [v for v in self.history if v < t - 2]:
+            del self.history[old]
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "history": sorted(self.history.items())}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale = float(state["scale"])
+        self.growth_tracker = int(state["growth_tracker"])
+        self.history = {int(v): float(s) for v, s in state["history"]}
