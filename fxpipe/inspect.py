@@ -168,6 +168,22 @@ def _schedule_lists(plan, steps: int, tied_stages, clip: bool):
     )
 
 
+def _plan_words(plan) -> str:
+    """``2bw, 2 stages x 1 replica, 4 micro-batches of 8 per step``: a picture's title."""
+    replicas = f"{plan.width} replica" + "s" * (plan.width != 1)
+    return (f"{plan.schedule}, {plan.stages} stages x {replicas}, "
+            f"{plan.microbatches} micro-batches of {plan.microbatch_size} per step")
+
+
+def _simulated_schedule(out_dir: str, lists, plan) -> list[str]:
+    """``schedule.txt/.json/.svg``: ``lists`` timed by the simulator with the plan's predicted costs."""
+    from .simulate import write_schedule_dumps
+
+    title = f"schedule simulated with the plan's {plan.cost_mode} costs (a prediction): {_plan_words(plan)}"
+    return [str(p) for p in write_schedule_dumps(out_dir, lists, plan_costs(plan), name="schedule", title=title,
+                                                 unit="s", microbatches=plan.microbatches).values()]
+
+
 def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
     """Everything about a compiled pipeline: node table and graph with stages, plan, stage code,
     the simulated schedule and (when ``events`` were recorded) the measured timeline."""
@@ -181,10 +197,15 @@ def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
     paths += write_plan(pipe.plan, out_dir)
     paths += [str(p) for p in write_stage_code(pipe.staged, out_dir)]
     lists = _schedule_lists(pipe.plan, 3, pipe.topology.tied_stages, pipe.config.max_grad_norm is not None)
-    paths += [str(p) for p in write_schedule_dumps(out_dir, lists, plan_costs(pipe.plan), name="schedule").values()]
+    paths += _simulated_schedule(out_dir, lists, pipe.plan)
     if events:
-        tl = timeline_from_events(events)
-        paths += [str(p) for p in write_schedule_dumps(out_dir, lists, timeline=tl, name="timeline").values()]
+        where = (f"{pipe.world_size} processes" if pipe.distributed
+                 else "one process (its ranks take turns on one thread)")
+        title = f"recorded timeline: {_plan_words(pipe.plan)}, {where}"
+        tl = timeline_from_events(events, apart=pipe.distributed)  # under torchrun, each rank's own step()
+        written = write_schedule_dumps(out_dir, lists, timeline=tl, name="timeline", title=title, unit="s",
+                                       microbatches=pipe.plan.microbatches, total_steps=pipe.steps)
+        paths += [str(p) for p in written.values()]
     return paths
 
 
@@ -195,7 +216,6 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     per stage, and the schedule's grid, Chrome-trace JSON and SVG picture."""
     from .codegen import from_plan, write_stage_code
     from .partition import plan as make_plan
-    from .simulate import write_schedule_dumps
 
     os.makedirs(out_dir, exist_ok=True)
     gm = trace(model, example_inputs, leaf_modules=leaf_modules)
@@ -208,5 +228,4 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     paths += write_plan(p, out_dir)
     paths += [str(x) for x in write_stage_code(staged, out_dir)]
     lists = _schedule_lists(p, 3, tied, clip=False)
-    paths += [str(x) for x in write_schedule_dumps(out_dir, lists, plan_costs(p), name="schedule").values()]
-    return paths
+    return paths + _simulated_schedule(out_dir, lists, p)

@@ -9,7 +9,7 @@ collectives run on the ``reduce`` stream once every member issued them. The resu
 bubble fraction and the peak number of micro-batches in flight per stage.
 
 Bubble fraction: ``1 - busy / (d * makespan)`` where ``busy`` sums the compute time (F, R, B,
-UPDATE) of all d stages. For one step of gpipe or 1f1b with equal stage costs and free
+UPDATE, EVAL) of all d stages. For one step of gpipe or 1f1b with equal stage costs and free
 communication this is exactly ``(d-1)/(m+d-1)`` (GPipe, Huang et al. 2019, section 2.2).
 
 Renderings, all from a :class:`Timeline` (simulated, or recorded from a real run with
@@ -22,6 +22,7 @@ Renderings, all from a :class:`Timeline` (simulated, or recorded from a real run
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,12 +32,15 @@ from xml.sax.saxutils import escape
 from fxpipe.deps import CommOp, Rendezvous
 from fxpipe.errors import ScheduleError
 from fxpipe.schedule import (
+    COLLECTIVES,
     COMPUTE,
+    PER_BATCH,
     SPEC,
     WAITS,
     Action,
     Kind,
     _groups,
+    batch_of,
     comm_op,
     format_actions,
     lower_to_streams,
@@ -49,6 +53,7 @@ __all__ = [
     "Timeline",
     "chrome_trace",
     "format_grid",
+    "idle_by_rank",
     "render_svg",
     "simulate",
     "timeline_from_events",
@@ -108,10 +113,24 @@ class Timeline:
     step_time: float
     bubble: float
     peak_in_flight: dict[int, int] = field(default_factory=dict)
+    recorded: bool = False
+    """From a real run's records (:func:`timeline_from_events`): times are seconds of the run."""
+    starts: dict[int, float] = field(default_factory=dict)
+    """Where a rank's recording started, when later than the first event (see :meth:`window`)."""
 
     @property
     def ranks(self) -> list[int]:
         return sorted({e.rank for e in self.events})
+
+    def window(self, rank: int) -> tuple[float, float]:
+        """``[start, end)`` of the time ``rank`` is accounted for: the whole timeline, or from
+        ``starts[rank]`` where its recording started later."""
+        t0 = min((e.start for e in self.events), default=0.0)
+        return self.starts.get(rank, t0), t0 + self.makespan
+
+
+# The work a rank is busy with: the bubble is the rest (eval passes are forward work too).
+_BUSY = COMPUTE | {Kind.UPDATE, Kind.EVAL}
 
 
 def _derive(events: list[Event], steps_hint: int | None = None) -> Timeline:
@@ -121,7 +140,7 @@ def _derive(events: list[Event], steps_hint: int | None = None) -> Timeline:
     t0 = min(e.start for e in events)
     makespan = max(e.end for e in events) - t0
     ranks = sorted({e.rank for e in events})
-    busy = sum(e.end - e.start for e in events if e.stream == "compute" and e.kind in COMPUTE | {Kind.UPDATE})
+    busy = sum(e.end - e.start for e in events if e.stream == "compute" and e.kind in _BUSY)
     bubble = 1.0 - busy / (len(ranks) * makespan) if makespan > 0 else 0.0
     # Steady-state time per batch: the spacing of the first rank's updates.
     first = ranks[0]
@@ -218,17 +237,29 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
     return _derive(events)
 
 
-def timeline_from_events(events: Iterable[tuple[int, str, float, float]]) -> Timeline:
+def timeline_from_events(events: Iterable[tuple[int, str, float, float]], *, apart: bool = False) -> Timeline:
     """Build a :class:`Timeline` from a real run's records ``(rank, action_str, start_s, end_s)``.
 
     The runtime records each action it executes; the renderers then draw the measured run
-    exactly as they draw a simulated one.
+    exactly as they draw a simulated one. ``apart``: each rank started recording on its own (one
+    process per rank, each at its own ``step()`` call), so a rank's time before its first record
+    is unknown, not idle: its :meth:`Timeline.window` starts there, and the bubble is the idle
+    share of the ranks' windows (``1 - busy / sum of the windows``). Without ``apart`` (one
+    process drives every rank) all windows start at the first record.
     """
     out = []
     for rank, text, start, end in events:
         a = Action.parse(text)
         out.append(Event(int(rank), str(a), stream_of(a), float(start), float(end)))
-    return _derive(out)
+    tl = _derive(out)
+    tl.recorded = True
+    if apart:
+        for e in tl.events:  # sorted by start
+            tl.starts.setdefault(e.rank, e.start)
+    spans = sum(b - a for a, b in map(tl.window, tl.ranks))
+    busy = sum(e.end - e.start for e in out if e.stream == "compute" and e.kind in _BUSY)
+    tl.bubble = 1.0 - busy / spans if spans > 0 else 0.0
+    return tl
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,74 +323,361 @@ def chrome_trace(timeline: Timeline, time_unit_us: float = 1e6) -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-_COLOURS = {
-    Kind.F: "#4e79a7",
-    Kind.R: "#a0cbe8",
-    Kind.B: "#59a14f",
-    Kind.UPDATE: "#e15759",
-    Kind.SEND_ACT: "#bab0ac",
-    Kind.RECV_ACT: "#bab0ac",
-    Kind.SEND_GRAD: "#9c9c9c",
-    Kind.RECV_GRAD: "#9c9c9c",
+# What each drawn kind looks like: (legend text, fill). Kinds not listed are not drawn: END_STEP
+# only marks where step() returns. Compute kinds get a labelled box in the rank's row, the rest a
+# box in the thin row under it.
+_DRAWN: dict[Kind, tuple[str, str]] = {
+    Kind.F: ("F forward", "#4e79a7"),
+    Kind.R: ("R recomputed forward", "#a0cbe8"),
+    Kind.B: ("B backward", "#59a14f"),
+    Kind.UPDATE: ("U optimizer step", "#e15759"),
+    Kind.EVAL: ("E eval forward", "#f28e2b"),
+    Kind.SEND_ACT: ("send/recv activations", "#bab0ac"),
+    Kind.RECV_ACT: ("send/recv activations", "#bab0ac"),
+    Kind.SEND_GRAD: ("send/recv gradients", "#8c8c8c"),
+    Kind.RECV_GRAD: ("send/recv gradients", "#8c8c8c"),
+    **{k: ("all-reduce", "#b07aa1") for k in COLLECTIVES},
+    **{k: ("wait for an all-reduce", "#dcc3d6") for k in WAITS},
 }
-_REDUCE_COLOUR = "#b07aa1"
+_LETTER = {Kind.F: "F", Kind.R: "R", Kind.B: "B", Kind.UPDATE: "U", Kind.EVAL: "E"}
+_WORD = {Kind.F: "forward", Kind.R: "recomputed forward", Kind.B: "backward", Kind.EVAL: "eval forward"}
+_REDUCED = {Kind.DP_START: "DP grads", Kind.TIED_START: "tied grads", Kind.NORM_START: "grad norm", Kind.LOSS: "loss"}
+_IDLE_FILL, _IDLE_HATCH = "#ececec", "#bdbdbd"
+_CHAR = 0.6  # width of a monospace character, in font sizes (DejaVu Sans Mono: 0.602)
 
 
-def render_svg(timeline: Timeline, title: str = "fxpipe schedule", width: int = 1200) -> str:
-    """A self-contained SVG: one row per rank (compute on top, communication below), coloured boxes
-    labelled ``k`` or ``kvN`` (micro-batch and version) or ``Ut`` (update), a time axis and a legend."""
-    ranks = timeline.ranks
-    left, top, row_h, comm_h, gap = 70, 40, 28, 10, 8
-    span = timeline.makespan or 1.0
+def _unit(unit: str | None) -> tuple[float, str]:
+    """(factor from timeline units to displayed units, displayed unit's name): seconds show as ms."""
+    if unit == "s":
+        return 1e3, "ms"
+    return 1.0, unit or "units"
+
+
+def _num(x: float) -> str:
+    """Four significant digits without an exponent: 172.9, 33.21, 0.4662, 1200."""
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
+def _ticks(span: float) -> list[tuple[float, str]]:
+    """Round tick values 0, s, 2s, ... <= span, s in {1, 2, 2.5, 5} x 10^n, about ten of them."""
+    if span <= 0:
+        return [(0.0, "0")]
+    raw = span / 10
+    mag = 10.0 ** math.floor(math.log10(raw))
+    step = next(f * mag for f in (1, 2, 2.5, 5, 10) if f * mag >= raw * (1 - 1e-9))
+    decimals = 0
+    while decimals < 9 and abs(step * 10**decimals - round(step * 10**decimals)) > 1e-6:
+        decimals += 1
+    return [(i * step, f"{i * step:.{decimals}f}") for i in range(int(span / step + 1e-9) + 1)]
+
+
+def _infer_microbatches(timeline: Timeline) -> int | None:
+    """Micro-batches per step, from the forwards a rank runs between two END_STEPs (every stage's
+    segment of step t holds exactly batch t's forwards, :mod:`fxpipe.schedule`); None without one."""
+    counts = []
+    for r in timeline.ranks:
+        n = 0
+        for e in timeline.events:
+            if e.rank != r:
+                continue
+            if e.kind is Kind.F:
+                n += 1
+            elif e.kind is Kind.END_STEP:
+                counts.append(n)
+                n = 0
+    return max(counts) if counts and max(counts) > 0 else None
+
+
+def _step_of(a: Action, m: int | None) -> int | None:
+    """The step (batch) an action belongs to; None for an eval pass or an unknown ``m``."""
+    if a.kind in PER_BATCH:
+        return a.index
+    if a.kind is Kind.EVAL or m is None:
+        return None
+    return batch_of(a.index, m)
+
+
+def _within(a: Action, m: int | None) -> int:
+    """A micro-batch's number within its step (1..m); the run-wide index when ``m`` is unknown."""
+    t = _step_of(a, m)
+    return a.index if t is None or a.kind in PER_BATCH else a.index - (t - 1) * m
+
+
+def _label(a: Action, m: int | None) -> list[tuple[str, ...]]:
+    """A compute box's labels (lines each), the most complete first: ``F3v2`` (micro-batch 3 of
+    its step, weight version 2), the same on two lines, ``F3``, ``F``; ``U5`` (the update with
+    step 5's gradients), ``U``."""
+    letter = _LETTER[a.kind]
+    if a.kind is Kind.UPDATE:
+        return [(f"U{a.index}",), (letter,)]
+    k = _within(a, m)
+    if a.version is None:
+        return [(f"{letter}{k}",), (letter,)]
+    return [(f"{letter}{k}v{a.version}",), (f"{letter}{k}", f"v{a.version}"), (f"{letter}{k}",), (letter,)]
+
+
+def _describe(a: Action, m: int | None) -> str:
+    """One action in words (each box's tooltip)."""
+    t = _step_of(a, m)
+    if a.kind is Kind.UPDATE:
+        return f"optimizer step with step {a.index}'s gradients (makes weight version {a.index})"
+    if a.kind in _WORD:
+        where = f"micro-batch {_within(a, m)} of step {t}" if t is not None else f"micro-batch {a.index}"
+        version = "" if a.version is None else f", weight version {a.version}"
+        return f"{_WORD[a.kind]} of {where}{version}"
+    what = _REDUCED.get(a.kind, _DRAWN[a.kind][0] if a.kind in _DRAWN else a.kind.value)
+    return f"{what} ({'step' if a.kind in PER_BATCH else 'micro-batch'} {a.index})"
+
+
+def _idle(timeline: Timeline, rank: int) -> tuple[float, list[tuple[float, float]]]:
+    """Idle time of ``rank`` over its window (no F, R, B, UPDATE or EVAL running) and its gaps."""
+    t0, t1 = timeline.window(rank)
+    spans = sorted((e.start, e.end) for e in timeline.events
+                   if e.rank == rank and e.stream == "compute" and e.kind in _BUSY)
+    gaps, at = [], t0
+    for s, e in spans:
+        if s > at:
+            gaps.append((at, s))
+        at = max(at, e)
+    if at < t1:
+        gaps.append((at, t1))
+    return sum(e - s for s, e in gaps), gaps
+
+
+def idle_by_rank(timeline: Timeline) -> dict[int, float]:
+    """Each rank's idle time over its :meth:`Timeline.window` (the ``makespan`` for a simulated
+    one): the time no F, R, B, UPDATE or EVAL runs on it. ``sum(idle) / sum(windows)`` is the
+    timeline's bubble."""
+    return {r: _idle(timeline, r)[0] for r in timeline.ranks}
+
+
+def _window_text(timeline: Timeline, m: int | None, total_steps: int | None) -> str:
+    """Which part of a run the timeline covers: ``steps 5-6 of 6, then the flush, t = ... s``."""
+    ends: dict[int, float] = {}
+    steps: set[int] = set()
+    for e in timeline.events:
+        if e.kind is Kind.END_STEP:
+            steps.add(Action.parse(e.action).index)
+            ends[e.rank] = max(ends.get(e.rank, e.start), e.start)
+    if steps:
+        work = COMPUTE | {Kind.UPDATE}  # an eval pass after the last step is no flush
+        flush = any(e.kind in work and e.rank in ends and e.start >= ends[e.rank] for e in timeline.events)
+    else:  # no segment ends: the steps whose work is shown
+        steps = {t for e in timeline.events if e.kind in _BUSY and (t := _step_of(Action.parse(e.action), m))}
+        flush = False
+    parts = []
+    if steps:
+        lo, hi = min(steps), max(steps)
+        text = f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
+        parts.append(text + (f" of {total_steps}" if total_steps else "") + (", then the flush" if flush else ""))
+    elif any(e.kind is Kind.EVAL for e in timeline.events):
+        parts.append("an eval pass")
     t0 = min((e.start for e in timeline.events), default=0.0)
-    scale = (width - left - 20) / span
-    height = top + len(ranks) * (row_h + comm_h + gap) + 50
-    out = [
+    if timeline.recorded:
+        parts.append(f"t = {t0:.3f}-{t0 + timeline.makespan:.3f} s of the run")
+    return ", ".join(parts)
+
+
+def _hatch(x0: float, x1: float, y: float, h: float, pitch: float = 6.0) -> str:
+    """Path data for 45-degree hatching of the box [x0, x1] x [y, y + h], clipped to it."""
+    d = []
+    xs = x0 - h
+    while xs < x1:
+        a, b = max(xs, x0), min(xs + h, x1)  # the line runs from (xs, y+h) to (xs+h, y)
+        if b > a:
+            d.append(f"M{a:.1f} {y + h - (a - xs):.1f}L{b:.1f} {y + h - (b - xs):.1f}")
+        xs += pitch
+    return "".join(d)
+
+
+def render_svg(
+    timeline: Timeline,
+    title: str = "fxpipe schedule",
+    width: int = 1200,
+    *,
+    unit: str | None = None,
+    microbatches: int | None = None,
+    total_steps: int | None = None,
+) -> str:
+    """A self-contained SVG of a timeline (no scripts, links, fonts or references to fetch).
+
+    One row per rank: its compute boxes (F, R, B, UPDATE, EVAL), labelled when wide enough
+    (``F3v2``: forward of micro-batch 3 of its step on weight version 2; ``U5``: the update with
+    step 5's gradients), idle time hatched grey and summed at the row's label, and a thin row
+    below for communication. Above the rows, one bracket per step spanning its work. The time axis
+    starts at the window's start; the header says which steps and times the window holds, the
+    makespan and the bubble (%); the legend lists exactly the kinds drawn.
+
+    ``unit``: what the timeline's numbers are: ``"s"`` (a recorded timeline's, the plan's predicted
+    costs; drawn in ms) or None for the abstract units of a :class:`Costs` (drawn as "units").
+    A recorded timeline's rank rows start at the rank's first record (:meth:`Timeline.window`).
+    ``microbatches``: m, to number micro-batches within their step (inferred from the END_STEPs
+    when None; without any, the run-wide index is shown). ``total_steps``: the run's length, for
+    "steps 5-6 of 6".
+    """
+    ranks = timeline.ranks
+    unit = unit or ("s" if timeline.recorded else None)
+    factor, uname = _unit(unit)
+    m = microbatches or _infer_microbatches(timeline)
+    t0 = min((e.start for e in timeline.events), default=0.0)
+    span = timeline.makespan
+    left, right = 150, 24
+    scale = (width - left - right) / span if span > 0 else 0.0
+
+    def x_of(t: float) -> float:
+        return left + (t - t0) * scale
+
+    def fits(text: str, w: float, size: float = 10) -> bool:
+        return w >= _CHAR * size * len(text) + 2
+
+    # Zero-length events are left out, but for an unpriced UPDATE (a tick: where the version changes).
+    drawn = [(e, Action.parse(e.action)) for e in timeline.events
+             if e.kind in _DRAWN and (e.end > e.start or e.kind is Kind.UPDATE)]
+    body: list[str] = []
+
+    # Header: title, the window and its numbers, the key to the labels.
+    window = _window_text(timeline, m, total_steps)
+    share = "the ranks' recorded time" if timeline.starts else \
+        f"{len(ranks)} rank{'s' * (len(ranks) != 1)} x makespan"
+    summary = (f"{window}; " if window else "") + (
+        f"makespan {_num(span * factor)} {uname}; bubble {100 * timeline.bubble:.1f}% (idle share of {share})"
+    )
+    example = next((a for _, a in drawn if a.kind in _WORD and a.version is not None), None)
+    key = []
+    if example is not None:
+        of = f"micro-batch {_within(example, m)} (of {m}) of its step" if m else \
+            f"micro-batch {example.index} (numbered across the run)"
+        key.append(f"{_label(example, m)[0][0]} = {_WORD[example.kind]} of {of} on weight version {example.version}")
+    update = next((a for _, a in drawn if a.kind is Kind.UPDATE), None)
+    if update is not None:
+        key.append(f"U{update.index} = optimizer step with step {update.index}'s gradients")
+    key.append("hatched = idle")
+    header = [(title, 13, "bold"), (summary, 11, None), ("key: " + "; ".join(key), 10, None)]
+    y = 4
+    for text, size, weight in header:
+        y += size + 5
+        bold = f' font-weight="{weight}"' if weight else ""
+        body.append(f'<text x="6" y="{y}" font-size="{size}"{bold}>{escape(text)}</text>')
+    y += 8
+
+    # Steps: a bracket over each step's micro-batches (F, R, B on all ranks; its UPDATE is labelled
+    # with the step), in as few lanes as overlap allows, with a gap between neighbours in a lane.
+    spans: dict[int, list[float]] = {}
+    for e, a in drawn:
+        t = _step_of(a, m) if a.kind in COMPUTE else None
+        if t is not None:
+            s = spans.setdefault(t, [e.start, e.end])
+            s[0], s[1] = min(s[0], e.start), max(s[1], e.end)
+    lanes: list[float] = []
+    brackets = []
+    for t, (s, e) in sorted(spans.items()):
+        lane = next((i for i, end in enumerate(lanes) if (s - end) * scale >= 8), len(lanes))
+        lanes[lane:lane + 1] = [e]
+        brackets.append((t, s, e, lane))
+    steps_top = y
+    for t, s, e, lane in brackets:
+        x1, x2, yl = x_of(s), x_of(e), steps_top + lane * 14 + 11
+        body.append(f'<path d="M{x1:.1f} {yl + 3}V{yl}H{x2:.1f}V{yl + 3}" fill="none" stroke="#555555"/>')
+        text = next((c for c in (f"step {t}", str(t)) if fits(c, x2 - x1, 9)), None)
+        if text:
+            body.append(f'<text x="{(x1 + x2) / 2:.1f}" y="{yl - 2}" font-size="9" text-anchor="middle">{text}</text>')
+    y += len(lanes) * 14 + (4 if lanes else 0)
+
+    # One row per rank: idle gaps hatched, compute boxes, communication below.
+    row_h, comm_h, gap = 28, 10, 10
+    rows_top = y
+    for r in ranks:
+        stage = next(Action.parse(e.action).stage for e in timeline.events if e.rank == r)
+        idle, gaps = _idle(timeline, r)
+        start, end = timeline.window(r)
+        share = 100 * idle / (end - start) if end > start else 0.0
+        if start > t0:  # a recording: this rank's earlier work is not in it
+            w = x_of(start) - left
+            body.append(f'<rect x="{left}" y="{y}" width="{w:.2f}" height="{row_h}" fill="#ffffff" stroke="#bbbbbb" '
+                        f'stroke-dasharray="2 2"><title>before this rank\'s first record</title></rect>')
+            if fits("not recorded", w, 9):
+                body.append(f'<text x="{left + w / 2:.1f}" y="{y + row_h / 2 + 3}" font-size="9" text-anchor="middle" '
+                            f'fill="#888888">not recorded</text>')
+        body.append(f'<text x="6" y="{y + 11}">rank {r}, stage {stage}</text>')
+        body.append(f'<text x="6" y="{y + 24}" fill="#555555">idle {_num(idle * factor)} {uname} ({share:.1f}%)</text>')
+        for s, e in gaps:
+            x1, x2 = x_of(s), x_of(e)
+            body.append(f'<rect x="{x1:.2f}" y="{y}" width="{x2 - x1:.2f}" height="{row_h}" fill="{_IDLE_FILL}">'
+                        f'<title>idle {_num((e - s) * factor)} {uname}</title></rect>')
+            if x2 - x1 > 2:
+                body.append(f'<path d="{_hatch(x1, x2, y, row_h)}" stroke="{_IDLE_HATCH}" stroke-width="1"/>')
+        for e, a in drawn:
+            if e.rank != r:
+                continue
+            box = e.stream == "compute" and a.kind in _BUSY
+            x, w = x_of(e.start), max((e.end - e.start) * scale, 1.5 if box else 0.5)
+            yy, hh = (y, row_h) if box else (y + row_h + 1, comm_h)
+            fill = _DRAWN[a.kind][1]
+            tip = (f"{e.action}: {_describe(a, m)}, {_num((e.start - t0) * factor)}-{_num((e.end - t0) * factor)} "
+                   f"{uname} ({_num((e.end - e.start) * factor)} {uname})")
+            body.append(f'<rect x="{x:.2f}" y="{yy}" width="{w:.2f}" height="{hh}" fill="{fill}" stroke="#ffffff" '
+                        f'stroke-width="0.5"><title>{escape(tip)}</title></rect>')
+            lines = next((c for c in _label(a, m) if all(fits(t, w) for t in c)), ()) if box else ()
+            ink = "#000000" if a.kind is Kind.R else "#ffffff"
+            for i, text in enumerate(lines):
+                ty = yy + hh / 2 + 3.5 + (i - (len(lines) - 1) / 2) * 11
+                body.append(f'<text x="{x + w / 2:.2f}" y="{ty:.1f}" text-anchor="middle" fill="{ink}">'
+                            f"{escape(text)}</text>")
+        y += row_h + 1 + comm_h + gap
+
+    # Time axis from the window's start, with round ticks and faint grid lines behind the rows.
+    axis_y = y
+    grid = []
+    for value, text in _ticks(span * factor):
+        x = left + value / factor * scale
+        grid.append(f'<line x1="{x:.1f}" y1="{steps_top}" x2="{x:.1f}" y2="{axis_y}" stroke="#dddddd"/>')
+        body.append(f'<line x1="{x:.1f}" y1="{axis_y}" x2="{x:.1f}" y2="{axis_y + 4}" stroke="#333333"/>')
+        body.append(f'<text x="{x:.1f}" y="{axis_y + 15}" text-anchor="middle">{text}</text>')
+    body.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + span * scale:.2f}" y2="{axis_y}" stroke="#333333"/>')
+    origin = f" (t = {t0:.3f} s of the run)" if timeline.recorded else ""
+    what = uname if unit else "abstract units (those of the simulator's Costs, not seconds)"
+    body.append(f'<text x="{left}" y="{axis_y + 29}">time in {what} since the window\'s start{origin}</text>')
+
+    # Legend: exactly the kinds drawn, then idle.
+    entries: dict[str, str] = {}
+    reduced = sorted({_REDUCED[a.kind] for _, a in drawn if a.kind in _REDUCED})
+    order = {k: i for i, k in enumerate(_DRAWN)}
+    for _, a in sorted(drawn, key=lambda ea: order[ea[1].kind]):
+        name, fill = _DRAWN[a.kind]
+        if a.kind in COLLECTIVES:
+            name = f"{name}: {', '.join(reduced)}"
+        elif a.kind is Kind.UPDATE and not any(e.end > e.start for e, b in drawn if b.kind is Kind.UPDATE):
+            name += " (not priced: a tick)"
+        entries.setdefault(name, fill)
+    items = [(name, f'fill="{fill}"') for name, fill in entries.items()]
+    items.append(("idle (hatched)", None))
+    lx, ly = left, axis_y + 44
+    for name, fill in items:
+        w = 16 + _CHAR * 10 * len(name) + 18
+        if lx + w > width - right and lx > left:
+            lx, ly = left, ly + 16
+        if fill is None:
+            body.append(f'<rect x="{lx}" y="{ly}" width="12" height="12" fill="{_IDLE_FILL}"/>')
+            body.append(f'<path d="{_hatch(lx, lx + 12, ly, 12, 4)}" stroke="{_IDLE_HATCH}"/>')
+        else:
+            body.append(f'<rect x="{lx}" y="{ly}" width="12" height="12" {fill}/>')
+        body.append(f'<text x="{lx + 16}" y="{ly + 10}" class="legend">{escape(name)}</text>')
+        lx += w
+    thin = [name for name in entries if name.startswith(("send", "all-reduce", "wait"))]
+    if thin:
+        ly += 16
+        what = ", ".join(name.split(":")[0] for name in thin)
+        body.append(f'<text x="{left}" y="{ly + 10}" fill="#555555">thin row under each rank: {escape(what)}</text>')
+    height = ly + 22
+    return "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="monospace" font-size="10">',
-        f'<title>{escape(title)}</title>',
-        f'<text x="{left}" y="16" font-size="13">{escape(title)} — makespan {timeline.makespan:g}, '
-        f'bubble {timeline.bubble:.3f}</text>',
-    ]
-    for i, r in enumerate(ranks):
-        y = top + i * (row_h + comm_h + gap)
-        out.append(f'<text x="4" y="{y + row_h * 0.65:.1f}">rank {r}</text>')
-        out.append(f'<rect x="{left}" y="{y}" width="{span * scale:.2f}" height="{row_h}" fill="#f4f4f4"/>')
-        for e in (e for e in timeline.events if e.rank == r):
-            a = Action.parse(e.action)
-            x = left + (e.start - t0) * scale
-            w = max((e.end - e.start) * scale, 0.5)
-            compute = e.stream == "compute"
-            if compute and a.kind in WAITS:
-                continue  # zero-length joins clutter the picture; the reduce row shows the collective
-            yy, hh = (y, row_h) if compute else (y + row_h + 1, comm_h)
-            colour = _COLOURS.get(a.kind, _REDUCE_COLOUR)
-            label = (
-                f"U{a.index}" if a.kind is Kind.UPDATE
-                else f"{a.kind.value}{a.index}" + ("" if a.version is None else f"v{a.version}")
-            )
-            out.append(
-                f'<rect x="{x:.2f}" y="{yy}" width="{w:.2f}" height="{hh}" fill="{colour}" stroke="#ffffff" '
-                f'stroke-width="0.5"><title>{escape(e.action)} [{e.start:g}, {e.end:g})</title></rect>'
-            )
-            if compute and w > 7 * len(label):
-                out.append(
-                    f'<text x="{x + w / 2:.2f}" y="{yy + hh * 0.65:.1f}" text-anchor="middle" fill="#ffffff">'
-                    f"{escape(label)}</text>"
-                )
-    axis_y = top + len(ranks) * (row_h + comm_h + gap) + 4
-    out.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + span * scale:.2f}" y2="{axis_y}" stroke="#333333"/>')
-    for j in range(11):
-        x = left + span * scale * j / 10
-        out.append(f'<text x="{x:.1f}" y="{axis_y + 14}" text-anchor="middle">{t0 + span * j / 10:.3g}</text>')
-    legend = [("F", _COLOURS[Kind.F]), ("R", _COLOURS[Kind.R]), ("B", _COLOURS[Kind.B]),
-              ("UPDATE", _COLOURS[Kind.UPDATE]), ("p2p", _COLOURS[Kind.SEND_ACT]), ("reduce", _REDUCE_COLOUR)]
-    for j, (name, colour) in enumerate(legend):
-        x = left + j * 90
-        out.append(f'<rect x="{x}" y="{axis_y + 24}" width="12" height="12" fill="{colour}"/>')
-        out.append(f'<text x="{x + 16}" y="{axis_y + 34}">{name}</text>')
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+        f"<title>{escape(title)}</title>",
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+        *grid,
+        *body,
+        "</svg>",
+    ]) + "\n"
 
 
 def write_schedule_dumps(
@@ -369,12 +687,18 @@ def write_schedule_dumps(
     *,
     name: str = "schedule",
     timeline: Timeline | None = None,
+    title: str | None = None,
+    unit: str | None = None,
+    microbatches: int | None = None,
+    total_steps: int | None = None,
 ) -> dict[str, Path]:
     """Write ``{name}.txt`` (action grid + time grid + summary), ``{name}.json`` (Chrome trace) and
     ``{name}.svg`` (picture) into ``out_dir``; return their paths keyed "txt", "json", "svg".
 
     ``actions_by_stage``: ``fxpipe.schedule.generate(...)``'s dict. ``timeline``: draw this one
-    (e.g. :func:`timeline_from_events` of a real run) instead of simulating ``costs``.
+    (e.g. :func:`timeline_from_events` of a real run) instead of simulating ``costs``. ``title``
+    (default ``name``), ``unit`` (``"s"`` when the costs or the recording are seconds),
+    ``microbatches`` and ``total_steps`` go to :func:`render_svg`.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -388,7 +712,8 @@ def write_schedule_dumps(
         format_grid(tl),
         "",
     ]
-    paths["txt"].write_text("\n".join(text))
-    paths["json"].write_text(json.dumps(chrome_trace(tl), indent=1))
-    paths["svg"].write_text(render_svg(tl, title=name))
+    paths["txt"].write_text("\n".join(text), encoding="utf-8")
+    paths["json"].write_text(json.dumps(chrome_trace(tl), indent=1), encoding="utf-8")
+    svg = render_svg(tl, title=title or name, unit=unit, microbatches=microbatches, total_steps=total_steps)
+    paths["svg"].write_text(svg, encoding="utf-8")
     return paths

@@ -105,7 +105,7 @@ def test_svg_is_self_contained():
     for forbidden in ("href", "<script", "@import", "url(", "<image", "https://"):
         assert forbidden not in lowered
     texts = {t.text for t in root.iter("{http://www.w3.org/2000/svg}text")}
-    assert {"rank 0", "rank 1", "F5v1", "B1v0"} <= texts
+    assert {"rank 0, stage 0", "rank 1, stage 1", "F1v1", "B1v0"} <= texts  # F1v1: step 3's first forward
     assert any(r.get("fill") == "#e15759" for r in root.iter("{http://www.w3.org/2000/svg}rect"))  # UPDATE
 
 
