@@ -82,6 +82,7 @@ import torch.fx as fx
 from torch import nn
 
 from .errors import FxpipeError, PlanError
+from .precision import AUTOCAST_META
 from .trace import TensorSpec, TraceInfo
 
 __all__ = [
@@ -161,6 +162,18 @@ class FlatLayout:
         for s in self.slots:
             out[s.dtype][s.offset : s.offset + s.numel].view(s.shape).copy_(tensors[s.name])
         return out
+
+    def cast(self, dtype: torch.dtype) -> "FlatLayout":
+        """The same parameters in ``dtype`` (floating ones; others keep theirs): the layout of a
+        mixed-precision stage's compute copies, whose master keeps this one."""
+        offsets: dict[torch.dtype, int] = {}
+        slots = []
+        for sl in self.slots:
+            dt = dtype if sl.dtype.is_floating_point else sl.dtype
+            off = offsets.setdefault(dt, 0)
+            slots.append(ParamSlot(sl.name, dt, off, sl.numel, sl.shape, sl.requires_grad))
+            offsets[dt] = off + sl.numel
+        return FlatLayout(tuple(slots), tuple(offsets.items()), self.device)
 
     def _check(self, buffers: Mapping[torch.dtype, torch.Tensor]) -> None:
         for d, n in self.sizes:
@@ -571,8 +584,12 @@ def _check_mutated_buffers(gm, compute, stage_of, readers, canon, gm_params) -> 
 
 
 def _spec(node: Any) -> TensorSpec | None:
+    """The spec of a value crossing a cut: under a mixed-precision policy the dtype the value has
+    there (``fxpipe.precision.prepare``), else the traced one."""
     if not isinstance(node, fx.Node):
         return None
+    if AUTOCAST_META in node.meta:
+        return node.meta[AUTOCAST_META]
     info = node.meta.get("fxpipe")
     if info is not None and len(info.outputs) == 1:
         return info.outputs[0]

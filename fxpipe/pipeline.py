@@ -36,6 +36,7 @@ from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from .errors import ConfigError, FxpipeError, NonFiniteError, RuntimeMismatchError
 from .inputs import InputSignature, batch_inputs, check_first_batch
+from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig
 from .schedule import Action, Program, format_actions, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
@@ -72,7 +73,9 @@ def compile(
     device: str | torch.device | None = None,
     verbose: bool = True,
     timeout: float | None = None,
-    nonfinite: str = "raise",
+    nonfinite: str | None = None,
+    precision: str = "fp32",
+    scaler=None,
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
 
@@ -83,12 +86,15 @@ def compile(
     8. ``stages``: pipeline depth d (None: the planner picks d and the data-parallel width w
     for the world size; in one process that is d=1). ``device``: ``"auto"``/None (CUDA when
     available, ``cuda:LOCAL_RANK`` under torchrun; else CPU), ``"cpu"`` or ``"cuda[:i]"``.
+    ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (:mod:`fxpipe.precision`:
+    16-bit compute under autocast from fp32 master weights; fp16 scales the loss with
+    ``scaler``'s settings, a ``torch.amp.GradScaler``, default GradScaler's).
     """
     config = PipelineConfig(
         loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
         stages=stages, plan=plan, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, recompute=recompute,
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
-        device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite,
+        device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite, precision=precision, scaler=scaler,
     )
     return Pipeline(model, example_inputs, config)
 
@@ -118,7 +124,15 @@ class PipelineConfig:
     timeout: float | None = None
     # A NaN/inf loss or gradient, found by the per-step norm all-reduce before any update:
     # "raise" NonFiniteError on every rank, or "skip" that step's update everywhere and warn.
-    nonfinite: str = "raise"
+    # None: "raise", but "skip" under fp16, whose loss scaling skips overflowing steps by design.
+    nonfinite: str | None = None
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16": fxpipe.precision
+    scaler: Any = None  # fp16: a torch.amp.GradScaler whose settings the loss scale follows
+
+    @property
+    def on_nonfinite(self) -> str:
+        """What a non-finite step does: ``nonfinite``, or its default for the precision."""
+        return self.nonfinite or ("skip" if self.precision == "fp16" else "raise")
 
     def __post_init__(self) -> None:
         def bad(name, expected, found, fix=""):
@@ -153,9 +167,19 @@ class PipelineConfig:
                                          or not self.timeout > 0):
             bad("timeout", "a number of seconds > 0 (or None)", self.timeout,
                 f"pass e.g. timeout=600, or None for {DEFAULT_TIMEOUT:.0f} s (or the process group's own)")
-        if self.nonfinite not in ("raise", "skip"):
-            bad("nonfinite", "'raise' or 'skip'", self.nonfinite,
+        if self.nonfinite not in ("raise", "skip", None):
+            bad("nonfinite", "'raise' or 'skip' (or None)", self.nonfinite,
                 "'raise' stops at a NaN/inf loss or gradient, 'skip' drops that step's update and trains on")
+        precision = Precision(self.precision)  # raises ConfigError for an unknown one
+        if precision.scaled and self.nonfinite == "raise":
+            bad("nonfinite", "'skip' (or None) with precision='fp16'", self.nonfinite,
+                "fp16 loss scaling skips every step whose scaled gradients overflow and lowers the scale; "
+                "that is how it finds the scale. Leave nonfinite unset, or train with precision='bf16'")
+        if self.scaler is not None and not precision.scaled:
+            bad("scaler", "None unless precision='fp16'", self.scaler,
+                f"precision={self.precision!r} does not scale the loss (only fp16's narrow exponent range needs it)")
+        if self.scaler is not None:
+            LossScaler.like(self.scaler)  # a GradScaler, or a clear error now
         if not _known_device(self.device):
             bad("device", "'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of those)", self.device,
                 "fxpipe computes on the CPU or on CUDA GPUs")
@@ -274,6 +298,7 @@ class Pipeline:
                     torch_device=self.device,
                     clip=True,  # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
                     accumulation="autograd" if kernels is None else "fused",
+                    precision=o.precision,
                 )
                 plan_json = made.to_json()
             if self.distributed:
@@ -305,6 +330,8 @@ class Pipeline:
         self.plan = plan
         ranks = [self.rank] if self.distributed else list(range(d * w))
         build = sorted({stage_and_replica(r, d)[0] for r in ranks})
+        precision = Precision(o.precision)
+        prepare(gm, precision, self.device)  # the graph under autocast; the dtypes crossing cuts
         self.staged = split(gm, plan.assignment, build=build, device=self.device)
         self.staged_graph = gm
         self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
@@ -334,7 +361,9 @@ class Pipeline:
                 strict_kernels=o.kernels == "triton",
                 tied_groups=topo.tied_groups_of(s),
                 tied_owner=topo.tied_owner_of(s),
-                nonfinite=o.nonfinite,
+                nonfinite=o.on_nonfinite,
+                precision=precision,
+                scaler=LossScaler.like(o.scaler) if precision.scaled else None,
             )
             self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
                                           device=self.device)
@@ -365,7 +394,7 @@ class Pipeline:
             f"{self.plan}\n"
             f"fxpipe: schedule={self.plan.schedule} stages={self.plan.stages} width={self.plan.width} "
             f"microbatches={self.plan.microbatches} optimizer={opt_name} "
-            f"max_grad_norm={o.max_grad_norm} device={self.device} "
+            f"max_grad_norm={o.max_grad_norm} precision={o.precision} device={self.device} "
             f"mode={'torchrun' if self.distributed else 'single-process'}\n"
             f"update{' on this rank' if self.distributed else ''}: "
             + ", ".join(f"stage {s} {path}" for s, path in sorted({wk.index: wk.store.path for wk in self.workers.values()}.items()))
@@ -520,8 +549,10 @@ class Pipeline:
         if not ready or self._stopped is not None:  # after a stop (flush, state_dict): reported already
             return
         where = "; ".join(f"step {t}: stage(s) {sorted(found[t])}" for t in ready)
-        if self.config.nonfinite == "skip":
+        if self.config.on_nonfinite == "skip":
             self.skipped_steps.extend(ready)
+            if Precision(self.config.precision).scaled:
+                return  # fp16's loss scaling: an overflow is how the scale is found, not news
             warnings.warn(f"fxpipe: a non-finite loss or gradient in {where}; that update was skipped on every "
                           f"rank (nonfinite='skip'), {len(self.skipped_steps)} skipped so far", RuntimeWarning,
                           stacklevel=3)
@@ -565,8 +596,8 @@ class Pipeline:
                 for name, buf in wk.buffers.items():  # e.g. BatchNorm statistics
                     if name in eval_buffers:
                         eval_buffers[name].copy_(buf)
-            newest = wk.newest_weights()
-            wk.eval_stage, wk.eval_weights = stage, {n: newest[n] for n in stage.param_names}
+            newest = wk.store.compute(wk.store.updates)  # what a training forward would read next
+            wk.eval_stage, wk.eval_weights = stage, {n: newest[n].detach() for n in stage.param_names}
             wk.eval_loss.zero_()
             self._give(wk, stage, chunks, first=1)
         try:
@@ -601,6 +632,7 @@ class Pipeline:
                 stage = max(stage, train.get(node.name, stage))
                 mapping[node.name] = stage
         build = sorted({wk.index for wk in self.workers.values()})
+        prepare(gm, Precision(self.config.precision), self.device)
         return split(gm, mapping, build=build, device=self.device)  # buffers, constants
 
     # ------------------------------------------------------------------ checkpoints
@@ -651,6 +683,13 @@ class Pipeline:
                     f"e.g. {missing[:3]}. Pass a state dict of the same model (model.state_dict())."
                 )
             wk.load_local_state(local)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the loss scale in force after the newest update (None for fp32/bf16)."""
+        self._require_setup("loss_scale")
+        scaler = next(iter(self.workers.values())).scaler
+        return None if scaler is None else scaler.scale
 
     @property
     def steps(self) -> int:

@@ -11,7 +11,7 @@ does with ``torch.autocast``:
   CUDA's: on the CPU, softmax and layer_norm follow their inputs into bf16);
 * gradients accumulate over micro-batches in fp32, the optimizer state is fp32, losses are
   reported in fp32;
-* a boundary value travels in the dtype the policy gives it (:func:`annotate` finds it with fake
+* a boundary value travels in the dtype the policy gives it (:func:`prepare` finds it with fake
   tensors before codegen), so activations cross in the compute dtype and the numbers do not
   depend on where the planner cut.
 
@@ -37,7 +37,7 @@ import torch.fx as fx
 from .errors import ConfigError
 from .trace import TensorSpec
 
-__all__ = ["Precision", "LossScaler", "annotate", "compute_dtype", "PRECISIONS", "AUTOCAST_META"]
+__all__ = ["Precision", "LossScaler", "compute_dtype", "prepare", "PRECISIONS", "AUTOCAST_META"]
 
 #: ``node.meta`` key of a compute node's output spec under the precision policy (set by
 #: :func:`annotate`, read by codegen for the specs of the values crossing a cut).
@@ -100,14 +100,69 @@ class Precision:
             )
 
 
-def annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) -> None:
-    """Record on every compute node of ``gm`` (``node.meta[AUTOCAST_META]``) the spec of its
-    output when the model runs under ``precision``'s policy on ``device``: parameters as compute
-    copies, buffers and inputs as they are, every op under ``torch.autocast``. Runs the graph on
-    fake tensors (nothing is computed or allocated); codegen then gives each value that crosses
-    a cut that dtype. A no-op for fp32."""
+def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> None:
+    """Make the traced graph ``gm`` run under ``precision``'s policy, as the model's own code would
+    (a no-op for fp32). Tracing ran in fp32 and baked fp32 into two kinds of nodes:
+
+    * export's dtype assertions (``x.to(...)`` records one): they no longer check the dtype,
+      since under autocast values have other dtypes by design;
+    * moves to a device (``x.to(device)``, ``x.to(other)``), which export records with the
+      traced dtype: they keep their input's dtype now, so a 16-bit value stays 16-bit where the
+      model only moved it. Casts to a dtype alone (``x.to(torch.float32)``) are kept as traced:
+      an explicit upcast (Llama's RMSNorm computes its variance in fp32, which fp16 needs) stays
+      one, and a cast back to a dtype read at trace time (``x.to(input_dtype)``) stays fp32,
+      which autocast's next matmul rounds to the compute dtype again.
+
+    Then every compute node is annotated (``node.meta[AUTOCAST_META]``) with the spec its output
+    has under ``torch.autocast`` on ``device``, parameters as compute copies, found on fake
+    tensors (nothing is computed or allocated); codegen gives each value crossing a cut that
+    dtype. The plan is made before: node names, and so the plan's assignment, are unchanged."""
     if not precision.mixed:
         return
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
+            n.kwargs = {**n.kwargs, "dtype": None}  # still checks device and layout
+        elif _device_move(n):
+            _follow_input_dtype(n)
+    gm.recompile()
+    _annotate(gm, precision, device)
+
+
+_MOVES = {torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default, torch.ops.aten.to.device}
+
+
+def _bound(n: fx.Node) -> dict:
+    """The arguments of call ``n`` by name, defaults filled in."""
+    schema = n.target._schema
+    bound = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    bound.update({a.name: v for a, v in zip(schema.arguments, n.args)})
+    bound.update(n.kwargs)
+    return bound
+
+
+def _device_move(n: fx.Node) -> bool:
+    """A cast that names a device and did not change the (floating) dtype when traced."""
+    if n.op != "call_function" or n.target not in _MOVES or not n.args or not isinstance(n.args[0], fx.Node):
+        return False
+    src, out = n.args[0].meta.get("val"), n.meta.get("val")
+    return (_bound(n).get("device") is not None and isinstance(src, torch.Tensor)
+            and isinstance(out, torch.Tensor) and src.dtype == out.dtype and src.is_floating_point())
+
+
+def _follow_input_dtype(n: fx.Node) -> None:
+    """Rewrite cast ``n`` as ``aten.to.dtype_layout`` without a dtype (device, copy and memory
+    format kept): it then moves the value without converting it."""
+    bound = _bound(n)
+    keep = {k: bound[k] for k in ("layout", "device", "pin_memory", "non_blocking", "copy", "memory_format")
+            if bound.get(k) is not None}
+    if n.target is torch.ops.aten._to_copy.default:
+        keep["copy"] = True  # _to_copy always copies
+    n.target = torch.ops.aten.to.dtype_layout
+    n.args = (bound["self"],)
+    n.kwargs = keep
+
+
+def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}

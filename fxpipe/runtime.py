@@ -18,6 +18,7 @@ See docs/design.md ("The runtime").
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 from collections import deque
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from torch.func import functional_call
 
 from .comm import Comm, Handle
 from .device import rng_devices, seed
+from .precision import LossScaler, Precision
 from .schedule import Action, Kind, waits_for
 from .weights import WeightStore
 
@@ -53,6 +55,8 @@ class WorkerConfig:
     tied_groups: dict[str, str] = field(default_factory=dict)  # param name -> comm group name
     tied_owner: dict[str, bool] = field(default_factory=dict)  # param name -> counted in the norm here
     nonfinite: str = "raise"  # a non-finite loss or gradient: "raise" or "skip" the update
+    precision: Precision = field(default_factory=Precision)  # fp32, or 16-bit compute from fp32 masters
+    scaler: LossScaler | None = None  # fp16: each worker keeps a copy, updated from the shared verdict
 
 
 class StageWorker:
@@ -80,8 +84,11 @@ class StageWorker:
         # rank of its own would.
         self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=2,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
-                                 strict_kernels=cfg.strict_kernels,
+                                 strict_kernels=cfg.strict_kernels, precision=cfg.precision,
                                  device=self.device, share_initial=replica == 0)
+        self.autocast = cfg.precision.autocast  # the forward's and the loss's context, per device type
+        self.scaler = copy.deepcopy(cfg.scaler) if cfg.scaler is not None else None
+        self.batch_scale: dict[int, float] = {}  # fp16: batch -> the loss scale its backwards used
         self.buffers = {n: b.detach().clone() for n, b in stage.module.named_buffers()}
         self.dp_ranges = self._dp_ranges() if cfg.width > 1 else []
 
@@ -136,13 +143,14 @@ class StageWorker:
         # as a copy: the boundary leaf autograd differentiates to, and the inputs a recomputation
         # reads again, must stay as they arrived.
         args = [x.clone() if i in self._written_args else x for i, x in enumerate(args)]
-        with self._rng(k):
+        with self._rng(k), self.autocast(self.device):
             out = functional_call(self.stage.module, tensors, tuple(args))
         return tuple(out)
 
     def _loss(self, k: int, outputs: Sequence[torch.Tensor], *, last_use: bool) -> torch.Tensor:
         target = (self.targets.pop if last_use else self.targets.get)(k, None)
-        return compute_loss(self.trace_info, self.cfg.loss_fn, outputs, target)
+        with self.autocast(self.device):  # as a training script computes its loss under autocast
+            return compute_loss(self.trace_info, self.cfg.loss_fn, outputs, target)
 
     # ------------------------------------------------------------------ readiness
 
@@ -238,8 +246,14 @@ class StageWorker:
     def _do_b(self, a: Action) -> None:
         k = a.index
         ctx = self.ctx.pop(k)
+        t = self._batch(k)
+        if self.scaler is not None:  # the scale in force after the update that wrote this version
+            self.batch_scale[t] = self.scaler.scale_for(a.version)
         if self.is_last:
-            roots = [ctx["loss"] / (self.cfg.microbatches * self.cfg.width)]
+            loss = ctx["loss"]
+            if self.cfg.precision.mixed:  # the seed in fp32, scaled (fp16) before any 16-bit op sees it
+                loss = loss.float() * self.batch_scale.get(t, 1.0)
+            roots = [loss / (self.cfg.microbatches * self.cfg.width)]
             seeds = [None]
         else:
             bufs, h = self.recv_grad.pop(k)
@@ -248,7 +262,6 @@ class StageWorker:
             pairs = [(o, g) for o, g in zip(outs, bufs) if o.requires_grad]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         boundary = [x for x, f in zip(ctx["boundary"], self.float_in) if f]
-        t = self._batch(k)
         if self.is_last:  # x * 0 is 0 for a finite loss and NaN otherwise: the norm carries it
             self.loss_check[t] = self.loss_check.get(t, 0.0) + ctx["loss"].detach().double() * 0
         self.store.backward(t, a.version, roots, seeds, boundary)
@@ -289,7 +302,7 @@ class StageWorker:
             h.wait()
             args += bufs
         del self.inputs[k]
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast(self.device):
             outputs = tuple(functional_call(stage.module, self.eval_weights, tuple(args)))
             if self.is_last:
                 self.eval_loss += self._loss(k, outputs, last_use=True).double()
@@ -373,18 +386,26 @@ class StageWorker:
         d = self.cfg.stages
         # Every rank sees every rank's part, so all decide alike. Reading the flag is a host
         # sync; on the CPU it costs nothing.
-        if not bool(torch.isfinite(parts).all()):
+        finite = bool(torch.isfinite(parts).all())
+        scale = self.batch_scale.pop(t, 1.0)
+        if self.scaler is not None:  # fp16: an overflow backs the scale off, as GradScaler.update
+            self.scaler.update(t, found_inf=not finite)
+        if not finite:
             self.nonfinite[t] = sorted({r % d for r in range(len(parts)) if not torch.isfinite(parts[r])})
             self.dropped.add(t)
             self.halted = self.halted or self.cfg.nonfinite == "raise"
             return
         if self.cfg.max_grad_norm is None:
+            if self.scaler is not None:
+                self.clip_coef[t] = torch.tensor(1.0 / scale, device=self.device)  # unscale
             return
         # this replica's stages, summed in stage order: the same bits in one process and in many
-        total = parts[self.replica * d:(self.replica + 1) * d].sum().sqrt()
+        total = parts[self.replica * d:(self.replica + 1) * d].sum().sqrt() / scale
         # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up. Kept
         # a device tensor (no host sync on CUDA); multiplying by exactly 1.0 changes no gradient.
         self.clip_coef[t] = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)
+        if self.scaler is not None:
+            self.clip_coef[t] = self.clip_coef[t] / scale
 
     def _do_update(self, a: Action) -> None:
         t = a.index

@@ -6,11 +6,14 @@ A :class:`WeightStore` holds, for one stage on one rank:
   ``v`` lives in slot ``v % 2``; one for 1f1b/gpipe), each with its own leaf views that the
   stage module reads through ``torch.func.functional_call``, so a micro-batch's forward and
   backward see the very tensors autograd saved, and an UPDATE never writes a version in use;
-* the **master** copy the optimizer steps: today the newest compute version itself (fp32
-  training; ``UPDATE t`` copies ``W(t-1)`` into the slot of the dead ``W(t-2)`` and steps it
-  there), kept a separate concept so low-precision compute copies of one fp32 master can come;
+* the **master** copy the optimizer steps. In fp32 training it is the newest compute version
+  itself (``UPDATE t`` copies ``W(t-1)`` into the slot of the dead ``W(t-2)`` and steps it
+  there). Under ``precision="bf16"``/``"fp16"`` (:mod:`fxpipe.precision`) it is ONE fp32 copy of
+  its own, stepped in place, and every compute version is a 16-bit copy the update writes from
+  it (the fused kernel writes both in one pass);
 * the **gradient accumulators**: one flat buffer per dtype per batch in flight (two when a
-  reduction of batch t overlaps batch t+1's backwards);
+  reduction of batch t overlaps batch t+1's backwards), in the master's dtype: 16-bit gradients
+  of a mixed-precision stage accumulate in fp32;
 * the **update strategy**: ``torch.optim`` (any optimizer, parameter groups by name), or the
   fused flat kernels of :mod:`fxpipe.kernels` (one launch per dtype reads ``W(t-1)`` and the
   gradient and writes ``W(t)``).
@@ -27,7 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from .errors import FxpipeError
-from .precision import compute_dtype
+from .precision import Precision, compute_dtype
 
 __all__ = ["WeightStore", "weight_bytes", "versions_of"]
 
@@ -69,14 +72,23 @@ class WeightStore:
 
     def __init__(self, flat, *, schedule: str, grad_buffers: int, optimizer: Callable,
                  lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True,
-                 strict_kernels: bool = False):
-        self.layout = layout = flat.layout
+                 strict_kernels: bool = False, precision: Precision = Precision()):
+        self.layout = layout = flat.layout  # the master's (the model's dtypes)
         self.device = device
+        self.precision = precision
+        precision.check_master(layout)
         n = versions_of(schedule)
-        # ``share_initial``: the first slot is codegen's buffer itself (one copy fewer); a
-        # second replica of the stage in the same process takes its own.
-        own = [flat.buffers] if share_initial else []
-        self.slots = own + [flat.clone_buffers() for _ in range(n - len(own))]
+        # ``share_initial``: codegen's buffer itself is the first slot (the master under mixed
+        # precision): one copy fewer; a second replica of the stage in one process takes its own.
+        own = flat.buffers if share_initial else flat.clone_buffers()
+        if precision.mixed:
+            self.master = own
+            self.compute_layout = layout.cast(precision.dtype)
+            self.slots = [self.compute_layout.pack(layout.views(own)) for _ in range(n)]
+        else:
+            self.master = None
+            self.compute_layout = layout
+            self.slots = [own] + [flat.clone_buffers() for _ in range(n - 1)]
         self.leaves = [self._make_leaves(b) for b in self.slots]
         self.grad_pool = [layout.zeros_like() for _ in range(grad_buffers)]
         self.grad_views = [layout.views(g) for g in self.grad_pool]
@@ -86,11 +98,13 @@ class WeightStore:
         # each step. They never enter a forward, so re-pointing them is safe. Each alias has its
         # own version counter (never ``leaf.detach()``, which shares the leaf's, so a step would
         # look like an in-place change of a weight autograd saved).
+        # Under mixed precision they are the master's views for good.
         self.opt_params: dict[str, torch.nn.Parameter] = {}
+        steps_on = layout.views(self.master) if self.master is not None else self.leaves[0]
         for s in layout.slots:
             if s.requires_grad:
                 p = torch.nn.Parameter(torch.empty(0, dtype=s.dtype, device=device))
-                p.data = self.leaves[0][s.name].detach()
+                p.data = steps_on[s.name].detach()
                 self.opt_params[s.name] = p
         self.optimizer = optimizer(list(self.opt_params.items())) if self.opt_params else None
         if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
@@ -118,8 +132,8 @@ class WeightStore:
         return f"fused ({self.strategy.ops.name})" if isinstance(self.strategy, _Fused) else "torch.optim"
 
     def _make_leaves(self, buffers) -> dict[str, torch.Tensor]:
-        views = self.layout.views(buffers)
-        for s in self.layout.slots:
+        views = self.compute_layout.views(buffers)
+        for s in self.compute_layout.slots:
             views[s.name].requires_grad_(s.requires_grad)  # frozen parameters stay frozen
         return views
 
@@ -170,21 +184,40 @@ class WeightStore:
             g.zero_()
         self.updates = t
 
+    def round_into(self, dst: dict[torch.dtype, torch.Tensor]) -> None:
+        """Write the master, rounded to the compute dtype, into compute slot ``dst`` (mixed
+        precision: the master is one fp32 buffer, :meth:`Precision.check_master`)."""
+        (master,) = self.master.values()
+        (compute,) = dst.values()
+        compute.copy_(master)
+
     def newest(self) -> dict[str, torch.Tensor]:
-        """Views of the newest version (after the last UPDATE), detached."""
+        """Views of the newest weights (after the last UPDATE), detached: the fp32 master under
+        mixed precision, what ``state_dict()`` and checkpoints hold."""
+        if self.master is not None:
+            return self.layout.views(self.master)
         return {n: v.detach() for n, v in self.compute(self.updates).items()}
+
+    def previous(self) -> dict[str, torch.Tensor]:
+        """Views of the compute version before the newest (2bw's W(t-1), in the compute dtype:
+        a 16-bit copy of a master value that no longer exists), detached."""
+        return {n: v.detach() for n, v in self.compute(self.updates - 1).items()}
 
     def load(self, tensors: dict[str, torch.Tensor], previous: dict[str, torch.Tensor] | None = None,
              newest: int | None = None) -> None:
-        """Set the newest version to ``tensors`` (name -> tensor) and, under 2bw, the one before
-        it to ``previous`` (default: the same values). ``newest``: the version number the
-        newest becomes (a resumed run's step count; default: unchanged)."""
+        """Set the newest weights to ``tensors`` (name -> tensor; the master and its compute
+        copy) and, under 2bw, the compute version before it to ``previous`` (default: the same
+        values). ``newest``: the version number the newest becomes (a resumed run's step count;
+        default: unchanged)."""
         if newest is not None:
             self.updates = newest
         with torch.no_grad():
+            if self.master is not None:
+                for n, v in self.layout.views(self.master).items():
+                    v.copy_(tensors[n])
             for i, slot in enumerate(self.slots):
                 src = tensors if i == self.slot(self.updates) or previous is None else previous
-                for n, v in self.layout.views(slot).items():
+                for n, v in self.compute_layout.views(slot).items():
                     v.copy_(src[n])
 
     # checkpoints: the optimizer's part in torch.optim's own per-parameter format, whichever
@@ -235,6 +268,7 @@ class WeightStore:
     def nbytes(self) -> int:
         """Bytes this store holds: versions, gradient buffers, optimizer state, scratch."""
         total = sum(b.nbytes for slot in self.slots for b in slot.values())
+        total += sum(b.nbytes for b in self.master.values()) if self.master is not None else 0
         total += sum(b.nbytes for g in self.grad_pool for b in g.values())
         return total + self.strategy.nbytes()
 
@@ -250,6 +284,17 @@ class _TorchOptim:
         if not roots:
             return
         views = self.store.grad_views_of(t)
+        if self.store.master is not None:  # 16-bit gradients, added into the fp32 accumulator
+            names = [n for n, leaf in leaves.items() if leaf.requires_grad]
+            inputs = [leaves[n] for n in names] + boundary
+            grads = torch.autograd.grad(roots, inputs, seeds if seeds[0] is not None else None, allow_unused=True)
+            with torch.no_grad():
+                for n, g in zip(names, grads):
+                    if g is not None:
+                        views[n].add_(g)
+            for x, g in zip(boundary, grads[len(names):]):
+                x.grad = g
+            return
         for name, leaf in leaves.items():
             if leaf.requires_grad:
                 leaf.grad = views[name]
@@ -262,17 +307,20 @@ class _TorchOptim:
         if coef is not None:
             for g in grads.values():
                 g.mul_(coef)
-        if src is not dst:
+        if store.master is None and src is not dst:
             for dt in dst:
                 dst[dt].copy_(src[dt])
-        dst_views = store.layout.views(dst)
+        dst_views = store.layout.views(dst) if store.master is None else None
         gviews = store.grad_views_of(t)
         for name, p in store.opt_params.items():
-            p.data = dst_views[name]
+            if dst_views is not None:
+                p.data = dst_views[name]
             p.grad = gviews[name]
         store.optimizer.step()
         for p in store.opt_params.values():
             p.grad = None
+        if store.master is not None:  # the new compute version: the stepped master, rounded
+            store.round_into(dst)
 
     def drop(self, t) -> None:
         """Batch t's update is skipped: nothing of it is kept here."""
@@ -334,8 +382,8 @@ class _Fused:
             raise KernelError(f"the {self.ops.name} kernels update {', '.join(str(d) for d in allowed)} weights, "
                               f"this stage holds {', '.join(map(str, unsupported))}")
         self.state = {dt: init_state(self.spec, n, store.device, weights=dt) for dt, n in layout.sizes}
-        self.scratch = layout.zeros_like()  # one micro-batch's gradient, flat
-        self.scratch_views = layout.views(self.scratch)
+        self.scratch = store.compute_layout.zeros_like()  # one micro-batch's gradient, flat, compute dtype
+        self.scratch_views = store.compute_layout.views(self.scratch)
         self.names = [s.name for s in layout.slots if s.requires_grad]
         self.accumulated: dict[int, int] = {}  # batch -> micro-batches folded in so far
 
@@ -351,20 +399,27 @@ class _Fused:
                 else:
                     self.scratch_views[name].copy_(g)
             first = self.accumulated.get(t, 0) == 0
-            acc = self.store.grads(t)
-            for dt, buf in self.scratch.items():
-                self.ops.accumulate(acc[dt], buf, 1.0, overwrite=first)
+            acc = self.store.grads(t)  # the master's dtypes, in the same order as the compute ones
+            for a, buf in zip(acc.values(), self.scratch.values()):
+                self.ops.accumulate(a, buf, 1.0, overwrite=first)
         self.accumulated[t] = self.accumulated.get(t, 0) + 1
         for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
             x.grad = g
 
     def update(self, t, step, grads, src, dst, coef) -> None:
-        groups = self.store.optimizer.param_groups
+        store = self.store
+        groups = store.optimizer.param_groups
+        low = store.precision.dtype
         with torch.no_grad():
             for dt, lo, hi, g in self.segments:
                 state = {k: v[lo:hi] for k, v in self.state[dt].items()}
-                self.ops.update(self.specs[g], step, grads[dt][lo:hi], src[dt][lo:hi], dst[dt][lo:hi], state,
-                                clip=coef, lr=float(groups[g]["lr"]))
+                if store.master is None:  # W(t-1) in src -> W(t) in dst
+                    self.ops.update(self.specs[g], step, grads[dt][lo:hi], src[dt][lo:hi], dst[dt][lo:hi], state,
+                                    clip=coef, lr=float(groups[g]["lr"]))
+                else:  # the master in place, and its rounded copy into dst, in one pass
+                    w = store.master[dt][lo:hi]
+                    self.ops.update(self.specs[g], step, grads[dt][lo:hi], w, w, state, clip=coef,
+                                    lr=float(groups[g]["lr"]), copy=dst[low][lo:hi])
         self.drop(t)
 
     def drop(self, t) -> None:

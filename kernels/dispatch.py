@@ -54,7 +54,8 @@ class KernelOps:
     accumulate: Callable
     """``accumulate(acc, grad, scale=1.0, *, overwrite=False)``: acc (+)= scale * grad."""
     update: Callable
-    """``update(spec, step, grad, weights, out, state, *, clip=None, lr=None)``: fused optimizer step."""
+    """``update(spec, step, grad, weights, out, state, *, clip=None, lr=None, copy=None)``: fused
+    optimizer step (``copy``: a 16-bit copy of the new weights, written in the same pass)."""
     adama_accumulate: Callable
     """``adama_accumulate(spec, grad, state, *, scale=1.0, first)``: fold a micro-batch into the moments."""
     adama_update: Callable

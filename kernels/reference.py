@@ -33,7 +33,7 @@ def check_accumulate_args(acc, grad, scale, dtypes=FLOAT_DTYPES):
     return check_scalar(op, "scale", scale, grad.device)
 
 
-def check_update_args(spec, step, grad, weights, out, state, clip, lr, dtypes=FLOAT_DTYPES):
+def check_update_args(spec, step, grad, weights, out, state, clip, lr, dtypes=FLOAT_DTYPES, copy=None):
     op = "update"
     if not isinstance(spec, OptimizerSpec):
         raise KernelError(f"{op}: expected spec to be an OptimizerSpec, found {type(spec).__name__}; "
@@ -47,6 +47,11 @@ def check_update_args(spec, step, grad, weights, out, state, clip, lr, dtypes=FL
         raise KernelError(f"{op}: expected out (the next version's buffer) to have the weights' dtype "
                           f"{weights.dtype}, found {out.dtype}; pass the other buffer of the same dtype group")
     check_no_partial_overlap(op, "out", out, "weights", weights)
+    if copy is not None:
+        check_flat(op, "copy", copy, numel=n, device=device, dtypes=(torch.bfloat16, torch.float16))
+        if out.dtype != torch.float32:
+            raise KernelError(f"{op}: a low-precision copy is written from float32 master weights; found out "
+                              f"{out.dtype}. Pass the fp32 master as weights/out and its 16-bit copy as copy")
     check_state(op, spec, state, n, device, state_dtype(weights.dtype))
     for k in spec.state_names:
         for name, t in (("grad", grad), ("weights", weights), ("out", out)):
@@ -141,9 +146,12 @@ def accumulate_reference(acc: torch.Tensor, grad: torch.Tensor, scale: float | t
 
 def update_reference(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights: torch.Tensor,
                      out: torch.Tensor, state: dict[str, torch.Tensor], *,
-                     clip: float | torch.Tensor | None = None, lr: float | None = None) -> torch.Tensor:
-    """One ``torch.optim`` step on flat buffers: ``out = step(weights, clip * grad)``; state in place."""
-    clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr, REFERENCE_DTYPES)
+                     clip: float | torch.Tensor | None = None, lr: float | None = None,
+                     copy: torch.Tensor | None = None) -> torch.Tensor:
+    """One ``torch.optim`` step on flat buffers: ``out = step(weights, clip * grad)``; state in
+    place; ``copy`` (bf16/fp16, optional) also receives ``out`` rounded (mixed precision's
+    compute copy of the fp32 master)."""
+    clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr, REFERENCE_DTYPES, copy)
     compute = state_dtype(weights.dtype)
     if spec.kind != "sgd":
         step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
@@ -178,6 +186,8 @@ def update_reference(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights
             w.addcdiv_(m, denom, value=-step_size)
         if w is not o:
             o.copy_(w)
+        if copy is not None:
+            copy[s].copy_(o)
     return out
 
 

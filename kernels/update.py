@@ -18,7 +18,10 @@ The clip factor multiplies the gradient first (``clip_grad_norm_`` then ``step``
 computes it, e.g. ``torch.clamp(max_norm / (norm + 1e-6), max=1.0)``, and may pass it as a 0-d
 device tensor so the GPU never waits for the host. The step count ``t`` is a python int so the
 bias corrections are computed once on the host. Weights may be fp32/bf16/fp16; the state is
-float32 and all math is float32, rounded once when the new version is stored.
+float32 and all math is float32, rounded once when the new version is stored. Mixed precision
+steps the fp32 master in place (``out is weights``) and passes ``copy``, its 16-bit compute
+copy, which the same pass writes: per element AdamW then reads grad, master and two moments and
+writes master, moments and copy (30 bytes with a 2-byte copy), the least the update can move.
 
 Per step on a stage (after the last micro-batch's ``accumulate``)::
 
@@ -47,6 +50,7 @@ def _update_kernel(
     grad_ptr,  # *grad: the accumulated flat gradient of the step (fp32/bf16/fp16); read
     w_ptr,  # *weights: version t of the stage's flat weights; read
     out_ptr,  # *out: where version t+1 goes (the other buffer, or w_ptr itself); written
+    copy_ptr,  # *copy: a bf16/fp16 copy of version t+1 (mixed precision), written when HAS_COPY
     s1_ptr,  # *state 1 (fp32): SGD momentum_buffer or Adam exp_avg; read and written in place
     s2_ptr,  # *state 2 (fp32): Adam exp_avg_sq; read and written in place (unused by SGD)
     clip_ptr,  # *clip: 1-element float tensor, read only when CLIP == 2
@@ -62,6 +66,7 @@ def _update_kernel(
     NESTEROV: tl.constexpr,
     FIRST_STEP: tl.constexpr,  # SGD: torch starts the momentum buffer as the gradient itself
     LERP_FROM_END: tl.constexpr,  # torch's lerp formula switches at weight 0.5; mirror it
+    HAS_COPY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -103,18 +108,22 @@ def _update_kernel(
         denom = tl.sqrt(v) / bias_correction2_sqrt + eps  # eps after the bias correction, as torch
         w = w - step_size * m / denom
     store_rounded(out_ptr + offsets, w, mask)
+    if HAS_COPY:
+        store_rounded(copy_ptr + offsets, w, mask)
 
 
 def update(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
            state: dict[str, torch.Tensor], *, clip: float | torch.Tensor | None = None,
-           lr: float | None = None, block: int | None = None) -> torch.Tensor:
+           lr: float | None = None, copy: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """Fused optimizer step ``step`` (1-based): ``out = new weights``, ``state`` updated; returns ``out``.
 
     ``grad``, ``weights`` and ``out`` are 1-D contiguous buffers of one length (``out`` the other
     version's buffer or ``weights`` itself); ``state`` is ``init_state(spec, n, device)``;
-    ``lr`` overrides ``spec.lr`` for this step (a scheduler's value).
+    ``lr`` overrides ``spec.lr`` for this step (a scheduler's value). ``copy`` (mixed precision:
+    ``out`` is the fp32 master) also receives the new weights rounded to its bf16/fp16, in the
+    same pass.
     """
-    clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr)
+    clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr, copy=copy)
     n = grad.numel()
     BLOCK, num_warps = launch_config(_update_kernel, "update", grad.device, block)
     if n == 0:
@@ -126,11 +135,11 @@ def update(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights: torch.Te
     s2 = state[names[1]] if len(names) > 1 else grad
     clip_mode = 0 if clip is None else (2 if isinstance(clip, torch.Tensor) else 1)
     _update_kernel[(triton.cdiv(n, BLOCK),)](
-        grad, weights, out, s1, s2, clip if clip_mode == 2 else grad, n,
+        grad, weights, out, copy if copy is not None else out, s1, s2, clip if clip_mode == 2 else grad, n,
         clip if clip_mode == 1 else 1.0,
         lr, spec.weight_decay, spec.momentum, spec.dampening,
         b2, 1.0 - b1, 1.0 - b2, spec.eps, step_size, bias_correction2_sqrt,
         OPTIMIZER=_OPTIMIZER_CODES[spec.kind], CLIP=clip_mode, HAS_WEIGHT_DECAY=spec.weight_decay != 0,
         HAS_MOMENTUM=spec.momentum != 0, NESTEROV=spec.nesterov, FIRST_STEP=step == 1,
-        LERP_FROM_END=(1.0 - b1) >= 0.5, BLOCK=BLOCK, num_warps=num_warps)
+        LERP_FROM_END=(1.0 - b1) >= 0.5, HAS_COPY=copy is not None, BLOCK=BLOCK, num_warps=num_warps)
     return out

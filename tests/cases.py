@@ -241,3 +241,38 @@ def eval_loss(case: Case, state) -> float:
             (model(**xi).loss if loss_fn is None else loss_fn(model(xi), yi)) for xi, yi in zip(xs, ys)
         ]
     return float(sum(float(v) for v in losses) / m)
+
+
+# ---------------------------------------------------------------------------------------------
+# mixed precision: the demo GPT, GPT-2 (tied weights) and Llama, 20 AdamW steps at lr 2e-4
+
+MIXED_STEPS = 20
+
+
+def build_mixed(model: str, steps: int = MIXED_STEPS, microbatches: int = 4, mb: int = 2):
+    """(model, example, batches, loss_fn, optimizer_factory) for the mixed-precision tests."""
+    g = torch.Generator().manual_seed(7)
+    n = microbatches * mb
+    opt = functools.partial(torch.optim.AdamW, lr=2e-4)
+    if model == "gpt":
+        from fxpipe.demo import GPT, GPTConfig, fibonacci_batch
+        from fxpipe.demo import lm_loss as demo_loss
+
+        torch.manual_seed(0)
+        net = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+        batches = [fibonacci_batch(n, 16, 64, g) for _ in range(steps)]
+        return net, (batches[0][0][:mb],), batches, demo_loss, opt
+    net, example = {"gpt2": gpt2_tiny, "llama": llama_tiny}[model](batch=mb)
+    ids = [torch.randint(0, 100, (n, example["input_ids"].shape[1]), generator=g) for _ in range(steps)]
+    example = {"input_ids": ids[0][:mb], "labels": ids[0][:mb]}
+    return net, example, [({"input_ids": x, "labels": x}, None) for x in ids], None, opt
+
+
+def relative_update_error(initial: dict, final: dict, reference: dict) -> float:
+    """||dW - dW_ref|| / ||dW_ref|| over all parameters, dW = final - initial (float64)."""
+    num = den = 0.0
+    for n, w0 in initial.items():
+        d_ref = reference[n].detach().double() - w0.double()
+        num += float((final[n].detach().double() - w0.double() - d_ref).pow(2).sum())
+        den += float(d_ref.pow(2).sum())
+    return (num / den) ** 0.5

@@ -6,6 +6,8 @@ Nothing here imports fxpipe: these loops are what the pipelined numbers must equ
   what 1f1b (PipeDream-Flush) and gpipe must reproduce.
 * :func:`train_2bw` — PipeDream-2BW, ``W(t+1) = W(t) - lr*grad f(W(t-1))``: batch ``t``'s
   gradient is computed on the weights after ``max(t-2, 0)`` updates and applied to the newest.
+* :func:`train_mixed` — either of them with fp32 master weights, a 16-bit compute copy under
+  ``torch.autocast``, fp32 gradient accumulation and (fp16) dynamic loss scaling.
 """
 
 from __future__ import annotations
@@ -93,3 +95,66 @@ def train_2bw(model, batches, m, loss_fn, optimizer_factory, max_grad_norm=None)
         for (_, b), (_, pb) in zip(model.named_buffers(), probe.named_buffers()):
             b.copy_(pb)
     return losses, model
+
+
+def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedule="2bw", device_type="cpu",
+                scaler=None, max_grad_norm=None):
+    """Mixed precision as a careful single-device script does it: the optimizer steps fp32 master
+    weights; each batch's forwards run a ``dtype`` copy of them under
+    ``torch.autocast(device_type, dtype)`` (the loss too); each micro-batch's gradient (of the
+    16-bit copy) is added into an fp32 sum. Batch t computes on the copy of the master after
+    ``max(t-2, 0)`` updates under 2bw, ``t-1`` otherwise.
+
+    ``scaler``: None, or ``(init_scale, growth_factor, backoff_factor, growth_interval)`` for
+    dynamic loss scaling with ``torch.amp.GradScaler``'s rule: a batch's backwards use the scale
+    in force after the update that wrote the weights it reads; a non-finite gradient skips the
+    update and backs the scale off. Returns (losses, master model, skipped batches)."""
+    master = copy.deepcopy(model)
+    opt = optimizer_factory(list(master.named_parameters()))
+    probe = copy.deepcopy(model)  # the compute copy; owns the buffers
+    for p in probe.parameters():
+        p.data = p.data.to(dtype)
+    names = [n for n, _ in probe.named_parameters()]
+    snapshots = [{n: p.detach().clone() for n, p in master.named_parameters()}]
+    scale, tracker = (float(scaler[0]), 0) if scaler else (1.0, 0)
+    scales = {0: scale}
+    losses, skipped = [], []
+    for t, batch in enumerate(batches, start=1):
+        v = max(t - 2, 0) if schedule == "2bw" else t - 1
+        with torch.no_grad():
+            for n, p in probe.named_parameters():
+                p.copy_(snapshots[v][n])
+        s = scales[v]
+        params = [p for _, p in probe.named_parameters()]
+        grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in zip(names, params)}
+        total = 0.0
+        for x, y in _micro(batch, m):
+            with torch.autocast(device_type, dtype=dtype):
+                loss = _loss(probe, x, y, loss_fn)
+            gs = torch.autograd.grad(loss.float() * s / m, params, allow_unused=True)
+            for n, g in zip(names, gs):
+                if g is not None:
+                    grads[n] += g.float()
+            total += float(loss.detach().float())
+        finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
+        if scaler:
+            _, growth, backoff, interval = scaler
+            if not finite:
+                scale, tracker = scale * backoff, 0
+            else:
+                tracker += 1
+                if tracker == interval:
+                    scale, tracker = scale * growth, 0
+            scales[t] = scale
+        else:
+            scales[t] = 1.0
+        if finite:
+            grads = _clip({n: g / s for n, g in grads.items()}, max_grad_norm)
+            for n, p in master.named_parameters():
+                p.grad = grads[n]
+            opt.step()
+        else:
+            skipped.append(t)
+        snapshots.append({n: p.detach().clone() for n, p in master.named_parameters()})
+        losses.append(total / m)
+    return losses, master, skipped
