@@ -6,8 +6,8 @@ stage hold alike, and loading reads each tensor by key, so a checkpoint of one l
 another (d = 2 into d = 3, d = 1 or w = 2). Every key is the ORIGINAL model's (what
 ``model.state_dict()`` calls it), in these sections::
 
-    model.<key>                 W(t): the newest weights, and the module buffers
-    model_previous.<key>        W(t-1): the older 2bw weight version (2bw only)
+    model.<key>                 W(t): the newest weights (the fp32 master under mixed precision), and the module buffers
+    model_previous.<key>        W(t-1): the older 2bw weight version (2bw only; the 16-bit compute copy under mixed precision)
     optim.state.<key>.<name>    the optimizer state as torch.optim keys it (step, exp_avg, ...)
     optim.param_groups.<key>    the hyper-parameters of the parameter's group (lr as scheduled)
     lr_scheduler                the scheduler's state, less its per-group lists
@@ -105,11 +105,12 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
             continue
         seen.add(wk.index)
         store = wk.store
-        for n, v in store.compute(store.updates).items():
+        for n, v in store.newest().items():  # the fp32 master under mixed precision
             for k in pipe.staged.originals.get(n, [n]):
                 model[k] = v.detach()
-            if two_versions:
-                previous[key[n]] = store.compute(store.updates - 1)[n].detach()
+        if two_versions:  # in the compute dtype: a 16-bit W(t-1) is not the master of any step
+            for n, v in store.previous().items():
+                previous[key[n]] = v
         for n, b in wk.buffers.items():
             for k in pipe.staged.originals.get(n, []):  # non-persistent buffers stay out, as in PyTorch
                 model[k] = b
@@ -131,7 +132,8 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
     meta = {
         "format": FORMAT, "fxpipe_version": __version__, "torch_version": torch.__version__,
         "steps": pipe.t, "seed": pipe.config.seed, "schedule": pipe.plan.schedule,
-        "plan": pipe.plan.to_json(), "world_size": pipe.world_size,
+        "plan": pipe.plan.to_json(), "world_size": pipe.world_size, "precision": pipe.config.precision,
+        "scaler": next(iter(pipe.workers.values())).scaler_state(),
         "example": pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, pipe._example),
     }
     sd["fxpipe"] = _pack(meta)
@@ -247,8 +249,8 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
     for wk in pipe.workers.values():
         for s in wk.store.layout.slots:
             sd["model"][key[s.name]] = torch.empty(s.shape, dtype=s.dtype)
-            if want_previous:
-                sd["model_previous"][key[s.name]] = torch.empty(s.shape, dtype=s.dtype)
+            if want_previous:  # as stored: a run of another precision casts it on load
+                sd["model_previous"][key[s.name]] = _empty(stored[f"model_previous.{key[s.name]}"])
         for n, b in wk.buffers.items():
             if n in key:
                 sd["model"][key[n]] = torch.empty_like(b, device="cpu")
@@ -269,6 +271,7 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
         names = wk.store.opt_params
         wk.store.load_optimizer({n: sd["optim"]["state"][key[n]] for n in names if sd["optim"]["state"][key[n]]},
                                 {n: _unpack(sd["optim"]["param_groups"][key[n]]) for n in names})
+        wk.load_scaler_state(meta.get("scaler"))
         scheduler = wk.store.lr_scheduler
         if scheduler is not None and scheduler_state is not None:
             scheduler.load_state_dict({**scheduler.state_dict(), **scheduler_state})

@@ -166,6 +166,7 @@ def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) ->
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    src = next((p.device for p in gm.parameters()), torch.device("cpu"))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -178,6 +179,12 @@ def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) ->
                 low = obj.is_floating_point() and target in params
                 return fake(obj, precision.dtype if low else obj.dtype)
             return obj
+
+        def call_function(self, target, args, kwargs):
+            # device constants baked in at trace time follow the stage, as codegen moves them
+            swap = lambda x: device if isinstance(x, torch.device) and x == src else x  # noqa: E731
+            return super().call_function(target, fx.node.map_aggregate(args, swap),
+                                         fx.node.map_aggregate(kwargs, swap))
 
         def run_node(self, n: fx.Node):
             out = super().run_node(n)

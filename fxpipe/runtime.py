@@ -430,6 +430,16 @@ class StageWorker:
             sd[n] = b.to("cpu", copy=True)
         return sd
 
+    def scaler_state(self) -> dict | None:
+        """fp16: the loss scaler's state (the same on every rank), else None."""
+        return None if self.scaler is None else self.scaler.state_dict()
+
+    def load_scaler_state(self, state: dict | None) -> None:
+        """Resume the loss scale (fp16); a checkpoint without one (another precision) leaves the
+        scaler as built, at its initial scale."""
+        if self.scaler is not None and state is not None:
+            self.scaler.load_state_dict(state)
+
     def load_local_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Load weights into every slot (all versions equal) and the buffers."""
         self.store.load(sd)

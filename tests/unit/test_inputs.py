@@ -321,7 +321,7 @@ def test_rejected_step_leaves_no_state():
                                        "those), found device(type='mps')"),
     (dict(timeout=0), "fxpipe.compile: timeout must be a number of seconds > 0 (or None), found 0; pass e.g. "
                       "timeout=600, or None for 300 s (or the process group's own)"),
-    (dict(nonfinite="ignore"), "fxpipe.compile: nonfinite must be 'raise' or 'skip', found 'ignore'; 'raise' stops "
+    (dict(nonfinite="ignore"), "fxpipe.compile: nonfinite must be 'raise' or 'skip' (or None), found 'ignore'; 'raise' stops "
                                "at a NaN/inf loss or gradient, 'skip' drops that step's update and trains on"),
 ])
 def test_compile_rejects_bad_arguments(kwargs, message):

@@ -1,0 +1,249 @@
+"""compile(precision="bf16" | "fp16"): fp32 master weights, 16-bit compute under the device's
+autocast policy, fp32 accumulation, fp16 loss scaling — against tests/reference.train_mixed."""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe import precision as precision_module
+from fxpipe.errors import ConfigError
+from fxpipe.weights import weight_bytes
+from tests.cases import build_mixed, relative_update_error
+from tests.reference import train_2bw, train_flush, train_mixed
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SCALER = (2.0 ** 10, 2.0, 0.5, 2000)  # init_scale, growth, backoff, interval (GradScaler's but the start)
+
+
+def _train(model_name, schedule, precision, steps=None, loss_fn=None):
+    kw = {} if steps is None else {"steps": steps}
+    net, example, batches, default_loss, opt = build_mixed(model_name, **kw)
+    loss_fn = loss_fn or default_loss
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER[0]) if precision == "fp16" else None
+    pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, schedule=schedule,
+                          precision=precision, scaler=scaler, verbose=False)
+    losses = [pipe.step(*b) for b in batches]
+    ref_losses, ref, skipped = train_mixed(net, batches, 4, loss_fn, opt, dtype=DTYPES[precision], schedule=schedule,
+                                           scaler=SCALER if precision == "fp16" else None)
+    return pipe, net, initial, batches, losses, pipe.state_dict(), ref_losses, dict(ref.named_parameters()), skipped
+
+
+def check_against_reference(model_name, schedule, precision):
+    pipe, net, initial, batches, losses, sd, ref_losses, ref, skipped = _train(model_name, schedule, precision)
+    error = relative_update_error(initial, sd, ref)
+    assert error <= 0.05, f"||dW - dW_ref|| / ||dW_ref|| = {error:.4f}"
+    for t, (a, b) in enumerate(zip(losses, ref_losses), start=1):
+        assert abs(a - b) <= 1e-2 * abs(b), f"step {t}: loss {a} vs reference {b}"
+    assert pipe.skipped_steps == skipped == []
+    if precision == "bf16":  # the master copy matters: pure bf16 is at least 4x as far off
+        _, net, _, batches, loss_fn, opt = (None, *build_mixed(model_name))
+        pure = copy.deepcopy(net).to(torch.bfloat16)
+        _, pure = (train_2bw if schedule == "2bw" else train_flush)(pure, batches, 4, loss_fn, opt)
+        pure_error = relative_update_error(initial, dict(pure.named_parameters()), ref)
+        assert error <= pure_error / 4, f"{error:.4f} with a master copy, {pure_error:.4f} in pure bf16"
+    return pipe
+
+
+@pytest.mark.parametrize("model_name,schedule,precision", [("gpt", "2bw", "bf16"), ("llama", "1f1b", "fp16")])
+def test_matches_the_mixed_precision_reference(model_name, schedule, precision):
+    pipe = check_against_reference(model_name, schedule, precision)
+    store = pipe.workers[0].store
+    assert store.slots[0][DTYPES[precision]].dtype == DTYPES[precision] and store.master[torch.float32].numel()
+    assert f"precision={precision}" in pipe.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+@pytest.mark.parametrize("model_name", ["gpt", "gpt2", "llama"])
+def test_matches_the_mixed_precision_reference_everywhere(model_name, schedule, precision):
+    check_against_reference(model_name, schedule, precision)
+
+
+def _poisoned_loss(vocab=64, bad=4):
+    """The demo GPT's loss, infinite for the batch whose first target is marked (+vocab)."""
+    from fxpipe.demo import lm_loss
+
+    def loss(out, y):
+        marked = (y >= vocab).any()
+        return lm_loss(out, y % vocab) * torch.where(marked, float("inf"), 1.0)
+    return loss
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_fp16_an_injected_inf_skips_exactly_one_step(schedule):
+    bad = 4
+    net, example, batches, _, opt = build_mixed("gpt", steps=8)
+    batches[bad - 1][1][0, 0] += 64  # poison batch 4's loss
+    loss_fn = _poisoned_loss()
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, schedule=schedule,
+                          precision="fp16", scaler=torch.amp.GradScaler("cpu", init_scale=SCALER[0]), verbose=False)
+    losses = [pipe.step(*b) for b in batches]
+    sd = pipe.state_dict()
+    ref_losses, ref, skipped = train_mixed(net, batches, 4, loss_fn, opt, dtype=torch.float16, schedule=schedule,
+                                           scaler=SCALER)
+    assert pipe.skipped_steps == skipped == [bad]
+    assert pipe.loss_scale == SCALER[0] * SCALER[2]  # backed off once
+    assert relative_update_error(initial, sd, dict(ref.named_parameters())) <= 0.05
+    assert losses[bad - 1] == float("inf")
+    for a, b in [(a, b) for t, (a, b) in enumerate(zip(losses, ref_losses), 1) if t != bad]:
+        assert abs(a - b) <= 1e-2 * abs(b)
+
+
+def _storage_bytes(store) -> int:
+    """Bytes of the distinct storages the store holds (what the allocator gave it)."""
+    tensors = [b for slot in store.slots for b in slot.values()] + [b for g in store.grad_pool for b in g.values()]
+    tensors += list(store.master.values()) if store.master is not None else []
+    strategy = store.strategy
+    if hasattr(strategy, "state"):  # the fused path: flat state and the scratch gradient
+        tensors += [v for st in strategy.state.values() for v in st.values()] + list(strategy.scratch.values())
+    else:
+        tensors += [v for st in store.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    seen = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("precision,kernels", [("fp32", "off"), ("bf16", "off"), ("bf16", "torch")])
+def test_memory_model_counts_what_the_store_holds(precision, kernels):
+    net, example, batches, loss_fn, opt = build_mixed("gpt", steps=2)
+    pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, schedule="2bw",
+                          precision=precision, kernels=kernels, verbose=False)
+    for b in batches:
+        pipe.step(*b)
+    pipe.flush()
+    accumulation = "fused" if kernels == "torch" else "autograd"
+    for wk in pipe.workers.values():
+        modelled = sum(weight_bytes(s.numel, s.dtype.itemsize, requires_grad=s.requires_grad, schedule="2bw",
+                                    grad_buffers=2, optimizer_bytes_per_param=8, accumulation=accumulation,
+                                    precision=precision) for s in wk.store.layout.slots)
+        held = _storage_bytes(wk.store)
+        assert abs(held - modelled) <= 0.05 * modelled, (precision, kernels, held, modelled)
+        assert wk.store.nbytes() == held
+
+
+def test_fused_update_writes_the_master_and_its_copy_in_one_pass():
+    # kernels="torch": the fused path's torch math; its update steps the fp32 master and rounds it
+    # into the compute slot of the new version in the same call.
+    net, example, batches, loss_fn, opt = build_mixed("gpt", steps=3)
+    pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, schedule="1f1b",
+                          precision="bf16", kernels="torch", verbose=False)
+    for b in batches:
+        pipe.step(*b)
+    assert "stage 0 fused (torch)" in pipe.describe()
+    for wk in pipe.workers.values():
+        store = wk.store
+        assert torch.equal(store.slots[0][torch.bfloat16], store.master[torch.float32].to(torch.bfloat16))
+
+
+def test_activations_cross_in_the_compute_dtype():
+    net, example, batches, loss_fn, opt = build_mixed("gpt", steps=1)
+    pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, precision="bf16",
+                          verbose=False)
+    floating = [s for s in pipe.staged.stages[1].input_specs if s.torch_dtype.is_floating_point]
+    assert floating and all(s.torch_dtype == torch.bfloat16 for s in floating)
+    fp32 = fxpipe.compile(copy.deepcopy(net), example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2,
+                          verbose=False)
+    assert [s.shape for s in fp32.staged.stages[1].input_specs] == [s.shape for s in pipe.staged.stages[1].input_specs]
+    assert all(s.torch_dtype == torch.float32 for s in fp32.staged.stages[1].input_specs if s.torch_dtype.is_floating_point)
+
+
+def test_placement_follows_the_device_seam(monkeypatch):
+    # The stages' device (the CUDA seam on a GPU) is where autocast's policy is taken from and
+    # where every buffer of the store lives; recorded here through the seam's calls.
+    seen = []
+    real = precision_module.Precision.autocast
+    monkeypatch.setattr(precision_module.Precision, "autocast",
+                        lambda self, device: seen.append(device) or real(self, device))
+    net, example, batches, loss_fn, opt = build_mixed("gpt", steps=2)
+    pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, precision="bf16",
+                          verbose=False)
+    for b in batches:
+        pipe.step(*b)
+    pipe.flush()
+    assert seen and set(seen) == {pipe.device}
+    for wk in pipe.workers.values():
+        store = wk.store
+        placed = {(b.device, b.dtype) for slot in store.slots for b in slot.values()}
+        assert placed == {(pipe.device, torch.bfloat16)}
+        assert {(b.device, b.dtype) for b in store.master.values()} == {(pipe.device, torch.float32)}
+        assert {(b.device, b.dtype) for g in store.grad_pool for b in g.values()} == {(pipe.device, torch.float32)}
+        assert {(v.device, v.dtype) for st in store.optimizer.state.values() for k, v in st.items()
+                if k != "step"} == {(pipe.device, torch.float32)}
+
+
+def test_state_dict_holds_the_fp32_master_and_eval_uses_the_copy():
+    net, example, batches, loss_fn, opt = build_mixed("gpt", steps=2)
+    pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, precision="bf16",
+                          verbose=False)
+    for b in batches:
+        pipe.step(*b)
+    sd = pipe.state_dict()
+    assert {v.dtype for v in sd.values() if v.is_floating_point()} == {torch.float32}
+    plain = copy.deepcopy(net)
+    plain.load_state_dict(sd)
+    for p in plain.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    x, y = batches[0]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = float(loss_fn(plain.eval()(x), y).float())
+    assert abs(pipe.eval_step(x, y) - expected) <= 1e-2 * expected
+
+
+def test_configuration_errors_say_what_to_do():
+    net, example, _, loss_fn, _ = build_mixed("gpt", steps=1)
+    with pytest.raises(ConfigError, match=r"precision must be 'fp32', 'bf16' or 'fp16', found 'half'"):
+        fxpipe.compile(net, example, loss_fn=loss_fn, precision="half")
+    with pytest.raises(ConfigError, match=r"nonfinite must be 'skip' \(or None\) with precision='fp16'.*how it finds"):
+        fxpipe.compile(net, example, loss_fn=loss_fn, precision="fp16", nonfinite="raise")
+    with pytest.raises(ConfigError, match=r"scaler must be None unless precision='fp16'"):
+        fxpipe.compile(net, example, loss_fn=loss_fn, precision="bf16", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ConfigError, match=r"scaler must be a torch.amp.GradScaler"):
+        fxpipe.compile(net, example, loss_fn=loss_fn, precision="fp16", scaler={"init_scale": 8})
+    double = copy.deepcopy(net).double()
+    with pytest.raises(ConfigError, match=r"keeps fp32 master weights .* is torch.float64 .*Build the model in float32"):
+        fxpipe.compile(double, example, loss_fn=loss_fn, precision="bf16", stages=1, verbose=False)
+
+
+def test_loss_scale_follows_gradscaler_and_resumes():
+    scaler = precision_module.LossScaler(8.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=2)
+    for t, inf in enumerate([False, False, True, False, False, False], start=1):
+        scaler.update(t, inf)
+    assert scaler.scale == 16.0 and scaler.growth_tracker == 1  # 8 -> 16 -> 8 (overflow) -> 16
+    assert scaler.scale_for(5) == 16.0 and scaler.scale_for(4) == 8.0
+    again = precision_module.LossScaler()
+    again.load_state_dict(scaler.state_dict())
+    assert again.state_dict() == scaler.state_dict()
+    assert precision_module.LossScaler.like(torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=7)).state_dict() \
+        == precision_module.LossScaler(4.0, growth_interval=7).state_dict()
+
+
+def test_fp16_checkpoint_resumes_the_loss_scale_exactly(tmp_path):
+    net, example, batches, loss_fn, opt = build_mixed("gpt", steps=6)
+
+    def fresh():
+        return fxpipe.compile(copy.deepcopy(net), example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2,
+                              precision="fp16", verbose=False,
+                              scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 15, growth_interval=2))
+    whole = fresh()
+    expected = [whole.step(*b) for b in batches]
+    first = fresh()
+    for b in batches[:3]:
+        first.step(*b)
+    first.save(str(tmp_path))
+    first.wait_for_checkpoint()
+    second = fxpipe.compile(copy.deepcopy(net), loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2,
+                            precision="fp16", verbose=False,
+                            scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 15, growth_interval=2))
+    second.load(str(tmp_path))
+    assert second.loss_scale == first.loss_scale
+    assert [second.step(*b) for b in batches[3:]] == expected[3:]
+    a, b = whole.state_dict(), second.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
