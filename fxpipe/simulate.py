@@ -606,11 +606,11 @@ def render_svg(
                         f'<title>idle {_num((e - s) * factor)} {uname}</title></rect>')
             if x2 - x1 > 2:
                 body.append(f'<path d="{_hatch(x1, x2, y, row_h)}" stroke="{_IDLE_HATCH}" stroke-width="1"/>')
-        for e, a in drawn:
+        for e, a in sorted(drawn, key=lambda ea: ea[0].end == ea[0].start):  # ticks on top of boxes
             if e.rank != r:
                 continue
             box = e.stream == "compute" and a.kind in _BUSY
-            x, w = x_of(e.start), max((e.end - e.start) * scale, 1.5 if box else 0.5)
+            x, w = x_of(e.start), max((e.end - e.start) * scale, 2.5 if box else 0.5)
             yy, hh = (y, row_h) if box else (y + row_h + 1, comm_h)
             fill = _DRAWN[a.kind][1]
             tip = (f"{e.action}: {_describe(a, m)}, {_num((e.start - t0) * factor)}-{_num((e.end - t0) * factor)} "
