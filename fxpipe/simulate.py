@@ -504,12 +504,12 @@ def render_svg(
     One row per rank: its compute boxes (F, R, B, UPDATE, EVAL), labelled when wide enough
     (``F3v2``: forward of micro-batch 3 of its step on weight version 2; ``U5``: the update with
     step 5's gradients), idle time hatched grey and summed at the row's label, and a thin row
-    below for communication. Above the rows, one bracket per step spanning its work. The time axis
+    below for communication. Above the rows, one bracket per step over its micro-batches. The time axis
     starts at the window's start; the header says which steps and times the window holds, the
     makespan and the bubble (%); the legend lists exactly the kinds drawn.
 
-    ``unit``: what the timeline's numbers are: ``"s"`` (a recorded timeline's, the plan's predicted
-    costs; drawn in ms) or None for the abstract units of a :class:`Costs` (drawn as "units").
+    ``unit``: what the timeline's numbers are: ``"s"`` (seconds, drawn in ms: the plan's predicted
+    costs; the default for a recorded timeline) or None for the abstract units of a :class:`Costs`.
     A recorded timeline's rank rows start at the rank's first record (:meth:`Timeline.window`).
     ``microbatches``: m, to number micro-batches within their step (inferred from the END_STEPs
     when None; without any, the run-wide index is shown). ``total_steps``: the run's length, for
@@ -585,12 +585,11 @@ def render_svg(
 
     # One row per rank: idle gaps hatched, compute boxes, communication below.
     row_h, comm_h, gap = 28, 10, 10
-    rows_top = y
     for r in ranks:
         stage = next(Action.parse(e.action).stage for e in timeline.events if e.rank == r)
         idle, gaps = _idle(timeline, r)
         start, end = timeline.window(r)
-        share = 100 * idle / (end - start) if end > start else 0.0
+        pct = 100 * idle / (end - start) if end > start else 0.0
         if start > t0:  # a recording: this rank's earlier work is not in it
             w = x_of(start) - left
             body.append(f'<rect x="{left}" y="{y}" width="{w:.2f}" height="{row_h}" fill="#ffffff" stroke="#bbbbbb" '
@@ -599,7 +598,7 @@ def render_svg(
                 body.append(f'<text x="{left + w / 2:.1f}" y="{y + row_h / 2 + 3}" font-size="9" text-anchor="middle" '
                             f'fill="#888888">not recorded</text>')
         body.append(f'<text x="6" y="{y + 11}">rank {r}, stage {stage}</text>')
-        body.append(f'<text x="6" y="{y + 24}" fill="#555555">idle {_num(idle * factor)} {uname} ({share:.1f}%)</text>')
+        body.append(f'<text x="6" y="{y + 24}" fill="#555555">idle {_num(idle * factor)} {uname} ({pct:.1f}%)</text>')
         for s, e in gaps:
             x1, x2 = x_of(s), x_of(e)
             body.append(f'<rect x="{x1:.2f}" y="{y}" width="{x2 - x1:.2f}" height="{row_h}" fill="{_IDLE_FILL}">'
