@@ -1,0 +1,95 @@
+"""Mixed precision on 2 gloo ranks: the same numbers as the single-device reference of the policy,
+activations (and their gradients) on the wire in the compute dtype, and fp16's overflow verdict
+shared by every rank."""
+
+import pytest
+import torch
+
+from tests.cases import build_mixed, relative_update_error
+from tests.dist.harness import run_function
+from tests.reference import train_mixed
+from tests.unit.test_precision import DTYPES, SCALER, _poisoned_loss
+
+QUICK = [("gpt", "2bw", "bf16", False), ("gpt", "1f1b", "fp16", True)]
+FULL = [(m, s, p, False) for m in ("gpt2", "llama") for s in ("2bw", "1f1b") for p in ("bf16", "fp16")]
+BAD = 4  # the poisoned batch of a case with an injected inf
+
+
+def _case(model_name, poisoned):
+    net, example, batches, loss_fn, opt = build_mixed(model_name, steps=8 if poisoned else 20)
+    if poisoned:
+        batches[BAD - 1][1][0, 0] += 64
+        loss_fn = _poisoned_loss()
+    return net, example, batches, loss_fn, opt
+
+
+def _train_cases(cases):
+    def run(rank, world):
+        import torch.distributed as dist
+
+        import fxpipe
+
+        sent = []  # (dtype, numel) of every floating tensor this rank sent to its peer
+        real = dist.isend
+
+        def isend(tensor, dst, *args, **kwargs):
+            sent.append(tensor.dtype)
+            return real(tensor, dst, *args, **kwargs)
+
+        dist.isend = isend
+        out = {}
+        try:
+            for model_name, schedule, precision, poisoned in cases:
+                net, example, batches, loss_fn, opt = _case(model_name, poisoned)
+                sent.clear()
+                pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, schedule=schedule,
+                                      precision=precision, verbose=False,
+                                      scaler=torch.amp.GradScaler("cpu", init_scale=SCALER[0]) if precision == "fp16"
+                                      else None)
+                losses = [float(pipe.step(*b)) for b in batches]
+                out[model_name, schedule, precision, poisoned] = {
+                    "losses": losses, "state": pipe.state_dict(), "skipped": list(pipe.skipped_steps),
+                    "scale": pipe.loss_scale, "sent": sorted({str(d) for d in sent if d.is_floating_point}),
+                }
+        finally:
+            dist.isend = real
+        return out
+    return run
+
+
+def quick(rank, world):
+    return _train_cases(QUICK)(rank, world)
+
+
+def full(rank, world):
+    return _train_cases(FULL)(rank, world)
+
+
+def _check(results, cases):
+    assert all(r["error"] is None for r in results), [r["error"] for r in results]
+    for key in cases:
+        model_name, schedule, precision, poisoned = key
+        net, _, batches, loss_fn, opt = _case(model_name, poisoned)
+        initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+        ref_losses, ref, skipped = train_mixed(net, batches, 4, loss_fn, opt, dtype=DTYPES[precision],
+                                               schedule=schedule, scaler=SCALER if precision == "fp16" else None)
+        ref = dict(ref.named_parameters())
+        for rank, r in enumerate(results):
+            got = r["value"][key]
+            assert got["sent"] == [str(DTYPES[precision])], (key, rank, got["sent"])  # half the p2p bytes
+            assert got["skipped"] == skipped == ([BAD] if poisoned else []), (key, rank)
+            error = relative_update_error(initial, got["state"], ref)
+            assert error <= 0.05, (key, rank, error)
+            for t, (a, b) in enumerate(zip(got["losses"], ref_losses), start=1):
+                assert t == BAD and poisoned or abs(a - b) <= 1e-2 * abs(b), (key, rank, t, a, b)
+            if precision == "fp16":
+                assert got["scale"] == SCALER[0] * (SCALER[2] if poisoned else 1.0)
+
+
+def test_two_ranks_train_mixed_precision_like_the_reference():
+    _check(run_function(2, "tests.dist.test_precision_dist:quick", timeout=240), QUICK)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_gpt2_and_llama_in_bf16_and_fp16():
+    _check(run_function(2, "tests.dist.test_precision_dist:full", timeout=400), FULL)
