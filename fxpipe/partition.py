@@ -43,7 +43,9 @@ predicted throughput that fits memory; the runner-up is kept in the plan to expl
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -53,11 +55,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
+from .cluster import PRESETS, Cluster
 from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes
 from .errors import PlanError
 from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
-from .plan import Plan, RunnerUp, StagePlan, graph_fingerprint
+from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan"]
 
@@ -129,10 +132,20 @@ class StageModel:
     p2p_latency: float = 0.0
     p2p_bandwidth: float = math.inf
     memory_limit: float = math.inf
+    #: ``(latency, bandwidth)`` of the link between stage s and s + 1, per s (a cluster's
+    #: placement puts some pairs on one node, others across nodes); empty: ``p2p_*`` for all
+    links: tuple[tuple[float, float], ...] = ()
+
+    def link(self, boundary: int) -> tuple[float, float]:
+        """``(latency, bandwidth)`` between stage ``boundary`` and ``boundary + 1``."""
+        if 0 <= boundary < len(self.links):
+            return self.links[boundary]
+        return (self.p2p_latency, self.p2p_bandwidth)
 
     @classmethod
     def for_schedule(cls, schedule: str, stages: int, microbatches: int, recompute: bool | Sequence[bool],
-                     device: DeviceModel, memory_limit: float | None = None) -> "StageModel":
+                     device: DeviceModel, memory_limit: float | None = None,
+                     links: Sequence[tuple[float, float]] = ()) -> "StageModel":
         d = stages
         inflight = tuple(microbatches if schedule == "gpipe" else d - s for s in range(d))
         if isinstance(recompute, bool):
@@ -140,7 +153,8 @@ class StageModel:
             # saves nothing and costs a forward: it stays off there.
             recompute = tuple(recompute and inflight[s] > 1 for s in range(d))
         return cls(d, inflight, tuple(bool(x) for x in recompute), device.p2p_latency, device.p2p_bandwidth,
-                   device.memory_bytes if memory_limit is None else float(memory_limit))
+                   device.memory_bytes if memory_limit is None else float(memory_limit),
+                   tuple((float(a), float(b)) for a, b in links))
 
 
 @dataclass(frozen=True)
@@ -155,23 +169,45 @@ class Partition:
 # reference evaluation (direct sums: reporting and brute-force tests)
 
 
-def _comm(chain: Chain, model: StageModel, c: int) -> float:
+def _comm(chain: Chain, model: StageModel, c: int, boundary: int) -> float:
+    """Seconds to send cut ``c``'s activations (and their gradients back) between stage
+    ``boundary`` and ``boundary + 1``."""
     if c < 0 or c >= chain.n - 1:
         return 0.0
-    t = model.p2p_latency + chain.cross[c] / model.p2p_bandwidth
+    lat, bw = model.link(boundary)
+    t = lat + chain.cross[c] / bw
     if chain.cross_grad[c] > 0:
-        t += model.p2p_latency + chain.cross_grad[c] / model.p2p_bandwidth
+        t += lat + chain.cross_grad[c] / bw
     return float(t)
+
+
+def _cut_times(chain: Chain, latency: float, bandwidth: float) -> np.ndarray:
+    """``ct[c + 1] = comm(c)`` over one link for every cut c in -1 .. n-1 (0 at both ends)."""
+    n = chain.n
+    ct = np.zeros(n + 1)
+    if n > 1:
+        ct[1:n] = latency + chain.cross / bandwidth
+        ct[1:n] += np.where(chain.cross_grad > 0, latency + chain.cross_grad / bandwidth, 0.0)
+    return ct
 
 
 def stage_time(chain: Chain, model: StageModel, s: int, l: int, r: int) -> float:
     """Seconds per micro-batch of stage ``s`` holding positions ``l..r``."""
     f = float(chain.fwd[l : r + 1].sum())
-    return (2 * f if model.recompute[s] else f) + float(chain.bwd[l : r + 1].sum()) + _comm(chain, model, l - 1) + _comm(chain, model, r)
+    return ((2 * f if model.recompute[s] else f) + float(chain.bwd[l : r + 1].sum())
+            + _comm(chain, model, l - 1, s - 1) + _comm(chain, model, r, s))
 
 
 def _held(chain: Chain, l: int, r: int) -> list[int]:
-    return [p for p, rd in enumerate(chain.tensor_readers) if np.any((rd >= l) & (rd <= r))]
+    """The tensors (indices, ascending) that a stage holding positions ``l..r`` reads."""
+    flat = chain.__dict__.get("_flat_readers")
+    if flat is None:  # every (reader position, tensor) pair, once per chain
+        rd = chain.tensor_readers
+        pos = np.concatenate(rd) if rd else np.zeros(0, dtype=np.int64)
+        owner = np.repeat(np.arange(len(rd)), [len(x) for x in rd])
+        flat = chain.__dict__["_flat_readers"] = (pos, owner)
+    pos, owner = flat
+    return np.unique(owner[(pos >= l) & (pos <= r)]).tolist()
 
 
 def stage_memory(chain: Chain, model: StageModel, s: int, l: int, r: int) -> float:
@@ -192,18 +228,21 @@ class _Solver:
     def __init__(self, chain: Chain, model: StageModel):
         n, d = chain.n, model.stages
         self.chain, self.model, self.n, self.d = chain, model, n, d
-        ct = np.zeros(n + 1)  # ct[c + 1] = comm(c) for c in -1 .. n-1 (0 at both ends)
-        if n > 1:
-            ct[1:n] = model.p2p_latency + chain.cross / model.p2p_bandwidth
-            ct[1:n] += np.where(chain.cross_grad > 0, model.p2p_latency + chain.cross_grad / model.p2p_bandwidth, 0.0)
-        self.ct = ct
+        cts: dict[tuple[float, float], np.ndarray] = {}  # per link: ct[c + 1] = comm(c)
+
+        def ct(boundary: int) -> np.ndarray:
+            key = model.link(boundary)
+            if key not in cts:
+                cts[key] = _cut_times(chain, *key)
+            return cts[key]
+
         Pf = np.concatenate([[0.0], np.cumsum(chain.fwd)])
         Pb = np.concatenate([[0.0], np.cumsum(chain.bwd)])
         self.X, self.Y = [], []
         for s in range(d):
             P = (2 * Pf if model.recompute[s] else Pf) + Pb
-            self.X.append(ct[:n] - P[:n])  # input cut of a stage starting at l is cut l-1
-            self.Y.append(P[1:] + ct[1:])  # output cut of a stage ending at r is cut r
+            self.X.append(ct(s - 1)[:n] - P[:n])  # input cut of a stage starting at l is cut l-1
+            self.Y.append(P[1:] + ct(s)[1:])  # output cut of a stage ending at r is cut r
         self.start_ok = np.concatenate([[True], chain.valid])
         self.rho = [self._window(s, model.memory_limit) for s in range(d)]
 
@@ -361,7 +400,6 @@ def min_memory(chain: Chain, model: StageModel) -> float:
     hi = max(stage_memory(chain, model, s, 0, chain.n - 1) for s in range(d))
     hi += max((model.inflight[s] + 1) for s in range(d)) * float(chain.cross.max(initial=0.0))
     hi = max(hi, 1.0)
-    import dataclasses
 
     def ok(limit: float) -> bool:
         return _Solver(chain, dataclasses.replace(model, memory_limit=limit)).feasible(math.inf) is not None
@@ -390,12 +428,40 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
     versions (2 under 2bw), ``grad_buffers`` gradient accumulators (the runtime keeps two when a
     reduction of batch t's gradients overlaps batch t+1's backwards), the optimizer state
     (``optimizer_bytes_per_param`` per element, AdamW: two fp32 moments = 8) and, with
-    ``accumulation="fused"`` (the kernel path), a scratch gradient. A buffer costs its bytes.
+    ``accumulation="fused"`` (the kernel path), a scratch gradient; ``"optimizer"`` (AdamA) the
+    scratch and no accumulator. A buffer costs its bytes.
     ``precision="bf16"``/``"fp16"``: weights as :func:`~fxpipe.weights.weight_bytes` counts them
     (2-byte compute versions beside the master), and a floating activation costs its bytes in the
     compute dtype (what autocast's low-precision ops produce; the few ops its policy keeps in
     float32 are not told apart here).
     """
+    return _assemble(_chain_parts(gm, costs, batch, schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                                  grad_buffers=grad_buffers, accumulation=accumulation, precision=precision))
+
+
+@dataclass(eq=False)
+class _Parts:
+    """What a chain is made of, before the cuts are summed: per node, its costs; per value that a
+    later node reads, the span of cuts it crosses (``lo[v] .. hi[v] - 1``), its bytes, whether a
+    gradient flows back through it and whether it is a single tensor; per parameter or buffer,
+    its cost and reader positions. :class:`BlockCosting` rearranges these for other depths."""
+
+    names: list[str]
+    fwd: np.ndarray
+    bwd: np.ndarray
+    act: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    size: np.ndarray
+    grad: np.ndarray
+    bad: np.ndarray
+    tensors: list[tuple[str, float, float, float, float, list[int]]]  # name, cost, param, grad, optim, readers
+
+
+def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedule: str, optimizer_bytes_per_param: float,
+                 grad_buffers: int, accumulation: str, precision: str) -> _Parts:
+    if accumulation == "optimizer":
+        grad_buffers = 0  # AdamA folds each micro-batch into the moments: no accumulator at all
     compute = [nd for nd in gm.graph.nodes if nd.op in _COMPUTE]
     n = len(compute)
     pos = {nd.name: i for i, nd in enumerate(compute)}
@@ -407,25 +473,17 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
     if low is not None:
         shrink = torch.finfo(low).bits / 32
         act = act * np.array([shrink if _float32_output(nd) else 1.0 for nd in compute])
-    diff = np.zeros(n + 1)
-    gdiff = np.zeros(n + 1)
-    bad = np.zeros(n + 1, dtype=np.int64)
+    lo, hi, size, grad, bad = [], [], [], [], []
     for i, nd in enumerate(compute):
         last = max((pos.get(u.name, n) for u in nd.users), default=i)  # the output node is after all
-        hi = min(last, n - 1)
-        if hi <= i:
+        h = min(last, n - 1)
+        if h <= i:
             continue
-        diff[i] += act[i]
-        diff[hi] -= act[i]
-        if nc[i].requires_grad:
-            gdiff[i] += act[i]
-            gdiff[hi] -= act[i]
-        if not isinstance(nd.meta.get("val"), torch.Tensor):
-            bad[i] += 1
-            bad[hi] -= 1
-    cross = np.cumsum(diff)[: n - 1]
-    cross_grad = np.cumsum(gdiff)[: n - 1]
-    valid = np.cumsum(bad)[: n - 1] == 0
+        lo.append(i)
+        hi.append(h)
+        size.append(act[i])
+        grad.append(nc[i].requires_grad)
+        bad.append(not isinstance(nd.meta.get("val"), torch.Tensor))
 
     params = dict(gm.named_parameters())
     buffers = dict(gm.named_buffers())
@@ -434,7 +492,7 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
         info = nd.meta["fxpipe"]
         for t in (*info.params, *info.buffers):
             readers.setdefault(t, []).append(i)
-    names, tcost, tparam, tgrad, topt, treaders = [], [], [], [], [], []
+    tensors = []
     for t, rd in readers.items():
         if t in params:
             p = params[t]
@@ -447,19 +505,34 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
             # the gradient part: what weight_bytes counts beyond the versions, master and state
             g = cost - o - weight_bytes(p.numel(), p.element_size(), requires_grad=False, schedule=schedule,
                                         grad_buffers=0, optimizer_bytes_per_param=0.0, precision=precision)
-            tparam.append(nbytes)
+            tensors.append((t, cost, float(nbytes), g, o, sorted(set(rd))))
         elif t in buffers:
-            cost, g, o = buffers[t].numel() * buffers[t].element_size(), 0.0, 0.0
-            tparam.append(0.0)
-        else:
-            continue
-        names.append(t)
-        tcost.append(cost)
-        tgrad.append(g)
-        topt.append(o)
-        treaders.append(sorted(set(rd)))
-    return Chain(fwd, bwd, act, cross, cross_grad, valid, np.array(tcost), tuple(treaders),
-                 tuple(nd.name for nd in compute), np.array(tparam), np.array(tgrad), np.array(topt), tuple(names))
+            tensors.append((t, float(buffers[t].numel() * buffers[t].element_size()), 0.0, 0.0, 0.0, sorted(set(rd))))
+    i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    return _Parts([nd.name for nd in compute], fwd, bwd, act, i64(lo), i64(hi), np.asarray(size, dtype=np.float64),
+                  np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
+
+
+def _assemble(parts: _Parts) -> Chain:
+    """The chain of ``parts``: each value's bytes summed over the cuts it crosses."""
+    n = len(parts.fwd)
+    diff = np.zeros(n + 1)
+    gdiff = np.zeros(n + 1)
+    bad = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(diff, parts.lo, parts.size)
+    np.add.at(diff, parts.hi, -parts.size)
+    g = parts.size * parts.grad
+    np.add.at(gdiff, parts.lo, g)
+    np.add.at(gdiff, parts.hi, -g)
+    np.add.at(bad, parts.lo, parts.bad.astype(np.int64))
+    np.add.at(bad, parts.hi, -parts.bad.astype(np.int64))
+    cross = np.cumsum(diff)[: n - 1]
+    cross_grad = np.cumsum(gdiff)[: n - 1]
+    valid = np.cumsum(bad)[: n - 1] == 0
+    t = parts.tensors
+    col = lambda k: np.array([x[k] for x in t], dtype=np.float64)  # noqa: E731
+    return Chain(parts.fwd, parts.bwd, parts.act, cross, cross_grad, valid, col(1), tuple(x[5] for x in t),
+                 tuple(parts.names), col(2), col(3), col(4), tuple(x[0] for x in t))
 
 
 def _float32_output(nd: fx.Node) -> bool:
@@ -503,13 +576,24 @@ class _Candidate:
     m: int
     recompute: bool
     model: StageModel
-    part: Partition
+    part: Partition | None
     chain: Chain
     grad_buffers: int  # gradient buffers the chain counts on every stage
+    accelerators: int = 1
+    fits: bool = True
+    memory: float = 0.0  # bytes on the fullest stage
+    pipe: float = 0.0  # seconds the pipeline computes per step
+    compute: float = 0.0  # the slowest stage's compute per micro-batch (recomputation included)
+    comm: float = 0.0  # the slowest stage's sends and receives per micro-batch
+    inter: bool = False  # the slowest stage sends or receives across nodes
 
     def key(self):
         # best first; ties: shallower, narrower, larger b, no recomputation
         return (-self.throughput, self.d, self.w, -self.b, self.recompute)
+
+    @property
+    def samples(self) -> int:
+        return self.b * self.m * self.w
 
 
 def pipeline_time(schedule: str, stages: int, microbatches: int, bottleneck: float) -> float:
@@ -531,6 +615,306 @@ def _positive(name: str, v, allow_none: bool = True) -> None:
         raise PlanError(f"{name} must be a positive integer, found {v!r}")
 
 
+def placement(cluster: Cluster, stages: int, width: int) -> tuple[tuple[int, int, int, int], ...]:
+    """``(rank, stage, replica, node)`` for every rank of a d x w pipeline, in rank order: the
+    runtime's layout (rank ``replica * d + stage``, :func:`fxpipe.schedule.rank_of`) on
+    ``cluster``'s nodes (``rank // per_node``)."""
+    from .schedule import rank_of
+
+    return tuple((rank_of(s, r, stages), s, r, cluster.node_of(rank_of(s, r, stages)))
+                 for r in range(width) for s in range(stages))
+
+
+def stage_links(cluster: Cluster, stages: int, width: int) -> tuple[tuple[float, float], ...]:
+    """``(latency, bandwidth)`` between stage s and s + 1 for every s: the inter-node link when
+    any replica's two ranks sit on different nodes (replicas run in lockstep), else intra."""
+    from .schedule import rank_of
+
+    out = []
+    for s in range(stages - 1):
+        across = any(cluster.node_of(rank_of(s, r, stages)) != cluster.node_of(rank_of(s + 1, r, stages))
+                     for r in range(width))
+        link = cluster.inter if across else cluster.intra
+        out.append((link.latency, link.bandwidth))
+    return tuple(out)
+
+
+def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, int]], width: int) -> float:
+    """Seconds of the slowest gradient all-reduce of a step: each stage's data-parallel ring
+    over its w replicas (its gradients in the master dtype, tied ones left out) and each tied
+    weight's ring over its stages in every replica (as ``fxpipe.pipeline.Topology`` groups
+    them), all running at once and sharing the node interfaces they cross
+    (:meth:`fxpipe.cluster.Cluster.allreduce_time`)."""
+    from .schedule import rank_of
+
+    d = len(bounds)
+    stage_of = np.empty(chain.n, dtype=np.int64)
+    for s, (l, r) in enumerate(bounds):
+        stage_of[l : r + 1] = s
+    dp = [0.0] * d
+    tied: dict[tuple[int, ...], float] = {}
+    for p, readers in enumerate(chain.tensor_readers):
+        nbytes = float(chain.tensor_param_bytes[p])
+        if nbytes <= 0:
+            continue
+        stages = tuple(sorted(set(stage_of[np.asarray(readers)].tolist())))
+        if len(stages) == 1:
+            dp[stages[0]] += nbytes
+        else:
+            tied[stages] = tied.get(stages, 0.0) + nbytes
+    groups = [([rank_of(s, r, d) for r in range(width)], dp[s]) for s in range(d)]
+    groups += [([rank_of(s, r, d) for r in range(width) for s in st], nbytes) for st, nbytes in tied.items()]
+    groups = [(g, nbytes) for g, nbytes in groups if len(g) > 1 and nbytes > 0]
+    concurrent = [g for g, _ in groups]
+    return max((cluster.allreduce_time(nbytes, g, concurrent) for g, nbytes in groups), default=0.0)
+
+
+class _GraphSource:
+    """Chains of a traced, costed graph, one per (micro-batch size, gradient buffers)."""
+
+    def __init__(self, gm: fx.GraphModule, costs: GraphCosts, **chain_kw):
+        self.gm, self.costs, self.chain_kw = gm, costs, chain_kw
+        self.n = sum(1 for nd in gm.graph.nodes if nd.op in _COMPUTE)
+        self.batch_size = costs.batch_size
+        self._chains: dict[tuple[int, int], Chain] = {}
+
+    def chain(self, batch: int, grad_buffers: int) -> Chain:
+        if (batch, grad_buffers) not in self._chains:
+            self._chains[batch, grad_buffers] = chain_from_graph(self.gm, self.costs, batch, grad_buffers=grad_buffers,
+                                                                 **self.chain_kw)
+        return self._chains[batch, grad_buffers]
+
+    def per_sample(self, batch: int) -> float:
+        """Forward + backward seconds of one sample on one device at micro-batch size ``batch``."""
+        return (self.costs.total("fwd_time", batch) + self.costs.total("bwd_time", batch)) / batch
+
+    def untied_param_bytes(self) -> float:
+        """Bytes of the parameters one node reads (the gradients data parallelism reduces)."""
+        return _untied_param_bytes(self.chain(self.batch_size, 1))
+
+
+def _untied_param_bytes(chain: Chain) -> float:
+    return float(sum(chain.tensor_param_bytes[p] for p, rd in enumerate(chain.tensor_readers) if len(rd) == 1))
+
+
+@dataclass
+class _Search:
+    candidates: list[_Candidate]  # every configuration priced, best first (those that fit before)
+    smallest_fit: float  # the least memory any searched configuration needs (inf if not computed)
+    depths: list[int]
+
+
+def _configs(world: int, depths: Sequence[int], global_batch: int | None, microbatches: int | None, traced_b: int,
+             strict: bool) -> list[tuple[int, int, int, int]]:
+    """(d, w, b, m) for every depth of ``depths`` on ``world`` devices. ``strict``: a global
+    batch the width does not divide is an error (else the depth is skipped)."""
+    out = []
+    for d in depths:
+        w = world // d
+        if global_batch is None:
+            out.append((d, w, traced_b, microbatches))
+            continue
+        if global_batch % w:
+            if strict:
+                raise PlanError(
+                    f"global_batch {global_batch} is not divisible by the data-parallel width w={w} "
+                    f"(world_size {world} / {d} stages); use a multiple of {w}"
+                )
+            continue
+        per = global_batch // w
+        if microbatches is not None:
+            if per % microbatches:
+                if strict:
+                    raise PlanError(
+                        f"global_batch {global_batch} is not divisible by w*m = {w * microbatches}: "
+                        f"pick global_batch as a multiple of {w * microbatches}"
+                    )
+                continue
+            out.append((d, w, per // microbatches, microbatches))
+        else:
+            out += [(d, w, bb, per // bb) for bb in _divisors(per)]
+    return out
+
+
+def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, world: int,
+           d: int, w: int, b: int, m: int, rc: bool, device: DeviceModel, fit: bool = True) -> _Candidate:
+    """One configuration, partitioned under the memory limit (``fit``) or without one (to report
+    what a configuration that does not fit would need and give). Raises PlanError("smallest
+    memory ...") when ``fit`` and nothing fits."""
+    grad_buffers = 2 if (w > 1 or clip) else 1
+    chain = source.chain(b, grad_buffers)
+    links = stage_links(cluster, d, w)
+    sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links)
+    part = partition_chain(chain, sm)
+    if fit and grad_buffers == 1 and _over_with_tied_buffers(chain, sm, part, limit):
+        # A stage holding a copy of a tied weight keeps a second gradient buffer (its tied
+        # all-reduce overlaps the next batch); where that breaks the limit, plan every stage
+        # with two, a safe bound the chain formulation can express.
+        grad_buffers = 2
+        chain = source.chain(b, grad_buffers)
+        part = partition_chain(chain, sm)
+    pipe = pipeline_time(schedule, d, m, part.bottleneck)
+    ar = reduction_time(cluster, chain, part.bounds, w)
+    # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the next
+    # batch (PipeDream-2BW §3.1); flushing schedules wait for it.
+    step = max(pipe, ar) if schedule == "2bw" else pipe + ar
+    tied = set() if grad_buffers == 2 else _stages_with_shared_tensors(chain, part.bounds)
+    mems = []
+    for s, (l, r) in enumerate(part.bounds):
+        extra = float(sum(chain.tensor_grad_bytes[p] for p in _held(chain, l, r))) if s in tied else 0.0
+        mems.append(stage_memory(chain, sm, s, l, r) + extra)
+    slow = max(range(d), key=lambda s: stage_time(chain, sm, s, *part.bounds[s]))
+    l, r = part.bounds[slow]
+    comm = _comm(chain, sm, l - 1, slow - 1) + _comm(chain, sm, r, slow)
+    slow_link = {(cluster.inter.latency, cluster.inter.bandwidth)} - {(cluster.intra.latency, cluster.intra.bandwidth)}
+    inter = any(links[k] in slow_link for k in (slow - 1, slow) if 0 <= k < d - 1)
+    memory = max(mems)
+    return _Candidate(b * m * w / step, step, ar, d, w, b, m, rc, sm, part, chain, grad_buffers, world,
+                      memory <= limit * (1 + 1e-9), memory, pipe, stage_time(chain, sm, slow, l, r) - comm, comm, inter)
+
+
+def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, limit: float, worlds: Sequence[int],
+            stages: int | None, microbatches: int | None, global_batch: int | None, recompute: bool | None,
+            clip: bool, strict: bool) -> _Search:
+    """The paper's Algorithm 1 over every world size N of ``worlds``: every depth d dividing N
+    (width w = N / d), every micro-batch size b filling the global batch, with and without
+    recomputation; what fits ``limit`` competes on predicted throughput.
+
+    Branch and bound: each (N, d, b) has an upper bound on its throughput (perfect balance, no
+    recomputation, no communication, and the data-parallel all-reduce of its parameters spread
+    evenly over the stages, :func:`_bound`); configurations are priced best bound first, and
+    the search stops once no bound beats the best found. For each (N, d, recomputation), a
+    micro-batch size that does not fit is priced once more without the limit (reported, never
+    chosen) and larger ones are skipped."""
+    n = source.n
+    configs = []
+    for world in sorted(set(worlds), reverse=True):
+        depths = [stages] if stages is not None else _divisors(world)
+        configs += [(world, *c) for c in _configs(world, depths, global_batch, microbatches, source.batch_size, strict)]
+    configs = [c for c in configs if c[1] <= n and (schedule == "gpipe" or c[4] >= c[1])]
+    if not configs:
+        raise PlanError(
+            f"no depth d in {stages if stages is not None else 'the divisors of ' + str(max(worlds))} has at least d "
+            f"micro-batches and d compute nodes ({n}); use more micro-batches (m >= d for {schedule!r}) or a smaller "
+            f"world size"
+        )
+    bounds = {c: _bound(source, cluster, schedule, *c) for c in configs}
+    configs.sort(key=lambda c: (-bounds[c], c[1], c[2], -c[3]))
+    found: list[_Candidate] = []
+    missed: list[_Candidate] = []
+    too_big: dict[tuple[int, int, bool], int] = {}  # (N, d, rc) -> the smallest b that did not fit
+    best = 0.0
+    for world, d, w, bb, m in configs:
+        if bounds[world, d, w, bb, m] < best * (1 - 1e-9):
+            break
+        for rc in ([False, True] if recompute is None else [bool(recompute)]):
+            if rc and recompute is None and not any(StageModel.for_schedule(schedule, d, m, True, device).recompute):
+                continue  # d == 1 under 1f1b/2bw: recomputation is off everywhere, same as rc=False
+            if bb >= too_big.get((world, d, rc), math.inf):
+                continue
+            try:
+                c = _price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device)
+            except PlanError as e:
+                if "smallest memory" not in str(e):
+                    raise
+                too_big[world, d, rc] = bb
+                c = _price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, fit=False)
+                missed.append(dataclasses.replace(c, fits=False))
+                continue
+            found.append(c)
+            best = max(best, c.throughput)
+    found.sort(key=_Candidate.key)
+    missed.sort(key=_Candidate.key)
+    # a smaller b that did not fit makes a larger one's pricing moot: keep the smallest per (N, d, rc)
+    missed = [c for c in missed if too_big.get((c.accelerators, c.d, c.recompute)) == c.b]
+    return _Search(found + missed, math.inf, sorted({c[1] for c in configs}))
+
+
+def _bound(source, cluster: Cluster, schedule: str, world: int, d: int, w: int, b: int, m: int) -> float:
+    """An upper bound on the throughput of (N, d, w, b, m): compute perfectly balanced over the
+    stages without recomputation or communication, and the data-parallel all-reduce no shorter
+    than that of an even share of the parameters read by one node only (tied ones left out)."""
+    from .schedule import rank_of
+
+    per_micro = source.per_sample(b) * b / d
+    pipe = pipeline_time(schedule, d, m, per_micro)
+    ar = 0.0
+    if w > 1:
+        share = source.untied_param_bytes() / d
+        groups = [[rank_of(s, r, d) for r in range(w)] for s in range(d)]
+        ar = min(cluster.allreduce_time(share, g, groups) for g in groups)
+    step = max(pipe, ar) if schedule == "2bw" else pipe + ar
+    return b * m * w / step
+
+
+def _reason(c: _Candidate, win: _Candidate, schedule: str, limit: float) -> str:
+    """Why ``c`` lost to ``win``: the part of its time per sample that grew the most."""
+    if c is win:
+        return "chosen"
+    if not c.fits:
+        return f"does not fit: needs {c.memory / 1e9:.2f} GB > {limit / 1e9:.2f} GB"
+
+    def parts(x: _Candidate) -> dict[str, float]:
+        bubble = x.pipe - x.m * (x.compute + x.comm)
+        exposed = max(0.0, x.allreduce - x.pipe) if schedule == "2bw" else x.allreduce
+        return {k: v / x.samples for k, v in (("compute", x.m * x.compute), ("comm", x.m * x.comm),
+                                              ("bubble", bubble), ("allreduce", exposed))}
+
+    if c.throughput >= win.throughput * (1 - 1e-9):
+        return "a tie: the tie-break prefers shallower, narrower, larger b, no recomputation"
+    pc, pw = parts(c), parts(win)
+    k = max(pc, key=lambda k: pc[k] - pw[k])
+    slower = f"{1 - c.throughput / win.throughput:.1%} slower"
+    if k == "compute":
+        why = [f"slowest stage computes {c.compute * 1e3:.3g} ms per micro-batch of {c.b}"]
+        if c.recompute and not win.recompute:
+            why.append("recomputation")
+        if c.accelerators < win.accelerators:
+            why.append(f"{c.accelerators} accelerators, not {win.accelerators}")
+        elif c.b < win.b:
+            why.append("a smaller micro-batch pays more per-operator overhead")
+        return f"{slower}: " + "; ".join(why)
+    if k == "comm":
+        where = "across nodes" if c.inter else "inside a node"
+        return f"{slower}: slowest stage sends {c.comm * 1e3:.3g} ms per micro-batch {where}"
+    if k == "bubble":
+        return f"{slower}: pipeline fill and drain idle {(c.d - 1) / (c.m + c.d - 1):.0%} of the step"
+    over = f", {c.allreduce - c.pipe:.3g} s more than the pipeline's {c.pipe:.3g} s" if schedule == "2bw" else ""
+    return f"{slower}: gradient all-reduce {c.allreduce:.3g} s over {c.w} replicas{over}"
+
+
+def _configuration_rows(cands: Sequence[_Candidate], win: _Candidate, schedule: str, limit: float,
+                        top: int) -> tuple[Configuration, ...]:
+    """The best configuration of each (N, d) (those that fit first), best first, at most
+    ``top`` of them, the chosen one always among them."""
+    best: dict[tuple[int, int], _Candidate] = {}
+    for c in cands:  # fitting ones first, each best first
+        best.setdefault((c.accelerators, c.d), c)
+    best[win.accelerators, win.d] = win
+    rows = sorted(best.values(), key=lambda c: (-c.throughput, c.d, c.w))
+    keep = [c for c in rows if c is not win][: max(top - 1, 0)] + [win]
+    keep.sort(key=lambda c: (-c.throughput, c.d, c.w))
+    return tuple(Configuration(c.accelerators, c.d, c.w, c.b, c.m, c.recompute, c.throughput, c.step_time, c.pipe,
+                               c.allreduce, c.memory, c.fits, _reason(c, win, schedule, limit)) for c in keep)
+
+
+def _resolve_cluster(cluster, nodes: int | None = None) -> Cluster | None:
+    """A Cluster from a Cluster, a preset name or a path to a .json/.toml file."""
+    if cluster is None or isinstance(cluster, Cluster):
+        return cluster
+    if isinstance(cluster, (str, os.PathLike)):
+        spec = os.fspath(cluster)
+        if spec in PRESETS:
+            return Cluster.preset(spec, nodes=nodes or 1)
+        if spec.lower().endswith((".json", ".toml")):
+            c = Cluster.from_file(spec)
+            return dataclasses.replace(c, nodes=nodes) if nodes else c
+        raise PlanError(f"cluster must be a preset in {sorted(PRESETS)} or a path to a .json or .toml file, found "
+                        f"{spec!r}; e.g. cluster='p3.16xlarge' or fxpipe.Cluster.preset('p3.16xlarge', nodes=8)")
+    raise PlanError(f"cluster must be a fxpipe.Cluster, a preset name or a file path, found {type(cluster).__name__}; "
+                    f"e.g. fxpipe.Cluster.preset('dgx-a100', nodes=2)")
+
+
 def plan(
     model_or_gm: nn.Module | fx.GraphModule,
     example_inputs=None,
@@ -547,9 +931,11 @@ def plan(
     costs: GraphCosts | None = None,
     optimizer_bytes_per_param: float = 8.0,
     torch_device: str | torch.device | None = None,
-    clip: bool = False,
+    clip: bool | None = None,
     accumulation: str = "autograd",
     precision: str = "fp32",
+    cluster: Cluster | str | None = None,
+    top: int = 8,
 ) -> Plan:
     """Trace (if needed), cost and partition a model; return the best :class:`Plan`.
 
@@ -561,23 +947,40 @@ def plan(
     overrides ``device.memory_bytes``. ``costs`` reuses an earlier :func:`fxpipe.cost.annotate`.
     ``clip``: a global-norm all-reduce runs every step (``fxpipe.compile`` always runs one: it
     clips and checks for non-finite values); like data parallelism (w > 1) this makes every stage
-    keep a second gradient buffer, which the memory model then counts.
+    keep a second gradient buffer, which the memory model then counts. None: True with a
+    ``cluster`` (a plan for a real run counts what ``compile`` will hold), else False.
     ``accumulation``: ``"autograd"`` (torch.optim) or ``"fused"`` (the kernels' path, one more
     scratch gradient per stage); see :func:`fxpipe.weights.weight_bytes`.
     ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``fxpipe.compile``'s); the memory model
     counts the master weights, the 2-byte compute versions and compute-dtype activations.
+
+    ``cluster`` (a :class:`fxpipe.Cluster`, a preset name or a .json/.toml path) plans for
+    machines other than this one: operators cost at its accelerators' achievable FLOP/s in
+    ``precision``'s dtype, stages fill its memory, and communication is priced on the runtime's
+    placement over its links (:mod:`fxpipe.cluster`). Without ``world_size`` the search also
+    chooses how many of its accelerators to use (N = d·w up to its size). The model may be
+    built on the meta device (with meta example inputs): nothing is allocated.
+    ``top``: how many configurations ``plan.configurations`` keeps (the best of each depth).
     """
     if schedule not in _SCHEDULES:
         raise PlanError(f"schedule must be one of {_SCHEDULES}, found {schedule!r}")
-    if accumulation not in ("autograd", "fused"):
-        raise PlanError(f"accumulation must be 'autograd' or 'fused', found {accumulation!r}")
+    if accumulation not in ("autograd", "fused", "optimizer"):
+        raise PlanError(f"accumulation must be 'autograd', 'fused' or 'optimizer' (AdamA), found {accumulation!r}")
     if precision not in PRECISIONS:
         raise PlanError(f"precision must be one of {sorted(PRECISIONS)}, found {precision!r}")
+    if cost_mode not in ("analytic", "measured"):
+        raise PlanError(f"cost_mode must be 'analytic' or 'measured', found {cost_mode!r}")
     for name, v in (("stages", stages), ("microbatches", microbatches), ("world_size", world_size),
                     ("global_batch", global_batch), ("device_memory", device_memory)):
         _positive(name, v)
     if microbatches is None and global_batch is None:
         raise PlanError("give microbatches=m (micro-batches per step) or global_batch=N (samples per step)")
+    cluster = _resolve_cluster(cluster)
+    if cluster is not None and device is not None:
+        raise PlanError(
+            f"give cluster= or device=, not both: found cluster {cluster.name!r} and device {device.name!r}; a "
+            f"cluster describes its own accelerators (Cluster.from_device_model(device) makes one of a DeviceModel)"
+        )
     if isinstance(model_or_gm, fx.GraphModule) and "fxpipe" in model_or_gm.meta:
         gm = model_or_gm
     elif isinstance(model_or_gm, nn.Module):
@@ -588,119 +991,84 @@ def plan(
         gm = trace(model_or_gm, example_inputs)
     else:
         raise PlanError(f"plan expects an nn.Module or a GraphModule from fxpipe.trace, found {type(model_or_gm).__name__}")
-    if world_size is None:
+    if cost_mode == "measured" and costs is None and _on_meta(gm):
+        raise PlanError(
+            "cost_mode='measured' runs every operator on real tensors, but the model is on the meta device (found "
+            "meta parameters); plan a meta model with cost_mode='analytic', or calibrate the cluster on a real "
+            "accelerator (Cluster.calibrate) and plan analytically"
+        )
+    given_cluster = cluster is not None
+    if world_size is None and cluster is None:
         import torch.distributed as dist
 
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
-    if stages is not None:
-        ws = world_size or stages
-        if ws % stages:
-            raise PlanError(
-                f"world_size {ws} is not divisible by stages {stages}: every replica needs all {stages} "
-                f"stages; use stages in {_divisors(ws)} or a world size that is a multiple of {stages}"
-            )
-        depths = [stages]
-        world = ws
+    if stages is not None and world_size is not None and world_size % stages:
+        raise PlanError(
+            f"world_size {world_size} is not divisible by stages {stages}: every replica needs all {stages} "
+            f"stages; use stages in {_divisors(world_size)} or a world size that is a multiple of {stages}"
+        )
+    if cluster is not None:
+        if world_size is not None:
+            cluster.check_fits(world_size)
+            worlds = [world_size]
+        else:
+            if stages is not None:
+                cluster.check_fits(stages)
+            # whole nodes (or part of the only one): N = k * per_node for k = 1 .. nodes
+            counts = range(1, cluster.per_node + 1) if cluster.nodes == 1 else \
+                (k * cluster.per_node for k in range(1, cluster.nodes + 1))
+            worlds = [n for n in counts if stages is None or n % stages == 0]
+            if not worlds:
+                raise PlanError(
+                    f"stages={stages} does not divide any whole number of {cluster.name} nodes' accelerators "
+                    f"({cluster.per_node} per node, up to {cluster.size}); use stages dividing one of "
+                    f"{[k * cluster.per_node for k in range(1, cluster.nodes + 1)]}, or give world_size"
+                )
+        device = cluster.device_model(precision)
     else:
-        world = world_size or 1
-        depths = _divisors(world)
-    device = device or DeviceModel.for_device(torch_device)
+        world = world_size or stages or 1
+        worlds = [world]
+        device = device or DeviceModel.for_device(torch_device)
+        cluster = Cluster.from_device_model(device, world)
+    if clip is None:
+        clip = given_cluster
     limit = float(device_memory) if device_memory is not None else device.memory_bytes
     if costs is None:
         costs = annotate(gm, example_inputs, mode=cost_mode, device=device, torch_device=torch_device)
         if cost_mode == "measured" and global_batch is not None and gm is not model_or_gm:  # traced here
             costs = _measure_second_size(model_or_gm, gm, example_inputs, costs, device, torch_device)
-    traced_b = costs.batch_size
 
-    n_compute = sum(1 for nd in gm.graph.nodes if nd.op in _COMPUTE)
-    configs = []  # (d, w, b, m)
-    for d in depths:
-        w = world // d
-        if global_batch is not None:
-            if global_batch % w:
-                raise PlanError(
-                    f"global_batch {global_batch} is not divisible by the data-parallel width w={w} "
-                    f"(world_size {world} / {d} stages); use a multiple of {w}"
-                )
-            per = global_batch // w
-            if microbatches is not None:
-                if per % microbatches:
-                    raise PlanError(
-                        f"global_batch {global_batch} is not divisible by w*m = {w * microbatches}: "
-                        f"pick global_batch as a multiple of {w * microbatches}"
-                    )
-                configs += [(d, w, per // microbatches, microbatches)]
-            else:
-                configs += [(d, w, bb, per // bb) for bb in _divisors(per)]
-        else:
-            configs.append((d, w, traced_b, microbatches))
+    source = _GraphSource(gm, costs, schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                          accumulation=accumulation, precision=precision)
     if stages is not None:
-        if stages > n_compute:
+        if stages > source.n:
             raise PlanError(
-                f"cannot cut {n_compute} compute nodes into {stages} stages (each stage needs at least one "
-                f"node): use stages <= {n_compute}"
+                f"cannot cut {source.n} compute nodes into {stages} stages (each stage needs at least one "
+                f"node): use stages <= {source.n}"
             )
-        if schedule != "gpipe" and all(m < stages for _, _, _, m in configs):
+        strict = len(worlds) == 1
+        configs = [c for wd in worlds for c in _configs(wd, [stages], global_batch, microbatches, source.batch_size, strict)]
+        if schedule != "gpipe" and configs and all(m < stages for _, _, _, m in configs):
             raise PlanError(
                 f"schedule {schedule!r} needs at least as many micro-batches as stages: found microbatches="
                 f"{configs[0][3]} < stages={stages}; use microbatches >= {stages}"
             )
-    configs = [c for c in configs if c[0] <= n_compute and (schedule == "gpipe" or c[3] >= c[0])]
-    if not configs:
+    found = _search(source, cluster, device, schedule=schedule, limit=limit, worlds=worlds, stages=stages,
+                    microbatches=microbatches, global_batch=global_batch, recompute=recompute, clip=clip,
+                    strict=len(worlds) == 1)
+    fits = [c for c in found.candidates if c.fits]
+    if not fits:
+        smallest = min((min_memory(c.chain, dataclasses.replace(c.model, memory_limit=limit)) for c in found.candidates),
+                       default=math.inf)
+        where = f" of {cluster.name}" if given_cluster else ""
         raise PlanError(
-            f"no depth d in {depths} has at least d micro-batches and d compute nodes ({n_compute}); "
-            f"use more micro-batches (m >= d for {schedule!r}) or a smaller world size"
-        )
-
-    chains: dict[tuple[int, int], Chain] = {}
-
-    def chain_for(bb: int, grad_buffers: int) -> Chain:
-        if (bb, grad_buffers) not in chains:
-            chains[bb, grad_buffers] = chain_from_graph(gm, costs, bb, schedule=schedule, grad_buffers=grad_buffers,
-                                                        optimizer_bytes_per_param=optimizer_bytes_per_param,
-                                                        accumulation=accumulation, precision=precision)
-        return chains[bb, grad_buffers]
-
-    candidates: list[_Candidate] = []
-    smallest_fit = math.inf
-    for d, w, bb, m in configs:
-        for rc in ([False, True] if recompute is None else [bool(recompute)]):
-            grad_buffers = 2 if (w > 1 or clip) else 1
-            chain = chain_for(bb, grad_buffers)
-            sm = StageModel.for_schedule(schedule, d, m, rc, device, limit)
-            if rc and not any(sm.recompute) and recompute is None:
-                continue  # d == 1 under 1f1b/2bw: recomputation is off everywhere, same as rc=False
-            try:
-                part = partition_chain(chain, sm)
-                if grad_buffers == 1 and _over_with_tied_buffers(chain, sm, part, limit):
-                    # A stage holding a copy of a tied weight keeps a second gradient buffer (its
-                    # tied all-reduce overlaps the next batch); where that breaks the limit, plan
-                    # every stage with two, a safe bound the chain formulation can express.
-                    grad_buffers = 2
-                    chain = chain_for(bb, grad_buffers)
-                    part = partition_chain(chain, sm)
-            except PlanError as e:
-                if "smallest memory" not in str(e):
-                    raise
-                smallest_fit = min(smallest_fit, min_memory(chain, sm))
-                continue
-            pipe = pipeline_time(schedule, d, m, part.bottleneck)
-            grad_bytes = max(float(sum(chain.tensor_param_bytes[p] for p in _held(chain, l, r))) for l, r in part.bounds)
-            ar = device.allreduce_time(grad_bytes, w)
-            # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the
-            # next batch (PipeDream-2BW §3.1); flushing schedules wait for it.
-            step = max(pipe, ar) if schedule == "2bw" else pipe + ar
-            candidates.append(_Candidate(bb * m * w / step, step, ar, d, w, bb, m, rc, sm, part, chain, grad_buffers))
-    if not candidates:
-        raise PlanError(
-            f"no configuration fits in {limit / 1e6:.1f} MB per device (searched d in {sorted({c[0] for c in configs})}, "
+            f"no configuration fits in {limit / 1e6:.1f} MB per device{where} (searched d in {found.depths}, "
             f"recompute {'on/off' if recompute is None else recompute}); the smallest memory that fits is "
-            f"{smallest_fit / 1e6:.1f} MB. Give device_memory >= {math.ceil(smallest_fit)}, more devices, "
+            f"{smallest / 1e6:.1f} MB. Give device_memory >= {math.ceil(smallest)}, more devices, "
             f"or a smaller micro-batch."
         )
-    candidates.sort(key=_Candidate.key)
-    best = candidates[0]
-    runner = next((c for c in candidates[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
+    best = fits[0]
+    runner = next((c for c in fits[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
     chain = best.chain
     # with one buffer counted per stage, the stages of a tied weight still keep a second one
     tied = set() if best.grad_buffers == 2 else _stages_with_shared_tensors(chain, best.part.bounds)
@@ -725,7 +1093,15 @@ def plan(
         device=device,
         memory_limit=limit,
         graph_hash=graph_fingerprint(gm),
+        precision=precision,
+        cluster=cluster if given_cluster else None,
+        placement=placement(cluster, best.d, best.w),
+        configurations=_configuration_rows(found.candidates, best, schedule, limit, top) if given_cluster or top else (),
     )
+
+
+def _on_meta(gm: fx.GraphModule) -> bool:
+    return any(t.is_meta for t in (*gm.parameters(), *gm.buffers()))
 
 
 def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, costs: GraphCosts,
@@ -799,7 +1175,7 @@ def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: 
         first_module=module_path(nodes[first]) if first in nodes else "",
         last_module=module_path(nodes[last]) if last in nodes else "",
         forward_time=f, backward_time=bw,
-        comm_time=_comm(chain, model, l - 1) + _comm(chain, model, r),
+        comm_time=_comm(chain, model, l - 1, s - 1) + _comm(chain, model, r, s),
         memory=weights + acts + inp, memory_weights=copies, memory_activations=acts,
         memory_optimizer=opt, memory_grads=grads, memory_buffers=inp,
         param_bytes=pbytes, send_bytes=float(chain.cross[r]) if r < chain.n - 1 else 0.0, recompute=rc,

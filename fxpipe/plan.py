@@ -29,9 +29,10 @@ import torch
 import torch.fx as fx
 from tabulate import tabulate
 
+from .cluster import Cluster, Link
 from .cost import DeviceModel
 
-__all__ = ["Plan", "StagePlan", "RunnerUp", "graph_fingerprint"]
+__all__ = ["Plan", "StagePlan", "RunnerUp", "Configuration", "graph_fingerprint"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,30 @@ class RunnerUp:
 
 
 @dataclass(frozen=True)
+class Configuration:
+    """One configuration the planner priced (a row of ``Plan.configurations``): N = d·w
+    accelerators, micro-batch size b, m micro-batches per replica and step, recomputation."""
+
+    accelerators: int
+    stages: int
+    width: int
+    microbatch_size: int
+    microbatches: int
+    recompute: bool
+    throughput: float  #: predicted samples/s (for one that does not fit: what it would give)
+    step_time: float  #: predicted seconds per optimizer step
+    pipeline_time: float  #: seconds the pipeline computes per step (m stage times, plus fill/drain)
+    allreduce_time: float  #: slowest gradient all-reduce of the step (data-parallel or tied)
+    memory: float  #: bytes on the fullest accelerator
+    fits: bool
+    reason: str  #: why it lost to the chosen one ("chosen" for the winner)
+
+    def describe(self) -> str:
+        return (f"N={self.accelerators} d={self.stages} w={self.width} b={self.microbatch_size} "
+                f"m={self.microbatches} recompute={'on' if self.recompute else 'off'}")
+
+
+@dataclass(frozen=True)
 class Plan:
     """A pipeline plan: the chosen configuration, the node-to-stage map and the predictions.
 
@@ -110,6 +135,13 @@ class Plan:
     device: DeviceModel
     memory_limit: float  #: bytes each stage had to fit in
     graph_hash: str
+    precision: str = "fp32"  #: the precision the memory and time model assumed
+    cluster: Cluster | None = None  #: the cluster planned for (None: this machine, one node)
+    #: ``(rank, stage, replica, node)`` for every rank, in rank order: the runtime's layout,
+    #: rank ``replica * d + stage`` (fxpipe.schedule.rank_of) on node ``rank // per_node``
+    placement: tuple[tuple[int, int, int, int], ...] = ()
+    #: the best configuration of each depth the search priced, best first (the chosen one among them)
+    configurations: tuple[Configuration, ...] = ()
 
     @property
     def assignment(self) -> dict[str, int]:
@@ -139,6 +171,11 @@ class Plan:
         d["stage_plans"] = tuple(StagePlan(**sp) for sp in d["stage_plans"])
         d["runner_up"] = None if d["runner_up"] is None else RunnerUp(**d["runner_up"])
         d["device"] = DeviceModel(**d["device"])
+        if d.get("cluster") is not None:
+            c = d["cluster"]
+            d["cluster"] = Cluster(**{**c, "intra": Link(**c["intra"]), "inter": Link(**c["inter"])})
+        d["placement"] = tuple(tuple(int(x) for x in row) for row in d.get("placement", ()))
+        d["configurations"] = tuple(Configuration(**c) for c in d.get("configurations", ()))
         return cls(**d)
 
     # ------------------------------------------------------------------------------ printing
@@ -155,6 +192,48 @@ class Plan:
             ])
         headers = ["stage", "nodes", "span", "fwd ms", "bwd ms", "comm ms", "memory MB", "params MB", "recompute"]
         return tabulate(rows, headers=headers, floatfmt=".3f")
+
+    def placement_text(self, limit: int = 8) -> str:
+        """Which node holds which replica's stages, and which neighbouring stages cross nodes."""
+        if not self.placement:
+            return ""
+        nodes: dict[int, dict[int, list[int]]] = {}
+        for _, stage, replica, node in self.placement:
+            nodes.setdefault(node, {}).setdefault(replica, []).append(stage)
+        per_node = self.cluster.per_node if self.cluster is not None else len(self.placement)
+        lines = [f"placement: rank = replica x {self.stages} + stage, node = rank // {per_node}"]
+        shown = sorted(nodes)
+        for node in shown[:limit]:
+            groups: dict[str, list[int]] = {}
+            for replica, stages in sorted(nodes[node].items()):
+                groups.setdefault(_span(stages), []).append(replica)
+            parts = [f"replica{'s' if len(r) > 1 else ''} {_span(r)} stage{'s' if '-' in st else ''} {st}"
+                     for st, r in groups.items()]
+            lines.append(f"  node {node}: " + "; ".join(parts))
+        if len(shown) > limit:
+            lines.append(f"  ... {len(shown) - limit} more nodes")
+        node_of = {(stage, replica): node for _, stage, replica, node in self.placement}
+        crossing = [s for s in range(self.stages - 1)
+                    if any(node_of[s, r] != node_of[s + 1, r] for r in range(self.width))]
+        if crossing:
+            lines.append("  stages sending across nodes (inter-node link): "
+                         + ", ".join(f"{s}->{s + 1}" for s in crossing))
+        return "\n".join(lines)
+
+    def configurations_table(self) -> str:
+        """The search's best configuration per depth: throughput, memory and why each lost."""
+        if not self.configurations:
+            return ""
+        rows = []
+        for c in self.configurations:
+            rows.append([
+                c.accelerators, c.stages, c.width, c.microbatch_size, c.microbatches, "on" if c.recompute else "off",
+                c.throughput, c.step_time * 1e3, c.allreduce_time * 1e3, c.memory / 1e9,
+                "yes" if c.fits else "NO", c.reason,
+            ])
+        headers = ["N", "d", "w", "b", "m", "recompute", "samples/s", "step ms", "all-reduce ms", "memory GB", "fits",
+                   "why not chosen"]
+        return tabulate(rows, headers=headers, floatfmt=".1f")
 
     def why(self) -> str:
         head = f"predicted {self.step_time * 1e3:.3f} ms per step, {self.throughput:.1f} samples/s"
@@ -174,7 +253,13 @@ class Plan:
         )
         batch = (f"global batch: b·m·w = {self.microbatch_size} x {self.microbatches} x {self.width} = "
                  f"{self.global_batch} samples per step")
-        return "\n".join([head, self.table(), self.why(), batch])
+        parts = [head]
+        if self.cluster is not None:
+            parts.append(f"cluster {self.cluster.describe()}; precision {self.precision}")
+        parts += [self.table(), self.placement_text(), self.why(), batch]
+        if self.configurations:
+            parts += ["configurations searched (the best of each depth):", self.configurations_table()]
+        return "\n".join(p for p in parts if p)
 
 
 # --------------------------------------------------------------------------------------------
@@ -206,6 +291,19 @@ def _target_name(target: Any) -> str:
     if isinstance(target, torch._ops.OpOverload):
         return str(target)
     return f"{mod}.{name}" if name else str(target)
+
+
+def _span(xs: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    xs = sorted(xs)
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
 
 
 def _mapping_pairs(assignment: Mapping[str, int]) -> tuple[tuple[str, int], ...]:

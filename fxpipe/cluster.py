@@ -1,0 +1,450 @@
+"""cluster: the machines a plan is for — accelerators, their memory and FLOP/s, and the links between them.
+
+A :class:`Cluster` is ``nodes`` identical nodes of ``per_node`` accelerators each. Inside a node
+accelerators talk over the ``intra`` link (NVLink); between nodes over the ``inter`` link, the
+node's network interfaces, whose bandwidth is the node's total and is shared by every flow
+leaving the node at once::
+
+    cluster = fxpipe.Cluster.preset("p3.16xlarge", nodes=8)    # PipeDream-2BW's 64 V100-16GB
+    plan = fxpipe.plan(model, example_inputs, cluster=cluster, global_batch=512,
+                       schedule="2bw", precision="fp16")
+    print(plan)                                                # stages, placement, the search
+
+Placement is the runtime's: rank ``replica * d + stage`` (:func:`fxpipe.schedule.rank_of`), on
+node ``rank // per_node`` (torchrun numbers ranks node by node). A plan for N < size
+accelerators uses the first N ranks. What the planner prices on that layout:
+
+* **Activations between stages s and s+1** use the intra link when every replica's two ranks
+  share a node, else the inter link (replicas run in lockstep, so the slowest replica sets the
+  pace). Each replica's ranks are consecutive, so at most one replica's stage pair crosses the
+  border between two consecutive nodes: such a flow has the node's interface to itself in its
+  direction.
+* **A ring all-reduce** among ``k`` ranks moves ``2(k-1)/k`` of the data over each hop of the
+  ring and pays ``2(k-1)`` latencies. It runs at the pace of the slowest hop: the intra link
+  when the group sits in one node, else the node's interface divided among the groups that
+  leave that node at the same time (a 2bw step reduces every stage's gradients in the same
+  window, so on a node holding 8 stages 8 rings share the interface). See
+  :meth:`Cluster.allreduce_time`.
+
+Compute: ``flops[dtype]`` is the vendor's peak dense FLOP/s and ``efficiency`` the fraction a
+training step sustains (``achievable_flops``); :meth:`Cluster.with_efficiency` replaces the
+fraction with a measured one (:meth:`Cluster.calibrate` measures it on a local accelerator).
+``memory`` is each accelerator's capacity and ``reserved`` what the CUDA context, NCCL buffers
+and the allocator's slack take from it; plans fill ``memory - reserved``.
+
+Files (:meth:`Cluster.from_file`) are JSON or TOML with the same keys as :meth:`to_dict`, sizes
+in GB (1e9 bytes) and GB/s, e.g. ``my.toml``::
+
+    name = "my-cluster"
+    nodes = 4
+    per_node = 8
+    memory_gb = 40
+    mem_bandwidth_gbs = 1555
+    efficiency = 0.5
+    [flops_tflops]
+    fp32 = 19.5
+    bf16 = 312
+    fp16 = 312
+    [intra]
+    bandwidth_gbs = 300
+    latency_us = 5
+    [inter]
+    bandwidth_gbs = 100
+    latency_us = 5
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .errors import PlanError
+
+__all__ = ["Link", "Cluster", "PRESETS"]
+
+_G = 1e9
+_T = 1e12
+
+#: dtype names a cluster's ``flops`` may hold, and the precision they serve
+DTYPES = ("fp64", "fp32", "tf32", "bf16", "fp16")
+_PRECISION_DTYPE = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: bytes per second in each direction, seconds of fixed cost per message."""
+
+    bandwidth: float
+    latency: float = 0.0
+
+    def time(self, nbytes: float) -> float:
+        """Seconds to move one message of ``nbytes`` over the link."""
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Nodes of identical accelerators and the links between them (see the module docstring)."""
+
+    name: str
+    nodes: int
+    per_node: int  #: accelerators per node
+    memory: float  #: bytes of memory per accelerator
+    flops: Mapping[str, float]  #: peak dense FLOP/s per dtype ("fp32", "tf32", "bf16", "fp16", "fp64")
+    mem_bandwidth: float  #: accelerator memory bytes/s (the roofline's memory roof)
+    intra: Link  #: between two accelerators of one node
+    inter: Link  #: a node's network interfaces (all of them: the node's total), shared by its flows
+    efficiency: float = 0.5  #: fraction of ``flops`` a training step sustains
+    reserved: float = 0.0  #: bytes per accelerator the plan may not fill (CUDA context, NCCL, slack)
+    op_latency: float = 5e-6  #: seconds of fixed dispatch cost per operator
+    accelerator: str = ""  #: e.g. "V100-SXM2-16GB"
+    intra_allreduce_bandwidth: float | None = None  #: ring bus bytes/s inside a node (None: intra.bandwidth)
+
+    def __post_init__(self) -> None:
+        def bad(what: str, expected: str, found: Any, fix: str) -> None:
+            raise PlanError(f"Cluster {self.name!r}: {what} must be {expected}, found {found!r}; {fix}")
+
+        for name in ("nodes", "per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                bad(name, "a positive integer", v, f"pass e.g. {name}=8")
+        for name in ("memory", "mem_bandwidth", "efficiency"):
+            v = getattr(self, name)
+            if not _number(v) or v <= 0:
+                bad(name, "a positive number", v, "see Cluster.preset(...) for typical values")
+        if self.efficiency > 1:
+            bad("efficiency", "a fraction of the peak in (0, 1]", self.efficiency, "pass e.g. efficiency=0.4")
+        for name in ("reserved", "op_latency"):
+            v = getattr(self, name)
+            if not _number(v) or v < 0:
+                bad(name, "a number >= 0", v, f"pass e.g. {name}=0")
+        if self.reserved >= self.memory:
+            bad("reserved", f"less than memory ({self.memory:.3g} bytes)", self.reserved,
+                "reserve what the CUDA context and NCCL take, about 1e9 bytes")
+        if not isinstance(self.flops, Mapping) or not self.flops:
+            bad("flops", f"a mapping of dtype to peak FLOP/s, dtypes among {DTYPES}", self.flops,
+                "pass e.g. flops={'fp32': 15.7e12, 'fp16': 125e12}")
+        for k, v in self.flops.items():
+            if k not in DTYPES or not _number(v) or v <= 0:
+                bad(f"flops[{k!r}]", f"a positive FLOP/s for a dtype among {DTYPES}", v,
+                    "pass e.g. flops={'fp32': 15.7e12, 'fp16': 125e12}")
+        object.__setattr__(self, "flops", dict(self.flops))
+        for name in ("intra", "inter"):
+            link = getattr(self, name)
+            if not isinstance(link, Link) or not _number(link.bandwidth) or link.bandwidth <= 0 \
+                    or not _number(link.latency) or link.latency < 0:
+                bad(name, "a Link(bandwidth > 0 bytes/s, latency >= 0 s)", link,
+                    f"pass e.g. {name}=Link(25e9, 10e-6)")
+        if self.intra_allreduce_bandwidth is not None and (not _number(self.intra_allreduce_bandwidth)
+                                                           or self.intra_allreduce_bandwidth <= 0):
+            bad("intra_allreduce_bandwidth", "a positive number or None", self.intra_allreduce_bandwidth,
+                "leave it None to use intra.bandwidth")
+
+    # ------------------------------------------------------------------------ constructors
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1, **overrides: Any) -> "Cluster":
+        """A cluster of ``nodes`` nodes of a known kind (:data:`PRESETS`): ``"p3.16xlarge"``,
+        ``"dgx-a100"``, ``"dgx-h100"``. ``overrides`` replace fields (e.g. ``efficiency=0.35``)."""
+        if name not in PRESETS:
+            raise PlanError(
+                f"unknown cluster preset {name!r}; expected one of {sorted(PRESETS)}, or a path to a .json or "
+                f".toml file (fxpipe.Cluster.from_file); see fxpipe/cluster.py for the keys"
+            )
+        return dataclasses.replace(PRESETS[name], nodes=nodes, **overrides)
+
+    @classmethod
+    def from_device_model(cls, device, accelerators: int = 1) -> "Cluster":
+        """The machine a :class:`fxpipe.cost.DeviceModel` describes, as one node of
+        ``accelerators`` devices: p2p over its ``p2p_*`` figures, rings at its
+        ``allreduce_bandwidth``. This is what :func:`fxpipe.plan` uses without ``cluster=``."""
+        return cls(
+            name=device.name, nodes=1, per_node=max(1, int(accelerators)), memory=device.memory_bytes,
+            flops={"fp32": device.peak_flops}, mem_bandwidth=device.mem_bandwidth,
+            intra=Link(device.p2p_bandwidth, device.p2p_latency),
+            inter=Link(device.p2p_bandwidth, device.p2p_latency),
+            efficiency=1.0, op_latency=device.op_latency, accelerator=device.name,
+            intra_allreduce_bandwidth=device.allreduce_bandwidth,
+        )
+
+    @classmethod
+    def local(cls, accelerators: int = 1, device: str | torch.device | None = None) -> "Cluster":
+        """This machine as fxpipe measures it today (:meth:`fxpipe.cost.DeviceModel.for_device`)."""
+        from .cost import DeviceModel
+
+        return cls.from_device_model(DeviceModel.for_device(device), accelerators)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "Cluster":
+        """A cluster from a JSON or TOML file (keys of :meth:`to_dict`; see the module docstring)."""
+        path = os.fspath(path)
+        ext = os.path.splitext(path)[1].lower()
+        if ext not in (".json", ".toml"):
+            raise PlanError(f"cluster file {path!r}: expected a .json or .toml file, found extension {ext or '(none)'!r}; "
+                            f"rename it or give a preset ({sorted(PRESETS)})")
+        if not os.path.isfile(path):
+            raise PlanError(f"cluster file {path!r} does not exist; expected a .json or .toml file or a preset "
+                            f"name ({sorted(PRESETS)})")
+        try:
+            if ext == ".json":
+                with open(path) as f:
+                    data = json.load(f)
+            else:
+                import tomllib
+
+                with open(path, "rb") as f:
+                    data = tomllib.load(f)
+        except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError
+            raise PlanError(f"cluster file {path!r} is not valid {ext[1:].upper()}: {e}; fix the syntax") from e
+        try:
+            return cls.from_dict(data)
+        except PlanError as e:
+            raise PlanError(f"cluster file {path!r}: {e}") from None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Cluster":
+        """Inverse of :meth:`to_dict` (sizes in GB, bandwidths in GB/s, FLOP/s in TFLOP/s)."""
+        if not isinstance(data, Mapping):
+            raise PlanError(f"expected a table of cluster keys {sorted(_KEYS)}, found {type(data).__name__}")
+        unknown = sorted(set(data) - set(_KEYS))
+        missing = sorted(k for k in _REQUIRED if k not in data)
+        if unknown or missing:
+            raise PlanError(
+                f"expected keys {sorted(_REQUIRED)} (optional: {sorted(set(_KEYS) - set(_REQUIRED))}); "
+                + (f"missing {missing}" if missing else "")
+                + ("; " if missing and unknown else "")
+                + (f"unknown {unknown}" if unknown else "")
+                + "; see the example in fxpipe/cluster.py"
+            )
+
+        def num(key: str, value: Any, scale: float) -> float:
+            if not _number(value):
+                raise PlanError(f"{key} must be a number, found {value!r}; write e.g. {key} = 16")
+            return float(value) * scale
+
+        def link(key: str) -> Link:
+            v = data[key]
+            if not isinstance(v, Mapping) or "bandwidth_gbs" not in v or set(v) - {"bandwidth_gbs", "latency_us"}:
+                raise PlanError(f"{key} must be a table with bandwidth_gbs (and latency_us), found {v!r}; "
+                                f"write e.g. [{key}] bandwidth_gbs = 25, latency_us = 10")
+            return Link(num(f"{key}.bandwidth_gbs", v["bandwidth_gbs"], _G), num(f"{key}.latency_us", v.get("latency_us", 0), 1e-6))
+
+        flops = data["flops_tflops"]
+        if not isinstance(flops, Mapping):
+            raise PlanError(f"flops_tflops must be a table of dtype = TFLOP/s, found {flops!r}; write e.g. "
+                            f"[flops_tflops] fp32 = 15.7, fp16 = 125")
+        nodes, per_node = data["nodes"], data["per_node"]
+        for key, v in (("nodes", nodes), ("per_node", per_node)):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise PlanError(f"{key} must be an integer, found {v!r}; write e.g. {key} = 8")
+        kw: dict[str, Any] = dict(
+            name=str(data.get("name", "cluster")), nodes=nodes, per_node=per_node,
+            memory=num("memory_gb", data["memory_gb"], _G),
+            flops={str(k): num(f"flops_tflops.{k}", v, _T) for k, v in flops.items()},
+            mem_bandwidth=num("mem_bandwidth_gbs", data["mem_bandwidth_gbs"], _G),
+            intra=link("intra"), inter=link("inter"),
+            accelerator=str(data.get("accelerator", "")),
+        )
+        for key, fname, scale in (("efficiency", "efficiency", 1.0), ("reserved_gb", "reserved", _G),
+                                  ("op_latency_us", "op_latency", 1e-6),
+                                  ("intra_allreduce_bandwidth_gbs", "intra_allreduce_bandwidth", _G)):
+            if key in data:
+                kw[fname] = num(key, data[key], scale)
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cluster as plain data in the units of the file format (GB, GB/s, TFLOP/s, us)."""
+        out: dict[str, Any] = {
+            "name": self.name, "accelerator": self.accelerator, "nodes": self.nodes, "per_node": self.per_node,
+            "memory_gb": self.memory / _G, "reserved_gb": self.reserved / _G,
+            "flops_tflops": {k: v / _T for k, v in self.flops.items()},
+            "efficiency": self.efficiency, "mem_bandwidth_gbs": self.mem_bandwidth / _G,
+            "intra": {"bandwidth_gbs": self.intra.bandwidth / _G, "latency_us": self.intra.latency * 1e6},
+            "inter": {"bandwidth_gbs": self.inter.bandwidth / _G, "latency_us": self.inter.latency * 1e6},
+            "op_latency_us": self.op_latency * 1e6,
+        }
+        if self.intra_allreduce_bandwidth is not None:
+            out["intra_allreduce_bandwidth_gbs"] = self.intra_allreduce_bandwidth / _G
+        return out
+
+    def with_efficiency(self, efficiency: float) -> "Cluster":
+        """This cluster with a measured fraction of peak (e.g. from :meth:`calibrate`)."""
+        return dataclasses.replace(self, efficiency=efficiency)
+
+    def calibrate(self, model, example_inputs, *, precision: str = "fp32",
+                  device: str | torch.device | None = None, repeats: int = 5) -> "Cluster":
+        """This cluster with ``efficiency`` measured on one local accelerator of its kind: every
+        compute node of ``model`` runs forward on ``device`` (:func:`fxpipe.cost.annotate`,
+        ``mode="measured"``), and the efficiency is the FLOPs of the matrix products divided by
+        their time, over the peak for ``precision``'s dtype. Run it where the accelerator is the
+        cluster's (a V100 for a V100 cluster); the figure replaces the preset's assumed one."""
+        from .cost import annotate
+        from .trace import trace
+
+        gm = trace(model, example_inputs)
+        costs = annotate(gm, example_inputs, mode="measured", torch_device=device, repeats=repeats)
+        flops = sum(c.flops(costs.batch_size) for c in costs.nodes.values() if c.flops.a or c.flops.c)
+        secs = sum(c.fwd_time(costs.batch_size) for c in costs.nodes.values() if c.flops.a or c.flops.c)
+        if flops <= 0 or secs <= 0:
+            raise PlanError(f"calibrate: the model has no operator with known FLOPs (found {flops:.0f} FLOPs in "
+                            f"{secs:.3g} s); calibrate with a model of matrix products (e.g. a transformer block)")
+        return self.with_efficiency(min(1.0, flops / secs / self.peak_flops(precision)))
+
+    # ---------------------------------------------------------------------------- figures
+
+    @property
+    def size(self) -> int:
+        """Accelerators in the whole cluster."""
+        return self.nodes * self.per_node
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes a stage may fill on one accelerator."""
+        return self.memory - self.reserved
+
+    def peak_flops(self, precision: str = "fp32") -> float:
+        """Vendor peak FLOP/s of one accelerator in ``precision``'s compute dtype."""
+        dtype = _PRECISION_DTYPE.get(precision)
+        if dtype is None:
+            raise PlanError(f"precision must be one of {sorted(_PRECISION_DTYPE)}, found {precision!r}")
+        if dtype not in self.flops:
+            raise PlanError(
+                f"cluster {self.name!r} ({self.accelerator or 'accelerator'}) has no FLOP/s for {dtype}: it "
+                f"lists {sorted(self.flops)}; plan with precision in "
+                f"{sorted(p for p, d in _PRECISION_DTYPE.items() if d in self.flops)} or add flops[{dtype!r}]"
+            )
+        return self.flops[dtype]
+
+    def achievable_flops(self, precision: str = "fp32") -> float:
+        """Sustained FLOP/s of one accelerator: peak x efficiency."""
+        return self.peak_flops(precision) * self.efficiency
+
+    def device_model(self, precision: str = "fp32"):
+        """The :class:`fxpipe.cost.DeviceModel` that costs operators on one accelerator.
+
+        Traced byte counts are those of the model's own dtype (fp32 here); under a 2-byte
+        ``precision`` each operator moves half of them, so the memory roof is doubled instead."""
+        from .cost import DeviceModel
+        from .weights import compute_dtype
+
+        low = compute_dtype(precision)
+        scale = 1.0 if low is None else 32 / torch.finfo(low).bits
+        return DeviceModel(
+            name=f"{self.name} ({self.accelerator})" if self.accelerator and self.accelerator != self.name else self.name,
+            memory_bytes=self.usable_memory, peak_flops=self.achievable_flops(precision),
+            mem_bandwidth=self.mem_bandwidth * scale, p2p_bandwidth=self.intra.bandwidth,
+            p2p_latency=self.intra.latency,
+            allreduce_bandwidth=self.intra_allreduce_bandwidth or self.intra.bandwidth,
+            op_latency=self.op_latency,
+        )
+
+    # -------------------------------------------------------------------------- placement
+
+    def node_of(self, rank: int) -> int:
+        """The node rank ``rank`` runs on (torchrun: ranks numbered node by node)."""
+        return rank // self.per_node
+
+    def check_fits(self, ranks: int) -> None:
+        if ranks > self.size:
+            raise PlanError(
+                f"cluster {self.name!r} has {self.size} accelerators ({self.nodes} nodes x {self.per_node}), "
+                f"found a request for {ranks}; use world_size <= {self.size} or a cluster with more nodes"
+            )
+
+    def p2p_link(self, rank_a: int, rank_b: int) -> Link:
+        """The link a point-to-point message between two ranks crosses."""
+        return self.intra if self.node_of(rank_a) == self.node_of(rank_b) else self.inter
+
+    def ring_bandwidth(self, group: Sequence[int], concurrent: Sequence[Sequence[int]] = ()) -> float:
+        """Bytes/s of each hop of a ring all-reduce over ``group``: the intra link inside one node;
+        across nodes, the slowest node interface's share, each node's interface divided among the
+        groups of ``concurrent`` (``group`` included or not) that have members on it and elsewhere.
+        Each ring enters and leaves each of its nodes once, its members on a node being adjacent."""
+        intra = self.intra_allreduce_bandwidth or self.intra.bandwidth
+        nodes = {self.node_of(r) for r in group}
+        if len(nodes) <= 1:
+            return intra
+        spanning = [set(map(self.node_of, g)) for g in concurrent]
+        spanning = [s for s in spanning if len(s) > 1]
+        mine = set(nodes)
+        if not any(s == mine for s in spanning):
+            spanning.append(mine)
+        share = max(sum(1 for s in spanning if n in s) for n in nodes)
+        return min(intra, self.inter.bandwidth / share)
+
+    def allreduce_time(self, nbytes: float, group: Sequence[int], concurrent: Sequence[Sequence[int]] = ()) -> float:
+        """Seconds of a ring all-reduce of ``nbytes`` over the ranks of ``group`` (0 for one rank):
+        ``2(k-1)/k * nbytes / bw + 2(k-1) * latency``, with ``bw`` from :meth:`ring_bandwidth` and
+        the latency of the slowest link crossed."""
+        k = len(group)
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        bw = self.ring_bandwidth(group, concurrent)
+        crosses = len({self.node_of(r) for r in group}) > 1
+        latency = max(self.intra.latency, self.inter.latency) if crosses else self.intra.latency
+        return 2 * (k - 1) / k * nbytes / bw + 2 * (k - 1) * latency
+
+    def describe(self) -> str:
+        peak = ", ".join(f"{k} {v / _T:g}" for k, v in self.flops.items())
+        return (
+            f"{self.name}: {self.nodes} node(s) x {self.per_node} {self.accelerator or 'accelerators'} "
+            f"({self.memory / _G:g} GB each, {self.reserved / _G:g} GB reserved; peak TFLOP/s {peak}; "
+            f"efficiency {self.efficiency:g}); intra-node {self.intra.bandwidth / _G:g} GB/s, "
+            f"inter-node {self.inter.bandwidth / _G:g} GB/s per node"
+        )
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+_REQUIRED = ("nodes", "per_node", "memory_gb", "flops_tflops", "mem_bandwidth_gbs", "intra", "inter")
+_KEYS = (*_REQUIRED, "name", "accelerator", "efficiency", "reserved_gb", "op_latency_us",
+         "intra_allreduce_bandwidth_gbs")
+
+# What the presets reserve per accelerator: the CUDA context (several hundred MB), NCCL's
+# buffers and the caching allocator's fragmentation. An estimate, not a vendor figure.
+_RESERVED = 1e9
+
+#: The preset kinds of node (``nodes`` is set by :meth:`Cluster.preset`).
+PRESETS: dict[str, Cluster] = {
+    # AWS p3.16xlarge (the PipeDream-2BW paper's cluster, §5): 8 x Tesla V100-SXM2-16GB joined by
+    # NVLink, 25 Gbit/s networking between instances (AWS EC2 P3 instance table).
+    # V100 SXM2 (NVIDIA V100 datasheet): 7.8 fp64 / 15.7 fp32 / 125 tensor-core fp16 TFLOP/s,
+    # 16 GB HBM2 at 900 GB/s, NVLink 2.0 at 25 GB/s per link each way (300 GB/s over six links,
+    # both ways); neighbouring GPUs of the hybrid cube-mesh share one or two links: one is priced.
+    # No bf16. Efficiency 0.30: a V100 sustains 39 TFLOP/s, 30% of peak, training an 1.2B GPT-2
+    # (Megatron-LM, Shoeybi et al. 2019, arXiv 1909.08053). Latencies are assumed (NCCL over
+    # NVLink ~10 us, TCP between instances ~50 us).
+    "p3.16xlarge": Cluster(
+        name="p3.16xlarge", accelerator="V100-SXM2-16GB", nodes=1, per_node=8, memory=16e9, reserved=_RESERVED,
+        flops={"fp64": 7.8e12, "fp32": 15.7e12, "fp16": 125e12}, mem_bandwidth=900e9,
+        intra=Link(25e9, 10e-6), inter=Link(25e9 / 8, 50e-6), efficiency=0.30,
+    ),
+    # NVIDIA DGX A100 (DGX A100 datasheet): 8 x A100-SXM4-80GB on NVSwitch (NVLink 3: 600 GB/s per
+    # GPU both ways, 300 each way), 8 x 200 Gbit/s HDR InfiniBand (ConnectX-6) for compute traffic:
+    # 200 GB/s per node. A100 (NVIDIA A100 datasheet): 9.7 fp64 / 19.5 fp32 / 156 tf32 /
+    # 312 bf16 and fp16 dense TFLOP/s, 2,039 GB/s HBM2e. Efficiency 0.52: Megatron-LM sustains
+    # 52% of peak on A100s (Narayanan et al., SC21, arXiv 2104.04473). Latencies assumed.
+    "dgx-a100": Cluster(
+        name="dgx-a100", accelerator="A100-SXM4-80GB", nodes=1, per_node=8, memory=80e9, reserved=_RESERVED,
+        flops={"fp64": 9.7e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
+        mem_bandwidth=2039e9, intra=Link(300e9, 5e-6), inter=Link(200e9, 5e-6), efficiency=0.52,
+    ),
+    # NVIDIA DGX H100 (DGX H100 datasheet): 8 x H100-SXM5-80GB on NVSwitch (NVLink 4: 900 GB/s per
+    # GPU both ways, 450 each way), 8 x 400 Gbit/s NDR InfiniBand (ConnectX-7): 400 GB/s per node.
+    # H100 SXM (NVIDIA H100 datasheet): 67 fp64 / 67 fp32 / 495 tf32 / 989 bf16 and fp16 dense
+    # TFLOP/s, 3.35 TB/s HBM3. Efficiency 0.40: about 400 of 989 TFLOP/s per GPU in NVIDIA's
+    # Megatron-LM benchmarks (up to 47% MFU). Latencies assumed.
+    "dgx-h100": Cluster(
+        name="dgx-h100", accelerator="H100-SXM5-80GB", nodes=1, per_node=8, memory=80e9, reserved=_RESERVED,
+        flops={"fp64": 67e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12},
+        mem_bandwidth=3350e9, intra=Link(450e9, 5e-6), inter=Link(400e9, 5e-6), efficiency=0.40,
+    ),
+}
