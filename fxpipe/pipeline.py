@@ -76,6 +76,7 @@ def compile(
     nonfinite: str | None = None,
     precision: str = "fp32",
     scaler=None,
+    accumulate: str = "gradients",
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
 
@@ -88,13 +89,16 @@ def compile(
     available, ``cuda:LOCAL_RANK`` under torchrun; else CPU), ``"cpu"`` or ``"cuda[:i]"``.
     ``precision``: ``"fp32"`` (default), ``"bf16"`` or ``"fp16"`` (:mod:`fxpipe.precision`:
     16-bit compute under autocast from fp32 master weights; fp16 scales the loss with
-    ``scaler``'s settings, a ``torch.amp.GradScaler``, default GradScaler's).
+    ``scaler``'s settings, a ``torch.amp.GradScaler``, default GradScaler's). ``accumulate``:
+    ``"gradients"`` (default) or ``"optimizer"``: AdamA, each micro-batch's gradient folded into
+    Adam's moments at once and no gradient buffer (Adam/AdamW, one replica, no clipping).
     """
     config = PipelineConfig(
         loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
         stages=stages, plan=plan, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, recompute=recompute,
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
         device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite, precision=precision, scaler=scaler,
+        accumulate=accumulate,
     )
     return Pipeline(model, example_inputs, config)
 
@@ -128,6 +132,9 @@ class PipelineConfig:
     nonfinite: str | None = None
     precision: str = "fp32"  # "fp32" | "bf16" | "fp16": fxpipe.precision
     scaler: Any = None  # fp16: a torch.amp.GradScaler whose settings the loss scale follows
+    # "gradients": sum micro-batch gradients, then step; "optimizer": AdamA (fold each into the
+    # moments at once; no gradient buffer). Exact only for one replica without clipping.
+    accumulate: str = "gradients"
 
     @property
     def on_nonfinite(self) -> str:
@@ -180,6 +187,19 @@ class PipelineConfig:
                 f"precision={self.precision!r} does not scale the loss (only fp16's narrow exponent range needs it)")
         if self.scaler is not None:
             LossScaler.like(self.scaler)  # a GradScaler, or a clear error now
+        if self.accumulate not in ("gradients", "optimizer"):
+            bad("accumulate", "'gradients' or 'optimizer'", self.accumulate,
+                "'optimizer' is AdamA: micro-batch gradients folded into Adam's moments, no gradient buffer")
+        if self.accumulate == "optimizer":
+            why = {"max_grad_norm": (self.max_grad_norm is not None, "clipping needs the whole batch's gradient, "
+                                     "which AdamA never holds; pass max_grad_norm=None"),
+                   "precision": (precision.scaled, "fp16's loss scale is only known to be safe after the step, "
+                                 "but AdamA folds each scaled gradient into the moments at once; use 'bf16'"),
+                   "nonfinite": (self.nonfinite == "skip", "a non-finite gradient is in the moments as soon as "
+                                 "it exists, so its step cannot be skipped; leave nonfinite unset ('raise')")}
+            for name, (conflict, reason) in why.items():
+                if conflict:
+                    bad(name, "compatible with accumulate='optimizer' (AdamA)", getattr(self, name), reason)
         if not _known_device(self.device):
             bad("device", "'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of those)", self.device,
                 "fxpipe computes on the CPU or on CUDA GPUs")
@@ -247,6 +267,7 @@ class Pipeline:
         self.t = 0  # batches given to step() so far
         self.epoch_start = 0  # the pipeline was last empty after this batch (a flush)
         self.skipped_steps: list[int] = []  # nonfinite="skip": batches whose update was dropped
+        self._loss_sums: dict = {}  # AdamA: batch -> (all-reduced loss sum, handle), read a step later
         self._stopped: Exception | None = None  # nonfinite="raise" stopped the pipeline
         self._saving = None  # (directory, future) of the checkpoint being written, if any
         self._checkpoint_group = None  # the gloo group checkpoint writers coordinate over
@@ -296,8 +317,10 @@ class Pipeline:
                     device=device_model,
                     recompute=o.recompute,
                     torch_device=self.device,
-                    clip=True,  # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
-                    accumulation="autograd" if kernels is None else "fused",
+                    # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
+                    clip=o.accumulate != "optimizer",
+                    accumulation=("optimizer" if o.accumulate == "optimizer" else
+                                  "autograd" if kernels is None else "fused"),
                     precision=o.precision,
                 )
                 plan_json = made.to_json()
@@ -327,6 +350,12 @@ class Pipeline:
                 f"the plan needs stages*width = {d}*{w} = {d * w} ranks; the world has {self.world_size}. "
                 f"Launch with --nproc-per-node={d * w} or plan for {self.world_size} ranks."
             )
+        if o.accumulate == "optimizer" and w > 1:  # every rank has this plan: all raise, none waits
+            raise ConfigError(
+                f"fxpipe.compile: accumulate='optimizer' (AdamA) needs one replica (width 1), the plan has width {w}: "
+                f"replicas would each fold their own part of a micro-batch's gradient into the moments. "
+                f"Pass stages={d * w} (a pure pipeline), or accumulate='gradients'."
+            )
         self.plan = plan
         ranks = [self.rank] if self.distributed else list(range(d * w))
         build = sorted({stage_and_replica(r, d)[0] for r in ranks})
@@ -336,6 +365,13 @@ class Pipeline:
         self.staged_graph = gm
         self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
                                                     if len(tp.stages) > 1))
+        if o.accumulate == "optimizer" and topo.tied:
+            raise ConfigError(
+                f"fxpipe.compile: accumulate='optimizer' (AdamA) needs each weight on one stage; "
+                f"{topo.tied[0][0]!r} is read on stages {list(topo.tied[0][1])}, whose parts of a micro-batch's "
+                f"gradient would be folded into the moments apart. Untie it, plan these uses onto one stage, "
+                f"or use accumulate='gradients'."
+            )
         groups = topo.groups()
         hub = None if self.distributed else LocalHub(d * w, groups)
         # A host-side wait with a timeout would block the thread that feeds the GPU: on NCCL
@@ -364,6 +400,7 @@ class Pipeline:
                 nonfinite=o.on_nonfinite,
                 precision=precision,
                 scaler=LossScaler.like(o.scaler) if precision.scaled else None,
+                accumulate=o.accumulate,
             )
             self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
                                           device=self.device)
@@ -373,7 +410,10 @@ class Pipeline:
                 warnings.warn(f"fxpipe: stage {wk.index} updates with torch.optim instead of the fused kernels: "
                               f"{wk.store.fallback}", RuntimeWarning, stacklevel=3)
         self.program = Program(plan.schedule, d, plan.microbatches, width=w, recompute=list(plan.recompute),
-                               tied=topo.tied_stages or None, clip=True)  # NORM every step: see compile(nonfinite=)
+                               tied=topo.tied_stages or None,
+                               # NORM every step (see compile(nonfinite=)), but for AdamA: its UPDATE
+                               # must follow each batch's last backward on the stage (one set of moments)
+                               clip=o.accumulate != "optimizer")
         self._setup_done = True
         # Every rank waits for the slowest: a full (generation 2) garbage collection on one rank
         # stalls them all. Tracing and planning leave a large heap (graphs, nodes, cost
@@ -432,6 +472,7 @@ class Pipeline:
             self._give(wk, wk.stage, chunks, first=(t - 1) * m + 1)
         self._execute(lambda stage: self.program.segment(stage, t, self.epoch_start), f"step {t}")
         self._report_nonfinite(t)
+        self._check_loss_sums(t)
         return self._batch_loss(t, sync)
 
     def _give(self, wk: StageWorker, stage, chunks: list, first: int) -> None:
@@ -511,6 +552,8 @@ class Pipeline:
         plan = self.plan
         count = plan.microbatches * plan.width
         parts = {r: wk.batch_loss.pop(t) for r, wk in self.workers.items()}
+        if self.config.accumulate == "optimizer":  # its non-finite flags travel in the loss sums
+            self._loss_sums[t] = next(iter(parts.values()))[1:]
         last = [r for r in parts if stage_and_replica(r, plan.stages)[0] == plan.stages - 1]
         if not last:
             _, total, handle = next(iter(parts.values()))
@@ -530,6 +573,7 @@ class Pipeline:
         for wk in self.workers.values():
             wk.drain()
         self._report_nonfinite(None)
+        self._check_loss_sums(None)
         self.epoch_start = t
 
     def _report_nonfinite(self, through: int | None) -> None:
@@ -564,6 +608,26 @@ class Pipeline:
             f"pass nonfinite='skip' to drop such updates and train on."
         )
         raise self._stopped
+
+    def _check_loss_sums(self, through: int | None) -> None:
+        """AdamA (``accumulate="optimizer"``) has no per-step norm all-reduce: each rank adds a NaN
+        to its part of a loss sum once it updated with a non-finite gradient, so every rank finds
+        it in the same sum. Batch t's sum is complete on every rank by the end of step t+1's
+        segment (``None``: a flush, after which all are). Every rank raises in the same call."""
+        ready = sorted(t for t in self._loss_sums if through is None or t < through)
+        for t in ready:
+            total, handle = self._loss_sums.pop(t)
+            handle.wait()
+            if self._stopped is None and not bool(torch.isfinite(total).all()):
+                self._stopped = NonFiniteError(
+                    f"a non-finite (NaN or infinite) loss or gradient by step {t}: with accumulate='optimizer' (AdamA) "
+                    f"each micro-batch's gradient is folded into Adam's moments as soon as it exists, so the moments "
+                    f"and weights took it in, and this pipeline is stopped. Load the last checkpoint and lower the "
+                    f"learning rate or check the data of that step, or train with accumulate='gradients', which "
+                    f"checks every step before updating."
+                )
+        if self._stopped is not None and ready:
+            raise self._stopped
 
     # ------------------------------------------------------------------ evaluation
 

@@ -57,6 +57,7 @@ class WorkerConfig:
     nonfinite: str = "raise"  # a non-finite loss or gradient: "raise" or "skip" the update
     precision: Precision = field(default_factory=Precision)  # fp32, or 16-bit compute from fp32 masters
     scaler: LossScaler | None = None  # fp16: each worker keeps a copy, updated from the shared verdict
+    accumulate: str = "gradients"  # or "optimizer": AdamA, no gradient buffer and no per-step NORM
 
 
 class StageWorker:
@@ -82,13 +83,18 @@ class StageWorker:
         # accumulates into the other. In one process the replicas of a stage share its generated
         # module: each worker owns its weights and module buffers (BatchNorm statistics), as a
         # rank of its own would.
-        self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=2,
+        adama = cfg.accumulate == "optimizer"
+        self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=0 if adama else 2,
+                                 accumulation=cfg.accumulate,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
                                  strict_kernels=cfg.strict_kernels, precision=cfg.precision,
                                  device=self.device, share_initial=replica == 0)
         self.autocast = cfg.precision.autocast  # the forward's and the loss's context, per device type
         self.scaler = copy.deepcopy(cfg.scaler) if cfg.scaler is not None else None
         self.batch_scale: dict[int, float] = {}  # fp16: batch -> the loss scale its backwards used
+        # AdamA: the non-finite flags (0 or NaN) of the batches updated since this rank's last LOSS,
+        # which adds them to its part of the loss sum: every rank then sees a NaN in the same total
+        self.updated_flags: list[torch.Tensor] = []
         self.buffers = {n: b.detach().clone() for n, b in stage.module.named_buffers()}
         self.dp_ranges = self._dp_ranges() if cfg.width > 1 else []
 
@@ -262,7 +268,7 @@ class StageWorker:
             pairs = [(o, g) for o, g in zip(outs, bufs) if o.requires_grad]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         boundary = [x for x, f in zip(ctx["boundary"], self.float_in) if f]
-        if self.is_last:  # x * 0 is 0 for a finite loss and NaN otherwise: the norm carries it
+        if self.is_last and self.cfg.accumulate != "optimizer":  # x*0 is 0 or NaN: the NORM carries it
             self.loss_check[t] = self.loss_check.get(t, 0.0) + ctx["loss"].detach().double() * 0
         self.store.backward(t, a.version, roots, seeds, boundary)
         # A boundary input that did not influence the outputs still gets a (zero) gradient, so
@@ -287,6 +293,9 @@ class StageWorker:
                 local += self.losses.pop(k).double()
         else:
             local = torch.zeros((), dtype=torch.float64, device=self.device)
+        if self.updated_flags and self.eval_stage is None:
+            local = local + torch.stack(self.updated_flags).sum().to(self.device)
+            self.updated_flags.clear()
         total = local.reshape(1).clone()
         handle = self.comm.all_reduce(total, "all", str(a))
         self.batch_loss[t] = (local, total, handle)
@@ -412,6 +421,8 @@ class StageWorker:
         skip = t in self.dropped or self.halted
         self.dropped.discard(t)
         self.store.update(t, self.clip_coef.pop(t, None), skip=skip)
+        if self.cfg.accumulate == "optimizer":
+            self.updated_flags.append(self.store.strategy.nonfinite(t))
 
     # ------------------------------------------------------------------ checkpoints
 

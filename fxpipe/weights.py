@@ -14,9 +14,10 @@ A :class:`WeightStore` holds, for one stage on one rank:
 * the **gradient accumulators**: one flat buffer per dtype per batch in flight (two when a
   reduction of batch t overlaps batch t+1's backwards), in the master's dtype: 16-bit gradients
   of a mixed-precision stage accumulate in fp32;
-* the **update strategy**: ``torch.optim`` (any optimizer, parameter groups by name), or the
+* the **update strategy**: ``torch.optim`` (any optimizer, parameter groups by name), the
   fused flat kernels of :mod:`fxpipe.kernels` (one launch per dtype reads ``W(t-1)`` and the
-  gradient and writes ``W(t)``).
+  gradient and writes ``W(t)``), or AdamA (``accumulation="optimizer"``: each micro-batch's
+  gradient is folded into Adam's moments at once, and no gradient accumulator exists).
 
 :func:`weight_bytes` is the memory model of all of it, per tensor: the planner calls it before
 any store exists, and a store's :meth:`WeightStore.nbytes` is tested equal to it.
@@ -72,7 +73,7 @@ class WeightStore:
 
     def __init__(self, flat, *, schedule: str, grad_buffers: int, optimizer: Callable,
                  lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True,
-                 strict_kernels: bool = False, precision: Precision = Precision()):
+                 strict_kernels: bool = False, precision: Precision = Precision(), accumulation: str = "gradients"):
         self.layout = layout = flat.layout  # the master's (the model's dtypes)
         self.device = device
         self.precision = precision
@@ -116,7 +117,16 @@ class WeightStore:
         # reason in ``fallback`` (``strict_kernels``, i.e. kernels="triton": raise it instead).
         self.fallback: str | None = None
         self.strategy = _TorchOptim(self)
-        if kernels is not None and self.optimizer is not None:
+        if accumulation == "optimizer" and self.optimizer is not None:
+            from .errors import ConfigError
+            from .kernels import KernelError
+
+            try:
+                self.strategy = _AdamA(self, kernels)
+            except KernelError as e:
+                raise ConfigError(f"fxpipe.compile: accumulate='optimizer' (AdamA) folds gradients into Adam's "
+                                  f"moments, so it needs torch.optim.Adam (without weight decay) or AdamW: {e}") from e
+        elif kernels is not None and self.optimizer is not None:
             from .kernels import KernelError
 
             try:
@@ -128,7 +138,10 @@ class WeightStore:
 
     @property
     def path(self) -> str:
-        """Which update runs: ``"fused (triton)"``, ``"fused (torch)"`` or ``"torch.optim"``."""
+        """Which update runs: ``"fused (triton)"``, ``"fused (torch)"``, ``"AdamA (triton)"``,
+        ``"AdamA (torch)"`` or ``"torch.optim"``."""
+        if isinstance(self.strategy, _AdamA):
+            return f"AdamA ({self.strategy.ops.name})"
         return f"fused ({self.strategy.ops.name})" if isinstance(self.strategy, _Fused) else "torch.optim"
 
     def _make_leaves(self, buffers) -> dict[str, torch.Tensor]:
@@ -162,7 +175,7 @@ class WeightStore:
         slot, then zero that gradient buffer and step the learning-rate scheduler. ``skip`` (a
         non-finite batch): ``W(t)`` is a copy of ``W(t-1)``; optimizer state, its step count and
         the scheduler stay as they were."""
-        grads = self.grads(t)
+        grads = self.grads(t) if self.grad_pool else {}  # AdamA keeps none
         src = self.slots[self.slot(max(t - 1, 0))]
         dst = self.slots[self.slot(t)]
         if skip:
@@ -450,3 +463,65 @@ class _Fused:
                         v.copy_(state[n][k])
                     else:
                         v.zero_()
+
+
+class _AdamA(_Fused):
+    """AdamA (Zhang et al., :mod:`fxpipe.kernels.adama`): each micro-batch's gradient lands in the
+    flat scratch buffer and is folded into Adam's moments at once (the first micro-batch of a
+    batch decays them), so the store keeps no gradient accumulator; UPDATE steps the weights from
+    the moments. Exact only where each micro-batch's gradient is complete on this stage: the
+    pipeline allows it with one replica, no tied weight across stages and no clipping (the whole
+    batch gradient never exists). A non-finite gradient is flagged per batch
+    (:meth:`nonfinite`); it is in the moments already, so it cannot be skipped."""
+
+    def __init__(self, store: WeightStore, kernels):
+        super().__init__(store, kernels)
+        from .kernels.reference import check_adama_spec
+
+        for spec in self.specs:
+            check_adama_spec("AdamA", spec)
+        self.finite: dict[int, torch.Tensor] = {}  # batch -> all its gradients finite so far (device bool)
+
+    def backward(self, t, leaves, roots, seeds, boundary) -> None:
+        params = [leaves[n] for n in self.names]
+        inputs = params + [x for x in boundary if x.requires_grad]
+        grads = (torch.autograd.grad(roots, inputs, seeds if seeds[0] is not None else None, allow_unused=True)
+                 if roots else [None] * len(inputs))
+        first = self.accumulated.get(t, 0) == 0
+        with torch.no_grad():
+            for name, g in zip(self.names, grads):
+                if g is None:
+                    self.scratch_views[name].zero_()
+                else:
+                    self.scratch_views[name].copy_(g)
+            scratch = list(self.scratch.values())
+            for dt, lo, hi, group in self.segments:  # the compute buffers follow the master's order
+                state = {k: v[lo:hi] for k, v in self.state[dt].items()}
+                g = scratch[self.store.layout.dtypes.index(dt)][lo:hi]
+                self.ops.adama_accumulate(self.specs[group], g, state, scale=1.0, first=first)
+            ok = torch.stack([torch.isfinite(b).all() for b in scratch]).all() if scratch else torch.tensor(True)
+            self.finite[t] = ok if first else self.finite[t] & ok
+        self.accumulated[t] = self.accumulated.get(t, 0) + 1
+        for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
+            x.grad = g
+
+    def update(self, t, step, grads, src, dst, coef) -> None:
+        store = self.store
+        groups = store.optimizer.param_groups
+        with torch.no_grad():
+            for dt, lo, hi, g in self.segments:
+                state = {k: v[lo:hi] for k, v in self.state[dt].items()}
+                if store.master is None:
+                    self.ops.adama_update(self.specs[g], step, src[dt][lo:hi], dst[dt][lo:hi], state,
+                                          lr=float(groups[g]["lr"]))
+                else:
+                    w = store.master[dt][lo:hi]
+                    self.ops.adama_update(self.specs[g], step, w, w, state, lr=float(groups[g]["lr"]))
+            if store.master is not None:
+                store.round_into(dst)
+        self.drop(t)
+
+    def nonfinite(self, t: int) -> torch.Tensor:
+        """0.0, or NaN if a gradient of batch t was not finite (float64, on the device; no sync)."""
+        ok = self.finite.pop(t, torch.tensor(True))
+        return torch.where(ok, 0.0, float("nan")).to(torch.float64)

@@ -8,6 +8,7 @@ Nothing here imports fxpipe: these loops are what the pipelined numbers must equ
   gradient is computed on the weights after ``max(t-2, 0)`` updates and applied to the newest.
 * :func:`train_mixed` — either of them with fp32 master weights, a 16-bit compute copy under
   ``torch.autocast``, fp32 gradient accumulation and (fp16) dynamic loss scaling.
+* :func:`train_adama` — AdamA's optimizer accumulation, from the paper's equations.
 """
 
 from __future__ import annotations
@@ -158,3 +159,51 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
         snapshots.append({n: p.detach().clone() for n, p in master.named_parameters()})
         losses.append(total / m)
     return losses, master, skipped
+
+
+def train_adama(model, batches, m, loss_fn, *, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                schedule="2bw"):
+    """AdamA (Zhang et al., "Adam Accumulation to Reduce Memory Footprints of both Activations and
+    Gradients"), from the paper's equations: for the m micro-batch gradients g_i of a step (each of
+    the loss / m), ``v1 = beta1*v1`` and ``v2 = beta2*v2`` once, then ``v1 += (1-beta1)*g_i`` and
+    ``v2 += (1-beta2)*g_i**2`` for each; then AdamW's decoupled decay and
+    ``w -= lr/(1-beta1**t) * v1 / (sqrt(v2)/sqrt(1-beta2**t) + eps)``. Batch t's gradients are
+    taken at the weights after ``max(t-2, 0)`` updates under 2bw, ``t-1`` otherwise. Returns
+    (losses, model)."""
+    model = copy.deepcopy(model)
+    probe = copy.deepcopy(model)
+    b1, b2 = betas
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    v1 = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    v2 = {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
+    snapshots = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    losses = []
+    for t, batch in enumerate(batches, start=1):
+        v = max(t - 2, 0) if schedule == "2bw" else t - 1
+        with torch.no_grad():
+            for n, p in probe.named_parameters():
+                p.copy_(snapshots[v][n])
+        params = dict(probe.named_parameters())
+        total = 0.0
+        for i, (x, y) in enumerate(_micro(batch, m)):
+            loss = _loss(probe, x, y, loss_fn)
+            gs = torch.autograd.grad(loss / m, [params[n] for n in names], allow_unused=True)
+            with torch.no_grad():
+                for n, g in zip(names, gs):
+                    g = torch.zeros_like(v1[n]) if g is None else g
+                    if i == 0:
+                        v1[n].mul_(b1)
+                        v2[n].mul_(b2)
+                    v1[n].add_((1 - b1) * g)
+                    v2[n].add_((1 - b2) * g * g)
+            total += float(loss.detach())
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n not in v1:
+                    continue
+                p.mul_(1 - lr * weight_decay)
+                denom = v2[n].sqrt() / (1 - b2 ** t) ** 0.5 + eps
+                p.sub_(lr / (1 - b1 ** t) * v1[n] / denom)
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        losses.append(total / m)
+    return losses, model

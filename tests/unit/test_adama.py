@@ -1,0 +1,115 @@
+"""compile(accumulate="optimizer"): AdamA, each micro-batch's gradient folded into Adam's moments
+at once and no gradient buffer — against tests/reference.train_adama (the paper's equations)."""
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import fxpipe
+from fxpipe.demo import GPT, GPTConfig, fibonacci_batch, lm_loss
+from fxpipe.errors import ConfigError, NonFiniteError
+from fxpipe.weights import weight_bytes
+from tests.cases import relative_update_error
+from tests.reference import train_adama
+
+LR, WD = 1e-3, 0.01
+ADAMW = functools.partial(torch.optim.AdamW, lr=LR, weight_decay=WD)
+
+
+def gpt(tied=False, steps=10):
+    """The demo GPT (untied: AdamA needs each weight on one stage) and its batches."""
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=tied))
+    g = torch.Generator().manual_seed(3)
+    return net, [fibonacci_batch(8, 16, 64, g) for _ in range(steps)]
+
+
+def compile_adama(net, batches, **kw):
+    kw = {"optimizer": ADAMW, "microbatches": 4, "stages": 2, "accumulate": "optimizer", "verbose": False, **kw}
+    return fxpipe.compile(copy.deepcopy(net), (batches[0][0][:2],), loss_fn=lm_loss, **kw)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe"])
+def test_matches_the_adama_reference(schedule):
+    net, batches = gpt()
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    pipe = compile_adama(net, batches, schedule=schedule)
+    losses = [pipe.step(*b) for b in batches]
+    ref_losses, ref = train_adama(net, batches, 4, lm_loss, lr=LR, weight_decay=WD, schedule=schedule)
+    assert "stage 0 AdamA (torch), stage 1 AdamA (torch)" in pipe.describe()
+    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
+
+
+def test_bf16_adama_stays_near_fp32_adama():
+    net, batches = gpt()
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    pipe = compile_adama(net, batches, precision="bf16")
+    for b in batches:
+        pipe.step(*b)
+    _, ref = train_adama(net, batches, 4, lm_loss, lr=LR, weight_decay=WD)
+    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 0.05
+
+
+def test_no_gradient_buffer_and_the_planner_counts_the_saving():
+    net, batches = gpt(steps=2)
+    adama = compile_adama(net, batches, schedule="1f1b")
+    plain = compile_adama(net, batches, schedule="1f1b", accumulate="gradients", kernels="torch")
+    for pipe in (adama, plain):
+        for b in batches:
+            pipe.step(*b)
+    saved = 0
+    for s, wk in adama.workers.items():
+        store = wk.store
+        assert store.grad_pool == []
+        modelled = sum(weight_bytes(sl.numel, sl.dtype.itemsize, requires_grad=sl.requires_grad, schedule="1f1b",
+                                    grad_buffers=0, optimizer_bytes_per_param=8, accumulation="optimizer")
+                       for sl in store.layout.slots)
+        assert store.nbytes() == modelled
+        saved += plain.workers[s].store.nbytes() - store.nbytes()
+    params = sum(p.numel() for p in net.parameters())
+    assert saved == 2 * 4 * params  # the two fp32 gradient accumulators of the default path
+    # the plan prices each stage's weights with the same model
+    assert adama.plan.stage_plans[0].memory < plain.plan.stage_plans[0].memory
+
+
+def test_a_non_finite_gradient_stops_every_rank_a_step_later():
+    net, batches = gpt(steps=6)
+    bad = 3
+
+    def loss(out, y):
+        return lm_loss(out, y % 64) * torch.where((y >= 64).any(), float("nan"), 1.0)
+    batches[bad - 1][1][0, 0] += 64
+    pipe = fxpipe.compile(copy.deepcopy(net), (batches[0][0][:2],), loss_fn=loss, optimizer=ADAMW, microbatches=4,
+                          stages=2, accumulate="optimizer", verbose=False)
+    with pytest.raises(NonFiniteError, match=r"by step 3: with accumulate='optimizer' \(AdamA\).*took it in"):
+        for b in batches:
+            pipe.step(*b)
+    assert pipe.t == bad + 1  # found in the next step's segment, when every rank holds the sum
+
+
+def test_what_adama_cannot_do_is_rejected_at_compile():
+    net, batches = gpt(steps=1)
+    example = (batches[0][0][:2],)
+
+    def compile_with(model=net, **kw):
+        kw = {"optimizer": ADAMW, "microbatches": 4, "stages": 2, "accumulate": "optimizer", "verbose": False, **kw}
+        return fxpipe.compile(copy.deepcopy(model), example, loss_fn=lm_loss, **kw)
+    with pytest.raises(ConfigError, match=r"max_grad_norm must be compatible with accumulate='optimizer' \(AdamA\), "
+                                          r"found 1.0; clipping needs the whole batch's gradient"):
+        compile_with(max_grad_norm=1.0)
+    with pytest.raises(ConfigError, match=r"precision must be compatible .* found 'fp16'; fp16's loss scale"):
+        compile_with(precision="fp16")
+    with pytest.raises(ConfigError, match=r"nonfinite must be compatible .* found 'skip'; a non-finite gradient"):
+        compile_with(nonfinite="skip")
+    with pytest.raises(ConfigError, match=r"accumulate must be 'gradients' or 'optimizer', found 'adam'"):
+        compile_with(accumulate="adam")
+    with pytest.raises(ConfigError, match=r"needs torch.optim.Adam \(without weight decay\) or AdamW.*found sgd"):
+        compile_with(optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(ConfigError, match=r"needs each weight on one stage; 'wte.weight' is read on stages \[0, 1\]"):
+        compile_with(model=gpt(tied=True)[0])
+    plan = fxpipe.plan(net, example, stages=1, world_size=2, microbatches=4)
+    with pytest.raises(ConfigError, match=r"needs one replica \(width 1\), the plan has width 2.*Pass stages=2"):
+        compile_with(stages=None, plan=plan)
