@@ -1,16 +1,18 @@
-"""Mixed precision on 2 gloo ranks: the same numbers as the single-device reference of the policy,
-activations (and their gradients) on the wire in the compute dtype, and fp16's overflow verdict
-shared by every rank."""
+"""Mixed precision and AdamA on 2 gloo ranks (one process group for all cases): the same numbers as
+the single-device references, activations (and their gradients) on the wire in the compute dtype,
+and fp16's overflow verdict shared by every rank."""
 
 import pytest
 import torch
 
 from tests.cases import build_mixed, relative_update_error
 from tests.dist.harness import run_function
-from tests.reference import train_mixed
+from tests.reference import train_adama, train_mixed
+from tests.unit import test_adama
 from tests.unit.test_precision import DTYPES, SCALER, _poisoned_loss
 
 QUICK = [("gpt", "2bw", "bf16", False), ("gpt", "1f1b", "fp16", True)]
+ADAMA = ["2bw", "1f1b", "gpipe"]
 FULL = [(m, s, p, False) for m in ("gpt2", "llama") for s in ("2bw", "1f1b") for p in ("bf16", "fp16")]
 BAD = 4  # the poisoned batch of a case with an injected inf
 
@@ -23,7 +25,7 @@ def _case(model_name, poisoned):
     return net, example, batches, loss_fn, opt
 
 
-def _train_cases(cases):
+def _train_cases(cases, adama=()):
     def run(rank, world):
         import torch.distributed as dist
 
@@ -51,6 +53,11 @@ def _train_cases(cases):
                     "losses": losses, "state": pipe.state_dict(), "skipped": list(pipe.skipped_steps),
                     "scale": pipe.loss_scale, "sent": sorted({str(d) for d in sent if d.is_floating_point}),
                 }
+            net, batches = test_adama.gpt()
+            for schedule in adama:
+                pipe = test_adama.compile_adama(net, batches, schedule=schedule)
+                out["adama", schedule] = {"losses": [float(pipe.step(*b)) for b in batches],
+                                          "state": pipe.state_dict()}
         finally:
             dist.isend = real
         return out
@@ -58,7 +65,7 @@ def _train_cases(cases):
 
 
 def quick(rank, world):
-    return _train_cases(QUICK)(rank, world)
+    return _train_cases(QUICK, ADAMA)(rank, world)
 
 
 def full(rank, world):
@@ -86,8 +93,18 @@ def _check(results, cases):
                 assert got["scale"] == SCALER[0] * (SCALER[2] if poisoned else 1.0)
 
 
-def test_two_ranks_train_mixed_precision_like_the_reference():
-    _check(run_function(2, "tests.dist.test_precision_dist:quick", timeout=240), QUICK)
+def test_two_ranks_train_mixed_precision_and_adama_like_the_references():
+    results = run_function(2, "tests.dist.test_precision_dist:quick", timeout=240)
+    _check(results, QUICK)
+    net, batches = test_adama.gpt()
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    for schedule in ADAMA:
+        ref_losses, ref = train_adama(net, batches, 4, test_adama.lm_loss, lr=test_adama.LR,
+                                      weight_decay=test_adama.WD, schedule=schedule)
+        for rank, r in enumerate(results):
+            got = r["value"]["adama", schedule]
+            assert relative_update_error(initial, got["state"], dict(ref.named_parameters())) <= 1e-4, (schedule, rank)
+            assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5, (schedule, rank)
 
 
 @pytest.mark.slow
