@@ -134,3 +134,39 @@ def test_spec_from_torch_rejects_what_it_cannot_do():
     q = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(KernelError, match="param group 1 differing"):
         OptimizerSpec.from_torch(torch.optim.SGD([{"params": [p]}, {"params": [q], "lr": 0.5}], lr=0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_mixed_precision_copy_is_the_new_master_rounded(kind, dtype, gen):
+    # Mixed precision: the fp32 master is stepped in place and its 16-bit compute copy written in
+    # the same pass; the Triton kernel and the reference agree on both, and the copy is exactly
+    # the master rounded to nearest-even (torch's .to()).
+    factory = OPTIMIZERS["adamw"] if kind == "adamw" else OPTIMIZERS["sgd-momentum-dampening"]
+    spec = OptimizerSpec.from_torch(factory)
+    n = 1000
+    grad, master = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    out = {}
+    for backend in ("torch", "triton"):
+        w, state = master.clone(), init_state(spec, n)
+        copy = torch.full((n,), float("nan"), dtype=dtype)
+        for step in (1, 2):
+            ops("cpu", force=backend).update(spec, step, grad, w, w, state, clip=0.5, copy=copy)
+        out[backend] = (w, copy, state)
+    (w, copy, state), (tw, tcopy, tstate) = out["torch"], out["triton"]
+    rtol, atol = TOL[torch.float32]
+    torch.testing.assert_close(tw, w, rtol=rtol, atol=atol)
+    assert torch.equal(copy, w.to(dtype)) and torch.equal(tcopy, tw.to(dtype))
+    for k in state:
+        torch.testing.assert_close(tstate[k], state[k], rtol=rtol, atol=atol)
+
+
+def test_mixed_precision_copy_errors_say_expected_and_found():
+    spec = OptimizerSpec.from_torch(OPTIMIZERS["adamw"])
+    w = torch.zeros(8, dtype=torch.bfloat16)
+    with pytest.raises(KernelError, match=r"a low-precision copy is written from float32 master weights; found out "
+                                          r"torch.bfloat16"):
+        update_reference(spec, 1, torch.zeros(8), w, w, init_state(spec, 8), copy=torch.zeros(8, dtype=torch.float16))
+    with pytest.raises(KernelError, match=r"copy"):
+        update_reference(spec, 1, torch.zeros(8), torch.zeros(8), torch.zeros(8), init_state(spec, 8),
+                         copy=torch.zeros(8))
