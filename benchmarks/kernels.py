@@ -3,12 +3,14 @@
     python benchmarks/kernels.py            # sizes chosen for the device found
     python benchmarks/kernels.py --sizes 1000000 4000000 --repeat 7
 
-Two operations of a pipeline stage, over a flat fp32 buffer split into parameter-sized views:
+Three operations of a pipeline stage, over a flat fp32 buffer split into parameter-sized views:
 
 * accumulate: ``acc += g / m`` — fused one-launch kernel vs ``torch._foreach_add_`` vs a
   per-parameter ``add_`` loop;
 * AdamW update: fused 2BW update (new version into the other buffer) vs ``torch.optim.AdamW``
-  with ``foreach=True``, ``fused=True`` and the per-parameter loop (``foreach=False``).
+  with ``foreach=True``, ``fused=True`` and the per-parameter loop (``foreach=False``);
+* mixed AdamW update (``precision="bf16"``): the fp32 master stepped in place and its bf16 copy
+  written in the same pass vs ``torch.optim.AdamW`` followed by a cast into the copy.
 
 Each row reports the median time, the bytes the operation must move at the least (the floor:
 every input read once, every output written once) and the bandwidth that floor implies, and the
@@ -125,6 +127,47 @@ def _adamw_rows(numel: int, device: torch.device, repeat: int, kernels) -> list[
     return _rows("AdamW update", numel, len(sizes), floor, variants, repeat)
 
 
+MIXED_FLOOR = 7 * FP32 + 2  # B/element: the fused mixed update (see _mixed_rows)
+UNFUSED_FLOOR = 7 * FP32 + FP32 + 2  # optimizer.step() on the master, then a cast pass into the copy
+
+
+def _mixed_rows(numel: int, device: torch.device, repeat: int, kernels) -> list[list]:
+    """Mixed precision's AdamW update: step the fp32 master and write its bf16 compute copy. Fused,
+    one pass reads grad, master, exp_avg, exp_avg_sq and writes master, exp_avg, exp_avg_sq and the
+    copy (7 x 4 + 2 = 30 B/element, the floor); torch.optim steps the master, then a second pass
+    reads it again to write the copy (at least 34 B/element)."""
+    sizes = _split(numel)
+    hyper = dict(lr=1e-3, weight_decay=0.01)
+    variants = []
+    for label, flags in (("torch.optim foreach=True + copy_", dict(foreach=True)),
+                         ("torch.optim fused=True + copy_", dict(fused=True))):
+        flat = torch.randn(numel, device=device)
+        copy = torch.empty(numel, device=device, dtype=torch.bfloat16)
+        params = [torch.nn.Parameter(v) for v in _views(flat, sizes)]
+        for p, g in zip(params, _views(torch.randn(numel, device=device), sizes)):
+            p.grad = g
+        try:
+            opt = torch.optim.AdamW(params, **hyper, **flags)
+            opt.step()
+        except (RuntimeError, ValueError) as e:
+            print(f"note: skipped {label}: {e}", file=sys.stderr)
+            continue
+        variants.append((label, lambda opt=opt, flat=flat, copy=copy: (opt.step(), copy.copy_(flat)), None))
+    spec = OptimizerSpec("adamw", **hyper)
+    state = init_state(spec, numel, device)
+    grad, master = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    copy = torch.empty(numel, device=device, dtype=torch.bfloat16)
+    step = [0]
+
+    def fused():
+        step[0] += 1
+        kernels.update(spec, step[0], grad, master, master, state, copy=copy)
+
+    label = "fused Triton update + copy" if kernels.name == "triton" else "flat torch reference + copy (CPU path)"
+    variants.append((label, fused, 1 if kernels.name == "triton" else None))
+    return _rows("mixed AdamW update", numel, len(sizes), MIXED_FLOOR * numel, variants, repeat)
+
+
 def _rows(op, numel, n_params, floor, variants, repeat):
     timed = [(label, _time_ms(fn, repeat)) for label, fn, _ in variants]
     baseline = timed[0][1]
@@ -154,6 +197,13 @@ def _interpreter_check() -> list[list]:
         update(spec, 1, g, a, got, s1, clip=0.5)
         update_reference(spec, 1, g, a, want, s2, clip=0.5)
         rows.append(("AdamW update", dtype, (got.float() - want.float()).abs().max().item()))
+        if dtype == torch.bfloat16:  # mixed precision: fp32 master in place, its bf16 copy beside it
+            master, s1, s2 = torch.randn(n, generator=gen), init_state(spec, n), init_state(spec, n)
+            got_w, want_w = master.clone(), master.clone()
+            got, want = torch.full_like(a, float("nan")), torch.empty_like(a)
+            update(spec, 1, g.float(), got_w, got_w, s1, copy=got)
+            update_reference(spec, 1, g.float(), want_w, want_w, s2, copy=want)
+            rows.append(("mixed AdamW update (copy)", dtype, (got.float() - want.float()).abs().max().item()))
         s1, s2 = init_state(spec, n), init_state(spec, n)
         adama_accumulate(spec, g, s1, scale=0.25, first=True)
         adama_accumulate_reference(spec, g, s2, scale=0.25, first=True)
@@ -195,10 +245,14 @@ def main(argv=None) -> int:
     for numel in args.sizes:
         rows += _accumulate_rows(numel, device, args.repeat, kernels)
         rows += _adamw_rows(numel, device, args.repeat, kernels)
+        rows += _mixed_rows(numel, device, args.repeat, kernels)
     print(tabulate(rows, headers=["op", "elements", "params", "variant", "ms (median)", "floor MB",
                                   "GB/s at floor", "vs per-param loop"], stralign="right"))
     print("floor: accumulate reads acc and grad and writes acc (3 x 4 B/element); the AdamW update reads "
           "grad, weights, exp_avg, exp_avg_sq and writes weights, exp_avg, exp_avg_sq (7 x 4 B/element).")
+    print(f"mixed precision (fp32 master, bf16 copy): the fused update moves {MIXED_FLOOR} B/element in one pass, "
+          f"its floor; optimizer.step() and then a cast of the master into the copy move at least "
+          f"{UNFUSED_FLOOR} B/element in two passes ({UNFUSED_FLOOR / MIXED_FLOOR:.2f}x the bytes).")
     if not HAS_CUDA:
         print("\nInterpreter correctness check (TRITON_INTERPRET=1; Triton kernels vs torch references, "
               "max abs difference):")
