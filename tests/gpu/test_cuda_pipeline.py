@@ -71,3 +71,62 @@ def test_cuda_nonfinite_gradient_is_skipped_everywhere(monkeypatch):
         for t in range(1, 7):
             pipe.step(*resume.batch(t))
     assert pipe.skipped_steps == [3]
+
+
+def _to_cuda(batches):
+    """(inputs, target) pairs with every tensor (also in tuples and dicts) on the GPU."""
+    import torch.utils._pytree as pytree
+
+    return pytree.tree_map(lambda x: x.cuda() if isinstance(x, torch.Tensor) else x, batches)
+
+
+@pytest.mark.parametrize("model_name,schedule", [("gpt", "2bw"), ("gpt2", "1f1b"), ("llama", "2bw")])
+def test_cuda_bf16_matches_the_mixed_precision_reference_under_cudas_policy(model_name, schedule):
+    # On CUDA autocast keeps softmax, layer_norm and the losses in fp32 (CPU's list differs): the
+    # reference runs on the same GPU under the same device type's policy.
+    from tests.cases import build_mixed, relative_update_error
+    from tests.reference import train_mixed
+
+    net, example, batches, loss_fn, opt = build_mixed(model_name)
+    net, batches = net.cuda(), _to_cuda(batches)
+    example = _to_cuda([(example, None)])[0][0]
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, schedule=schedule,
+                          precision="bf16", device="cuda", verbose=False)
+    assert "stage 0 fused (triton), stage 1 fused (triton)" in pipe.describe()
+    store = pipe.workers[0].store
+    assert store.master[torch.float32].device.type == "cuda"
+    assert {b.dtype for slot in store.slots for b in slot.values()} == {torch.bfloat16}
+    losses = [pipe.step(*b) for b in batches]
+    ref_losses, ref, _ = train_mixed(net, batches, 4, loss_fn, opt, dtype=torch.bfloat16, schedule=schedule,
+                                     device_type="cuda")
+    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 0.05
+    assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(losses, ref_losses))
+
+
+def test_cuda_parameter_groups_take_the_fused_triton_update():
+    # AdamW with a decay/no-decay group factory: one launch per run of a group's parameters.
+    case = CASES["2bw_groups"]
+    model, example, batches, loss_fn, opt = build(case)
+    pipe = fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
+                          schedule=case.schedule, stages=case.stages, device="cuda", verbose=False)
+    assert "stage 0 fused (triton), stage 1 fused (triton)" in pipe.describe()
+    losses = [pipe.step(x, y) for x, y in batches]
+    mismatches = compare(case, losses, pipe.state_dict(), device="cuda")
+    assert not mismatches, "\n".join(mismatches)
+
+
+def test_cuda_adama_takes_its_triton_kernels():
+    from tests.cases import relative_update_error
+    from tests.reference import train_adama
+    from tests.unit import test_adama
+
+    net, batches = test_adama.gpt()
+    net, batches = net.cuda(), _to_cuda(batches)
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    pipe = test_adama.compile_adama(net, batches, device="cuda")
+    assert "stage 0 AdamA (triton), stage 1 AdamA (triton)" in pipe.describe()
+    for b in batches:
+        pipe.step(*b)
+    _, ref = train_adama(net, batches, 4, test_adama.lm_loss, lr=test_adama.LR, weight_decay=test_adama.WD)
+    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 1e-4
