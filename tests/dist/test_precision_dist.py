@@ -8,7 +8,7 @@ import torch
 from tests.cases import build_mixed, relative_update_error
 from tests.dist.harness import run_function
 from tests.reference import train_adama, train_mixed
-from tests.unit import test_adama
+from tests.unit import test_optimizer_accumulation as test_adama
 from tests.unit.test_precision import DTYPES, SCALER, _poisoned_loss
 
 QUICK = [("gpt", "2bw", "bf16", False), ("gpt", "1f1b", "fp16", True)]

@@ -119,7 +119,7 @@ def test_cuda_parameter_groups_take_the_fused_triton_update():
 def test_cuda_adama_takes_its_triton_kernels():
     from tests.cases import relative_update_error
     from tests.reference import train_adama
-    from tests.unit import test_adama
+    from tests.unit import test_optimizer_accumulation as test_adama
 
     net, batches = test_adama.gpt()
     net, batches = net.cuda(), _to_cuda(batches)
