@@ -7,6 +7,7 @@ Phases, one module each: ``trace`` -> ``cost`` -> ``partition`` (a :class:`Plan`
 ``codegen`` -> ``schedule`` -> ``runtime``; ``inspect`` dumps any of them.
 """
 
+from .cluster import Cluster
 from .errors import FxpipeError, PlanError, RuntimeMismatchError, ScheduleError, TraceError
 from .inspect import inspect
 from .partition import plan
@@ -22,6 +23,7 @@ __all__ = [
     "trace",
     "plan",
     "Plan",
+    "Cluster",
     "inspect",
     "FxpipeError",
     "TraceError",

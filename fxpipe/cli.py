@@ -1,4 +1,4 @@
-"""cli: the ``fxpipe`` command (``demo``, ``inspect``, ``run``)."""
+"""cli: the ``fxpipe`` command (``demo``, ``inspect``, ``plan``, ``run``)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,27 @@ import os
 import sys
 
 
-def _load_factory(spec: str):
+def _load_factory(spec: str, cmd: str = "inspect"):
     if ":" not in spec:
         raise SystemExit(
-            f"fxpipe inspect: expected MODULE:FACTORY (e.g. fxpipe.demo:demo_factory), found {spec!r}"
+            f"fxpipe {cmd}: expected MODULE:FACTORY (e.g. fxpipe.demo:demo_factory), found {spec!r}"
         )
     mod_name, fn_name = spec.split(":", 1)
     sys.path.insert(0, os.getcwd())  # let users point at a module in the current folder
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise SystemExit(f"fxpipe inspect: cannot import module {mod_name!r}: {e}") from e
+        raise SystemExit(f"fxpipe {cmd}: cannot import module {mod_name!r}: {e}; expected an importable module "
+                         f"(run from the folder holding it, or install it)") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
-        raise SystemExit(f"fxpipe inspect: {mod_name!r} has no callable {fn_name!r}")
+        raise SystemExit(f"fxpipe {cmd}: expected a callable {fn_name!r} in module {mod_name!r}, found "
+                         f"{type(fn).__name__ if fn is not None else 'nothing'}; name a function returning "
+                         f"(model, example_inputs)")
     result = fn()
     if not (isinstance(result, tuple) and len(result) == 2):
         raise SystemExit(
-            f"fxpipe inspect: {spec}() must return (model, example_inputs), found {type(result).__name__}"
+            f"fxpipe {cmd}: {spec}() must return (model, example_inputs), found {type(result).__name__}"
         )
     return result
 
@@ -39,6 +42,38 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for p in paths:
         print(p)
     return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .errors import PlanError
+    from .partition import _resolve_cluster, plan
+
+    try:
+        cluster = _resolve_cluster(args.cluster, args.nodes)
+    except PlanError as e:
+        raise SystemExit(f"fxpipe plan: --cluster {args.cluster!r}: {e}") from None
+    model, example_inputs = _load_factory(args.factory, "plan")
+    try:
+        p = plan(model, example_inputs, cluster=cluster, global_batch=args.global_batch, schedule=args.schedule,
+                 precision=args.precision, world_size=args.world_size, stages=args.stages, top=args.top)
+    except PlanError as e:
+        raise SystemExit(f"fxpipe plan: {e}") from None
+    print(p)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(p.to_json())
+        print(f"wrote {args.json} (fxpipe.Plan.from_json reads it; compile(..., plan=...) runs it)")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, found {v}")
+    return v
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -82,6 +117,24 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe"), help="schedule to draw")
     i.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 2 x stages)")
     i.set_defaults(fn=_cmd_inspect)
+
+    from .cluster import PRESETS
+
+    pl = sub.add_parser("plan", help="plan a model for a cluster: the chosen stages, placement and the configurations searched")
+    pl.add_argument("factory", help="MODULE:FACTORY, a function returning (model, example_inputs); the model may be "
+                                    "built on the meta device")
+    pl.add_argument("--cluster", required=True,
+                    help=f"a preset ({', '.join(sorted(PRESETS))}) or a .json/.toml file (see fxpipe/cluster.py)")
+    pl.add_argument("--nodes", type=_positive_int, default=None, help="nodes of the cluster (presets: default 1)")
+    pl.add_argument("--global-batch", type=_positive_int, required=True, help="samples per optimizer step")
+    pl.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe"))
+    pl.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    pl.add_argument("--world-size", type=_positive_int, default=None,
+                    help="accelerators to use (default: the planner chooses whole nodes up to the cluster)")
+    pl.add_argument("--stages", type=_positive_int, default=None, help="pipeline depth (default: searched)")
+    pl.add_argument("--top", type=_positive_int, default=8, help="configurations to list (the best of each depth)")
+    pl.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON (Plan.to_json) to PATH")
+    pl.set_defaults(fn=_cmd_plan)
 
     r = sub.add_parser("run", help="launch SCRIPT on N local ranks through torch.distributed.run (torchrun)")
     r.add_argument("--nproc", type=int, default=2, help="ranks on this machine")

@@ -226,7 +226,8 @@ class Cluster:
         def num(key: str, value: Any, scale: float) -> float:
             if not _number(value):
                 raise PlanError(f"{key} must be a number, found {value!r}; write e.g. {key} = 16")
-            return float(value) * scale
+            # microseconds divide (5 / 1e6 is the double 5e-6; 5 * 1e-6 is not)
+            return float(value) / (1 / scale) if scale < 1 else float(value) * scale
 
         def link(key: str) -> Link:
             v = data[key]

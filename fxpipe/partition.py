@@ -615,28 +615,48 @@ def _positive(name: str, v, allow_none: bool = True) -> None:
         raise PlanError(f"{name} must be a positive integer, found {v!r}")
 
 
+def _rank(s: int, r: int, d: int) -> int:
+    from .schedule import rank_of
+
+    return rank_of(s, r, d)
+
+
 def placement(cluster: Cluster, stages: int, width: int) -> tuple[tuple[int, int, int, int], ...]:
     """``(rank, stage, replica, node)`` for every rank of a d x w pipeline, in rank order: the
     runtime's layout (rank ``replica * d + stage``, :func:`fxpipe.schedule.rank_of`) on
     ``cluster``'s nodes (``rank // per_node``)."""
-    from .schedule import rank_of
-
-    return tuple((rank_of(s, r, stages), s, r, cluster.node_of(rank_of(s, r, stages)))
-                 for r in range(width) for s in range(stages))
+    rows = [(_rank(s, r, stages), s, r) for r in range(width) for s in range(stages)]
+    return tuple((k, s, r, cluster.node_of(k)) for k, s, r in sorted(rows))
 
 
 def stage_links(cluster: Cluster, stages: int, width: int) -> tuple[tuple[float, float], ...]:
-    """``(latency, bandwidth)`` between stage s and s + 1 for every s: the inter-node link when
-    any replica's two ranks sit on different nodes (replicas run in lockstep), else intra."""
-    from .schedule import rank_of
+    """``(latency, bandwidth)`` between stage s and s + 1 for every s. Inside a node the intra
+    link. Across nodes the inter-node link, shared: every stage pair of every replica sends at
+    once in a pipeline's steady state, so a node's interface is divided among the flows leaving
+    it (activations out of the sending node, gradients out of the receiving one), and a
+    boundary runs at the pace of its most crowded replica (replicas run in lockstep). Under the
+    runtime's layout a node's ranks are consecutive, so at most one replica crosses each border
+    between nodes and has the interface to itself."""
+    ranks = [[_rank(s, r, stages) for r in range(width)] for s in range(stages)]
+    node = cluster.node_of
+    crossing = [(s, r) for s in range(stages - 1) for r in range(width) if node(ranks[s][r]) != node(ranks[s + 1][r])]
+    out: dict[int, int] = {}
+    for s, r in crossing:  # activations leave the sender's node, gradients the receiver's
+        out[node(ranks[s][r])] = out.get(node(ranks[s][r]), 0) + 1
+        out[node(ranks[s + 1][r])] = out.get(node(ranks[s + 1][r]), 0) + 1
+    share: dict[int, int] = {}
+    for s, r in crossing:
+        share[s] = max(share.get(s, 0), out[node(ranks[s][r])], out[node(ranks[s + 1][r])])
+    intra = (cluster.intra.latency, cluster.intra.bandwidth)
+    return tuple((cluster.inter.latency, cluster.inter.bandwidth / share[s]) if s in share else intra
+                 for s in range(stages - 1))
 
-    out = []
-    for s in range(stages - 1):
-        across = any(cluster.node_of(rank_of(s, r, stages)) != cluster.node_of(rank_of(s + 1, r, stages))
-                     for r in range(width))
-        link = cluster.inter if across else cluster.intra
-        out.append((link.latency, link.bandwidth))
-    return tuple(out)
+
+def crossing_stages(cluster: Cluster, stages: int, width: int) -> list[int]:
+    """The boundaries s (between stage s and s + 1) that some replica sends across nodes."""
+    return [s for s in range(stages - 1)
+            if any(cluster.node_of(_rank(s, r, stages)) != cluster.node_of(_rank(s + 1, r, stages))
+                   for r in range(width))]
 
 
 def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, int]], width: int) -> float:
@@ -645,8 +665,6 @@ def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, i
     weight's ring over its stages in every replica (as ``fxpipe.pipeline.Topology`` groups
     them), all running at once and sharing the node interfaces they cross
     (:meth:`fxpipe.cluster.Cluster.allreduce_time`)."""
-    from .schedule import rank_of
-
     d = len(bounds)
     stage_of = np.empty(chain.n, dtype=np.int64)
     for s, (l, r) in enumerate(bounds):
@@ -662,8 +680,9 @@ def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, i
             dp[stages[0]] += nbytes
         else:
             tied[stages] = tied.get(stages, 0.0) + nbytes
-    groups = [([rank_of(s, r, d) for r in range(width)], dp[s]) for s in range(d)]
-    groups += [([rank_of(s, r, d) for r in range(width) for s in st], nbytes) for st, nbytes in tied.items()]
+    rank = lambda s, r: _rank(s, r, d)  # noqa: E731
+    groups = [([rank(s, r) for r in range(width)], dp[s]) for s in range(d)]
+    groups += [([rank(s, r) for r in range(width) for s in st], nbytes) for st, nbytes in tied.items()]
     groups = [(g, nbytes) for g, nbytes in groups if len(g) > 1 and nbytes > 0]
     concurrent = [g for g, _ in groups]
     return max((cluster.allreduce_time(nbytes, g, concurrent) for g, nbytes in groups), default=0.0)
@@ -766,8 +785,8 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
     slow = max(range(d), key=lambda s: stage_time(chain, sm, s, *part.bounds[s]))
     l, r = part.bounds[slow]
     comm = _comm(chain, sm, l - 1, slow - 1) + _comm(chain, sm, r, slow)
-    slow_link = {(cluster.inter.latency, cluster.inter.bandwidth)} - {(cluster.intra.latency, cluster.intra.bandwidth)}
-    inter = any(links[k] in slow_link for k in (slow - 1, slow) if 0 <= k < d - 1)
+    across = crossing_stages(cluster, d, w)
+    inter = any(k in across for k in (slow - 1, slow))
     memory = max(mems)
     return _Candidate(b * m * w / step, step, ar, d, w, b, m, rc, sm, part, chain, grad_buffers, world,
                       memory <= limit * (1 + 1e-9), memory, pipe, stage_time(chain, sm, slow, l, r) - comm, comm, inter)
@@ -834,14 +853,12 @@ def _bound(source, cluster: Cluster, schedule: str, world: int, d: int, w: int, 
     """An upper bound on the throughput of (N, d, w, b, m): compute perfectly balanced over the
     stages without recomputation or communication, and the data-parallel all-reduce no shorter
     than that of an even share of the parameters read by one node only (tied ones left out)."""
-    from .schedule import rank_of
-
     per_micro = source.per_sample(b) * b / d
     pipe = pipeline_time(schedule, d, m, per_micro)
     ar = 0.0
     if w > 1:
         share = source.untied_param_bytes() / d
-        groups = [[rank_of(s, r, d) for r in range(w)] for s in range(d)]
+        groups = [[_rank(s, r, d) for r in range(w)] for s in range(d)]
         ar = min(cluster.allreduce_time(share, g, groups) for g in groups)
     step = max(pipe, ar) if schedule == "2bw" else pipe + ar
     return b * m * w / step
@@ -1180,3 +1197,360 @@ def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: 
         memory_optimizer=opt, memory_grads=grads, memory_buffers=inp,
         param_bytes=pbytes, send_bytes=float(chain.cross[r]) if r < chain.n - 1 else 0.0, recompute=rc,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# models of repeated blocks, costed one block at a time
+
+
+class BlockCosting:
+    """Chains of a model made of ``L`` identical blocks (an ``nn.ModuleList``), for any ``L``,
+    from one trace of three of them: the first, a middle one and the last are costed once each
+    (as PipeDream-2BW's planner profiles one layer), and the chain of ``L`` blocks repeats the
+    middle one ``L - 2`` times. :meth:`chain` equals :func:`chain_from_graph` of the whole
+    model's trace (tests/unit/test_planning.py checks up to 48 layers), without tracing a graph
+    of ``L`` blocks: a GPT of 2,400 layers has over 100k nodes.
+
+    Made with :meth:`from_model`, which traces the model with its block list cut to 3 (and, to
+    check that the blocks do repeat, to 4: the chain of 4 built from the 3-block trace must
+    equal the 4-block trace's). Values that skip blocks (a mask every block reads, a skip from
+    the embeddings to the head) keep their span; anything else that does not repeat raises.
+    """
+
+    SAMPLE = 3
+
+    def __init__(self, gm: fx.GraphModule, costs: GraphCosts, path: str, layers: int):
+        from .trace import module_path
+
+        self.gm, self.costs, self.path, self.layers = gm, costs, path, layers
+        self.batch_size = costs.batch_size
+        compute = [nd for nd in gm.graph.nodes if nd.op in _COMPUTE]
+        which = []
+        prefix = path + "."
+        for nd in compute:
+            mp = module_path(nd)
+            which.append(int(mp[len(prefix):].split(".")[0]) if mp.startswith(prefix) and mp[len(prefix):].split(".")[0].isdigit() else None)
+        k = self.SAMPLE
+        starts = [which.index(j) if j in which else -1 for j in range(k)]
+        ends = [len(which) - 1 - which[::-1].index(j) if j in which else -1 for j in range(k)]
+        lens = [e - s + 1 for s, e in zip(starts, ends)]
+        ok = min(starts) >= 0 and len(set(lens)) == 1 and all(starts[j + 1] == ends[j] + 1 for j in range(k - 1)) \
+            and all(which[i] == j for j in range(k) for i in range(starts[j], ends[j] + 1)) \
+            and not any(w is not None for w in which[: starts[0]] + which[ends[-1] + 1:])
+        if not ok:
+            raise PlanError(
+                f"the blocks of {path!r} are not contiguous runs of equal length in the traced graph (found "
+                f"runs at {list(zip(starts, ends))}); block costing needs a model that calls its blocks one after "
+                f"another; plan the whole graph instead (fxpipe.plan)"
+            )
+        self.start, self.blen, self.n0 = starts[0], lens[0], len(compute)
+        self.end = self.start + k * self.blen
+        per_block = {}
+        seen = set()
+        for name, p in gm.named_parameters(remove_duplicate=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            inside = name.startswith(prefix)
+            per_block[inside] = per_block.get(inside, 0) + p.numel()
+        self._params = (per_block.get(False, 0), per_block.get(True, 0) // k)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, example_inputs, *, blocks: str | None = None, device: DeviceModel | None = None,
+                   layers: int | None = None, check: bool = True) -> "BlockCosting":
+        """Trace ``model`` with its block list ``blocks`` (a dotted path to an ``nn.ModuleList``;
+        None: the longest list of identical modules) cut to 3 blocks, and cost it on ``device``.
+        ``layers``: the depth to cost by default (the model's own list length if None). The
+        model may be on the meta device; it is left as it was."""
+        from .cost import annotate
+        from .trace import trace
+
+        path = blocks or _repeated_blocks(model)
+        if path is None:
+            raise PlanError(
+                f"{type(model).__name__} has no nn.ModuleList of 3 or more identical blocks; expected a model "
+                f"made of repeated blocks (e.g. GPT's transformer layers); plan the whole graph instead (fxpipe.plan)"
+            )
+        lst = model.get_submodule(path)
+        if not isinstance(lst, nn.ModuleList) or len(lst) < cls.SAMPLE + (1 if check else 0):
+            raise PlanError(
+                f"blocks={path!r}: expected an nn.ModuleList of at least {cls.SAMPLE + (1 if check else 0)} blocks, "
+                f"found {type(lst).__name__} of {len(lst) if isinstance(lst, nn.ModuleList) else 0}; build the model "
+                f"with at least {cls.SAMPLE + 1} blocks (on the meta device they cost nothing)"
+            )
+        device = device or DeviceModel.for_device(None)
+
+        def traced(k: int):
+            with _shortened(model, path, k):
+                gm = trace(model, example_inputs)
+            return gm, annotate(gm, device=device)
+
+        bc = cls(*traced(cls.SAMPLE), path, layers if layers is not None else len(lst))
+        if check:
+            gm4, costs4 = traced(cls.SAMPLE + 1)
+            kw = dict(schedule="2bw", optimizer_bytes_per_param=8.0, grad_buffers=2, accumulation="autograd",
+                      precision="fp32")
+            want = chain_from_graph(gm4, costs4, bc.batch_size, **kw)
+            got = bc.chain(bc.batch_size, layers=cls.SAMPLE + 1, **kw)
+            if not _same_chain(got, want):
+                raise PlanError(
+                    f"the blocks of {path!r} do not repeat: the chain of {cls.SAMPLE + 1} blocks built from a trace of "
+                    f"{cls.SAMPLE} differs from the trace of {cls.SAMPLE + 1} (a value read by some blocks but not "
+                    f"others, or blocks that differ); plan the whole graph instead (fxpipe.plan)"
+                )
+        return bc
+
+    def params(self, layers: int | None = None) -> int:
+        """Parameters of the model with ``layers`` blocks (tied ones once)."""
+        fixed, block = self._params
+        return fixed + block * (self.layers if layers is None else layers)
+
+    def chain(self, batch: float, *, layers: int | None = None, schedule: str = "2bw", optimizer_bytes_per_param: float = 8.0,
+              grad_buffers: int = 1, accumulation: str = "autograd", precision: str = "fp32") -> Chain:
+        """The chain of the model with ``layers`` blocks (default: :attr:`layers`), as
+        :func:`chain_from_graph` would give for its whole trace."""
+        L = self.layers if layers is None else layers
+        if isinstance(L, bool) or not isinstance(L, int) or L < 2:
+            raise PlanError(f"layers must be an integer >= 2 for block costing, found {L!r}; trace a smaller model whole")
+        p = _chain_parts(self.gm, self.costs, batch, schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                         grad_buffers=grad_buffers, accumulation=accumulation, precision=precision)
+        k, s0, blen, end, n0 = self.SAMPLE, self.start, self.blen, self.end, self.n0
+        shift = (L - k) * blen
+        copies = [np.array([0]), np.arange(1, L - 1), np.array([L - 1])]  # template block -> its copies
+
+        def seg(i: np.ndarray) -> np.ndarray:  # -1 prefix, 0..k-1 block, k suffix
+            return np.where(i < s0, -1, np.where(i >= end, k, (i - s0) // blen))
+
+        def fixed(i: np.ndarray) -> np.ndarray:  # prefix and suffix positions
+            return np.where(i < s0, i, i + shift)
+
+        role = np.concatenate([[0], np.ones(L - 2, dtype=np.int64), [k - 1]])
+        idx = np.concatenate([np.arange(s0), (s0 + role[:, None] * blen + np.arange(blen)[None, :]).ravel(),
+                              np.arange(end, n0)])
+        names = list(p.names[:s0]) + [f"{self.path}.{x}:{p.names[s0 + role[x] * blen + o]}" for x in range(L)
+                                      for o in range(blen)] + list(p.names[end:])
+        # values: each span (lo, hi) mapped to every copy of its block
+        lo_out, hi_out, sel = [], [], []
+        slo, shi = seg(p.lo), seg(p.hi)
+        for v in range(len(p.lo)):
+            a, z = slo[v], shi[v]
+            if a < 0 or a >= k:  # produced in the prefix or suffix
+                if 0 <= z < k and z not in (0, k - 1):
+                    raise PlanError(f"block costing: value {p.names[p.lo[v]]!r} is last read in a middle block only; "
+                                    f"the blocks of {self.path!r} do not repeat; plan the whole graph instead")
+                hi = fixed(p.hi[v]) if not 0 <= z < k else s0 + copies[z][-1] * blen + (p.hi[v] - s0) % blen
+                lo_out.append(np.array([fixed(p.lo[v])]))
+                hi_out.append(np.array([hi]))
+                sel.append(np.array([v]))
+                continue
+            xs = copies[a]
+            starts = s0 + xs * blen + (p.lo[v] - s0) % blen
+            if z >= k:
+                ends = np.full(len(xs), fixed(p.hi[v]))
+            else:
+                target = xs + (z - a)
+                if len(xs) and target.max() > L - 1:
+                    raise PlanError(f"block costing: a value of block {a} is read {z - a} blocks later, past the last "
+                                    f"block; the blocks of {self.path!r} do not repeat; plan the whole graph instead")
+                ends = s0 + target * blen + (p.hi[v] - s0) % blen
+            lo_out.append(starts)
+            hi_out.append(ends)
+            sel.append(np.full(len(xs), v))
+        sel_a = np.concatenate(sel) if sel else np.zeros(0, dtype=np.int64)
+        # tensors: one read inside a single block is that block's own, copied with its name;
+        # any other (tied, shared by every block) keeps its name and gains every copy's readers
+        tensors = []
+        prefix = self.path + "."
+        for order, (name, cost, pb, g, o, readers) in enumerate(p.tensors):
+            rd = np.asarray(readers)
+            sr = seg(rd)
+            inner = sr[(sr >= 0) & (sr < k)]
+            if len(inner) == len(rd) and len(set(inner.tolist())) == 1:
+                j = int(inner[0])
+                for x in copies[j].tolist():
+                    own = name.replace(f"{prefix}{j}.", f"{prefix}{x}.", 1) if name.startswith(f"{prefix}{j}.") else f"{name}@{x}"
+                    tensors.append((order, (own, cost, pb, g, o, (s0 + x * blen + (rd - s0) % blen).tolist())))
+                continue
+            pos = [fixed(rd[(sr < 0) | (sr >= k)])]
+            for j in sorted(set(inner.tolist())):
+                r = rd[sr == j]
+                pos.append((s0 + copies[j][:, None] * blen + ((r - s0) % blen)[None, :]).ravel())
+            tensors.append((order, (name, cost, pb, g, o, sorted(set(np.concatenate(pos).tolist())))))
+        # the whole trace's order: by first reader, then as that node lists them
+        tensors = [t for _, t in sorted(tensors, key=lambda e: (e[1][5][0], e[0]))]
+        parts = _Parts(names, p.fwd[idx], p.bwd[idx], p.act[idx],
+                       np.concatenate(lo_out).astype(np.int64) if lo_out else np.zeros(0, dtype=np.int64),
+                       np.concatenate(hi_out).astype(np.int64) if hi_out else np.zeros(0, dtype=np.int64),
+                       p.size[sel_a], p.grad[sel_a], p.bad[sel_a], tensors)
+        return _assemble(parts)
+
+    def source(self, layers: int | None = None, **chain_kw) -> "_BlockSource":
+        """What :func:`search` plans from, for ``layers`` blocks."""
+        return _BlockSource(self, self.layers if layers is None else layers, chain_kw)
+
+
+class _BlockSource:
+    """The planner's view of a :class:`BlockCosting` at one depth (like :class:`_GraphSource`)."""
+
+    def __init__(self, blocks: BlockCosting, layers: int, chain_kw: dict):
+        self.blocks, self.layers, self.chain_kw = blocks, layers, chain_kw
+        self.batch_size = blocks.batch_size
+        self.n = blocks.n0 + (layers - BlockCosting.SAMPLE) * blocks.blen
+        self._chains: dict[tuple[int, int], Chain] = {}
+        c, k, s0, blen = blocks.costs, BlockCosting.SAMPLE, blocks.start, blocks.blen
+        compute = [nd.name for nd in blocks.gm.graph.nodes if nd.op in _COMPUTE]
+        self._middle = compute[s0 + blen : s0 + 2 * blen]
+        self._costs = c
+
+    def chain(self, batch: int, grad_buffers: int) -> Chain:
+        if (batch, grad_buffers) not in self._chains:
+            self._chains.clear()  # chains of 100k nodes: keep one
+            self._chains[batch, grad_buffers] = self.blocks.chain(batch, layers=self.layers, grad_buffers=grad_buffers,
+                                                                  **self.chain_kw)
+        return self._chains[batch, grad_buffers]
+
+    def per_sample(self, batch: int) -> float:
+        c = self._costs
+        whole = c.total("fwd_time", batch) + c.total("bwd_time", batch)
+        middle = sum(c.nodes[n].fwd_time(batch) + c.nodes[n].bwd_time(batch) for n in self._middle)
+        return (whole + (self.layers - BlockCosting.SAMPLE) * middle) / batch
+
+    def untied_param_bytes(self) -> float:
+        return _untied_param_bytes(self.chain(self.batch_size, 1))
+
+
+def _same_chain(a: Chain, b: Chain) -> bool:
+    close = lambda x, y: x.shape == y.shape and np.allclose(x, y, rtol=1e-12, atol=0)  # noqa: E731
+    if not all(close(getattr(a, f), getattr(b, f)) for f in ("fwd", "bwd", "act", "cross", "cross_grad", "tensor_cost",
+                                                             "tensor_param_bytes", "tensor_grad_bytes", "tensor_optim_bytes")):
+        return False
+    if not np.array_equal(a.valid, b.valid):
+        return False
+    key = lambda c: sorted((n, tuple(r.tolist())) for n, r in zip(c.tensor_names, c.tensor_readers))  # noqa: E731
+    return key(a) == key(b)
+
+
+def _repeated_blocks(model: nn.Module) -> str | None:
+    """The dotted path of the ModuleList of 3+ structurally identical modules holding the most
+    parameters (None if there is none)."""
+    best, most = None, 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 3:
+            continue
+        sig = [(type(m), tuple((n, tuple(p.shape), p.dtype) for n, p in m.named_parameters())) for m in mod]
+        if any(s != sig[0] for s in sig):
+            continue
+        count = sum(p.numel() for p in mod.parameters())
+        if count > most:
+            best, most = name, count
+    return best
+
+
+class _shortened:
+    """Context: ``model``'s ModuleList at ``path`` holds only its first ``k`` blocks."""
+
+    def __init__(self, model: nn.Module, path: str, k: int):
+        self.model, self.path, self.k = model, path, k
+
+    def __enter__(self):
+        parent_path, _, name = self.path.rpartition(".")
+        self.parent = self.model.get_submodule(parent_path) if parent_path else self.model
+        self.name = name
+        self.orig = getattr(self.parent, name)
+        setattr(self.parent, name, nn.ModuleList(list(self.orig)[: self.k]))
+        return self
+
+    def __exit__(self, *exc):
+        setattr(self.parent, self.name, self.orig)
+        return False
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The deepest model of repeated blocks that fits (:func:`capacity`)."""
+
+    layers: int
+    params: int
+    stages: int
+    width: int
+    microbatch_size: int
+    microbatches: int
+    memory: float  #: bytes on the fullest accelerator, of the best-balanced cut that fits
+    memory_limit: float
+    checks: int  #: depths tried
+
+    def describe(self) -> str:
+        return (f"{self.layers} layers, {self.params / 1e9:.2f}B parameters: d={self.stages} w={self.width} "
+                f"b={self.microbatch_size} m={self.microbatches} with recomputation, fullest accelerator "
+                f"{self.memory / 1e9:.2f} of {self.memory_limit / 1e9:.2f} GB ({self.checks} depths tried)")
+
+
+def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int, schedule: str = "2bw",
+             precision: str = "fp32", world_size: int | None = None, clip: bool = True,
+             optimizer_bytes_per_param: float = 8.0, accumulation: str = "autograd",
+             device_memory: float | None = None) -> Capacity:
+    """The largest number of blocks whose model fits ``cluster`` (all its accelerators, or
+    ``world_size``) under ``schedule``'s memory formula, at the least memory any configuration
+    needs: micro-batches of the smallest size, recomputation on, and every depth d (deepest
+    first) of the world size. Depths double until one does not fit, then bisect; each try costs
+    the model one block at a time (:class:`BlockCosting`) and asks the partitioner whether any
+    cut fits. Returns the depth, its parameter count and the fitting configuration."""
+    cluster = _resolve_cluster(cluster)
+    if cluster is None:
+        raise PlanError("capacity needs a cluster (a fxpipe.Cluster, a preset name or a .json/.toml path), found None")
+    if schedule not in _SCHEDULES:
+        raise PlanError(f"schedule must be one of {_SCHEDULES}, found {schedule!r}")
+    _positive("global_batch", global_batch, allow_none=False)
+    world = world_size or cluster.size
+    cluster.check_fits(world)
+    device = cluster.device_model(precision)
+    limit = float(device_memory) if device_memory is not None else device.memory_bytes
+    kw = dict(schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param, accumulation=accumulation,
+              precision=precision)
+    checks = 0
+
+    def fitting(layers: int):
+        nonlocal checks
+        checks += 1
+        source = blocks.source(layers, **kw)
+        for d in sorted(_divisors(world), reverse=True):
+            w = world // d
+            if global_batch % w or d > source.n:
+                continue
+            per = global_batch // w
+            b = next((bb for bb in _divisors(per) if schedule == "gpipe" or per // bb >= d), None)
+            if b is None:
+                continue
+            m = per // b
+            chain = source.chain(b, 2)  # two gradient buffers: overlapped reductions or a tied weight
+            sm = StageModel.for_schedule(schedule, d, m, True, device, limit, stage_links(cluster, d, w))
+            if sum(chain.valid) >= d - 1 and _Solver(chain, sm).feasible(math.inf) is not None:
+                return d, w, b, m, chain, sm
+        return None
+
+    lo, hi = 1, 2  # lo fits (or is the floor), hi is the next to try
+    found = fitting(hi)
+    if found is None:
+        raise PlanError(
+            f"not even 2 blocks of {blocks.path!r} fit {world} x {limit / 1e9:.2f} GB of {cluster.name} with "
+            f"{schedule}; expected a model whose smallest form fits; use more accelerators or a smaller block"
+        )
+    best = (hi, found)
+    while True:
+        nxt = hi * 2
+        f = fitting(nxt)
+        if f is None:
+            lo, hi = hi, nxt
+            break
+        best, hi = (nxt, f), nxt
+    while hi - lo > 1:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        f = fitting(mid)
+        if f is None:
+            hi = mid
+        else:
+            lo, best = mid, (mid, f)
+    layers, (d, w, b, m, chain, sm) = best
+    part = partition_chain(chain, sm)
+    memory = max(stage_memory(chain, sm, s, l, r) for s, (l, r) in enumerate(part.bounds))
+    return Capacity(layers, blocks.params(layers), d, w, b, m, memory, limit, checks)

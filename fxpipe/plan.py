@@ -201,7 +201,7 @@ class Plan:
         for _, stage, replica, node in self.placement:
             nodes.setdefault(node, {}).setdefault(replica, []).append(stage)
         per_node = self.cluster.per_node if self.cluster is not None else len(self.placement)
-        lines = [f"placement: rank = replica x {self.stages} + stage, node = rank // {per_node}"]
+        lines = [f"placement: rank = replica x {self.stages} + stage (the runtime's), node = rank // {per_node}"]
         shown = sorted(nodes)
         for node in shown[:limit]:
             groups: dict[str, list[int]] = {}

@@ -1,0 +1,179 @@
+"""The cluster model: presets, files, links on the runtime's placement, all-reduce pricing, errors."""
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+
+import fxpipe
+from fxpipe.cluster import PRESETS, Cluster, Link
+from fxpipe.cost import DeviceModel
+from fxpipe.errors import PlanError
+from fxpipe.partition import Chain, StageModel, placement, reduction_time, stage_links, stage_time
+from fxpipe.schedule import rank_of
+
+TOML = """
+name = "two-by-four"
+accelerator = "toy"
+nodes = 2
+per_node = 4
+memory_gb = 40
+reserved_gb = 0.5
+mem_bandwidth_gbs = 1555
+efficiency = 0.5
+[flops_tflops]
+fp32 = 19.5
+bf16 = 312
+[intra]
+bandwidth_gbs = 300
+latency_us = 5
+[inter]
+bandwidth_gbs = 25
+latency_us = 10
+"""
+
+
+def toy(**kw) -> Cluster:
+    base = dict(name="toy", nodes=2, per_node=4, memory=40e9, flops={"fp32": 19.5e12, "bf16": 312e12},
+                mem_bandwidth=1555e9, intra=Link(300e9, 5e-6), inter=Link(25e9, 10e-6), efficiency=0.5)
+    return Cluster(**{**base, **kw})
+
+
+def test_presets_hold_the_vendor_figures():
+    p3 = fxpipe.Cluster.preset("p3.16xlarge", nodes=8)
+    assert (p3.size, p3.per_node, p3.memory) == (64, 8, 16e9)
+    assert p3.flops["fp16"] == 125e12 and p3.flops["fp32"] == 15.7e12 and "bf16" not in p3.flops
+    assert p3.inter.bandwidth == 25e9 / 8  # 25 Gbit/s between instances
+    assert p3.achievable_flops("fp16") == pytest.approx(0.30 * 125e12)
+    for name, tflops in (("dgx-a100", 312e12), ("dgx-h100", 989e12)):
+        c = fxpipe.Cluster.preset(name, nodes=2)
+        assert c.size == 16 and c.memory == 80e9 and c.flops["bf16"] == tflops
+        assert c.inter.bandwidth < c.intra.bandwidth
+    assert Cluster.preset("dgx-a100", efficiency=0.4).efficiency == 0.4
+    assert set(PRESETS) == {"p3.16xlarge", "dgx-a100", "dgx-h100"}
+
+
+def test_json_and_toml_files(tmp_path):
+    t = tmp_path / "c.toml"
+    t.write_text(TOML)
+    c = Cluster.from_file(t)
+    assert c == toy(name="two-by-four", accelerator="toy", reserved=0.5e9)
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps(c.to_dict()))
+    assert Cluster.from_file(j) == c
+    # every preset survives the file format
+    p = tmp_path / "p3.json"
+    p.write_text(json.dumps(Cluster.preset("p3.16xlarge", nodes=8).to_dict()))
+    back = Cluster.from_file(p)
+    assert back.to_dict() == Cluster.preset("p3.16xlarge", nodes=8).to_dict()
+    assert back.usable_memory == pytest.approx(15e9)
+
+
+def test_the_local_machine_is_a_one_node_cluster():
+    dm = DeviceModel.cpu()
+    c = Cluster.from_device_model(dm, 4)
+    assert (c.nodes, c.per_node, c.usable_memory) == (1, 4, dm.memory_bytes)
+    assert c.allreduce_time(8e6, range(4)) == pytest.approx(dm.allreduce_time(8e6, 4))
+    assert c.p2p_link(0, 3).time(1e6) == pytest.approx(dm.p2p_time(1e6))
+    back = c.device_model()
+    assert (back.peak_flops, back.p2p_bandwidth, back.allreduce_bandwidth) == (dm.peak_flops, dm.p2p_bandwidth,
+                                                                              dm.allreduce_bandwidth)
+
+
+def test_a_stage_pair_split_across_nodes_pays_the_slower_link():
+    c = toy()  # 4 accelerators per node
+    # d = 8, w = 1: ranks 0-3 on node 0, 4-7 on node 1; only stages 3 -> 4 cross
+    links = stage_links(c, 8, 1)
+    assert [i for i, link in enumerate(links) if link == (c.inter.latency, c.inter.bandwidth)] == [3]
+    assert all(link == (c.intra.latency, c.intra.bandwidth) for i, link in enumerate(links) if i != 3)
+    # the same compute on every stage: the two stages beside the border are the slow ones
+    n = 8
+    chain = Chain([1e-3] * n, [2e-3] * n, [1e6] * n, [64e6] * (n - 1), [64e6] * (n - 1), [True] * (n - 1))
+    sm = StageModel(8, tuple(8 - s for s in range(8)), (False,) * 8, c.intra.latency, c.intra.bandwidth,
+                    links=links)
+    times = [stage_time(chain, sm, s, s, s) for s in range(8)]
+    assert times[3] == pytest.approx(times[4]) and times[2] == pytest.approx(times[5])
+    assert times[3] > times[2] > 0 and times[1] == pytest.approx(times[2])
+    assert times[3] - times[2] == pytest.approx(2 * (c.inter.time(64e6) - c.intra.time(64e6)))
+    # a layout whose replicas share nodes crosses nowhere: d = 2, w = 4
+    assert stage_links(c, 2, 4) == ((c.intra.latency, c.intra.bandwidth),)
+
+
+def test_replicas_inside_one_node_all_reduce_faster():
+    c = toy()
+    inside, across = [0, 1, 2, 3], [0, 4]
+    assert c.allreduce_time(1e9, inside) < c.allreduce_time(1e9, [0, 1, 4, 5])
+    assert c.allreduce_time(1e9, [0, 4]) == pytest.approx(2 * 1 / 2 * 1e9 / 25e9 + 2 * 1 * 10e-6)
+    # rings leaving a node at once share its interface
+    assert c.allreduce_time(1e9, across, [[0, 4], [1, 5], [2, 6]]) == pytest.approx(
+        2 * 1 / 2 * 1e9 / (25e9 / 3) + 2 * 10e-6)
+    assert c.allreduce_time(1e9, [0]) == 0.0
+
+
+def test_reductions_priced_on_the_runtime_placement():
+    c = toy()
+    # every parameter read on one stage; 1e9 bytes per stage
+    n = 4
+    chain = Chain([1.0] * n, [1.0] * n, [1.0] * n, [1.0] * (n - 1), [1.0] * (n - 1), [True] * (n - 1),
+                  [3e9] * n, tuple([i] for i in range(n)), tensor_param_bytes=[1e9] * n)
+    # d = 2, w = 4: rank = replica*2 + stage, so stage 0's replicas are ranks 0,2,4,6: two nodes
+    assert placement(c, 2, 4) == tuple((rank_of(s, r, 2), s, r, rank_of(s, r, 2) // 4) for r in range(4) for s in range(2))
+    two = reduction_time(c, chain, [(0, 1), (2, 3)], 4)
+    groups = [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert two == pytest.approx(c.allreduce_time(2e9, groups[0], groups))
+    # d = 4, w = 2 on one node of 8: all inside, fast
+    one_node = dataclasses.replace(c, nodes=1, per_node=8)
+    inside = reduction_time(one_node, chain, [(0, 0), (1, 1), (2, 2), (3, 3)], 2)
+    assert inside == pytest.approx(one_node.allreduce_time(1e9, [0, 4]))
+    assert inside < two
+    # a tied weight (read on stages 0 and 1) is reduced over its stages in every replica
+    tied = Chain([1.0] * n, [1.0] * n, [1.0] * n, [1.0] * (n - 1), [1.0] * (n - 1), [True] * (n - 1),
+                 [3e9], ([0, 3],), tensor_param_bytes=[1e9])
+    assert reduction_time(c, tied, [(0, 1), (2, 3)], 1) == pytest.approx(c.allreduce_time(1e9, [0, 1]))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Cluster.preset("p3"), r"unknown cluster preset 'p3'; expected one of \['dgx-a100', 'dgx-h100', "
+                                   r"'p3.16xlarge'\], or a path to a .json or .toml file"),
+    (lambda: toy(nodes=0), r"nodes must be a positive integer, found 0; pass e.g. nodes=8"),
+    (lambda: toy(efficiency=1.5), r"efficiency must be a fraction of the peak in \(0, 1\], found 1.5"),
+    (lambda: toy(flops={"fp8": 1e15}), r"flops\['fp8'\] must be a positive FLOP/s for a dtype among"),
+    (lambda: toy(inter=Link(0.0)), r"inter must be a Link\(bandwidth > 0 bytes/s, latency >= 0 s\), found"),
+    (lambda: toy(reserved=50e9), r"reserved must be less than memory"),
+    (lambda: Cluster.preset("p3.16xlarge").peak_flops("bf16"),
+     r"has no FLOP/s for bf16: it lists \['fp16', 'fp32', 'fp64'\]; plan with precision in \['fp16', 'fp32'\]"),
+    (lambda: toy().check_fits(9), r"has 8 accelerators \(2 nodes x 4\), found a request for 9; use world_size <= 8"),
+])
+def test_errors_say_what_was_expected_found_and_what_to_do(make, match):
+    with pytest.raises(PlanError, match=match):
+        make()
+
+
+@pytest.mark.parametrize("text, ext, match", [
+    (TOML.replace("memory_gb = 40\n", ""), ".toml", r"expected keys .*; missing \['memory_gb'\]; see the example"),
+    ("colour = 'red'\n" + TOML, ".toml", r"unknown \['colour'\]"),
+    (TOML.replace("nodes = 2", "nodes = 'two'"), ".toml", r"nodes must be an integer, found 'two'; write e\.g\. nodes = 8"),
+    (TOML.replace("bandwidth_gbs = 25", "bandwidth = 25"), ".toml", r"inter must be a table with bandwidth_gbs"),
+    ("nodes = [", ".toml", r"is not valid TOML: .*; fix the syntax"),
+    ("{}", ".yaml", r"expected a .json or .toml file, found extension '.yaml'"),
+], ids=["missing", "unknown", "type", "link", "syntax", "extension"])
+def test_file_errors(tmp_path, text, ext, match):
+    path = tmp_path / f"c{ext}"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=match):
+        Cluster.from_file(path)
+    with pytest.raises(PlanError, match=r"does not exist"):
+        Cluster.from_file(tmp_path / "missing.toml")
+
+
+def test_device_model_costs_operators_at_the_achievable_rate():
+    c = toy()
+    dm = c.device_model("bf16")
+    assert dm.peak_flops == pytest.approx(0.5 * 312e12)
+    assert dm.memory_bytes == c.usable_memory
+    assert dm.mem_bandwidth == pytest.approx(2 * 1555e9)  # traced fp32 bytes, moved as 2-byte values
+    assert c.device_model("fp32").mem_bandwidth == 1555e9
+    assert math.isclose(c.with_efficiency(0.25).achievable_flops("fp32"), 0.25 * 19.5e12)
+    assert np.isfinite(c.allreduce_time(1.0, [0, 7]))
