@@ -204,8 +204,9 @@ class FlatParams:
         }
 
     @classmethod
-    def build(cls, named: Sequence[tuple[str, torch.Tensor]], device: torch.device) -> "FlatParams":
-        """Flat buffers holding copies of ``named`` (name, tensor) pairs, in that order."""
+    def build(cls, named: Sequence[tuple[str, torch.Tensor]], device: torch.device, *, copy: bool = True) -> "FlatParams":
+        """Flat buffers holding copies of ``named`` (name, tensor) pairs, in that order
+        (``copy=False``: uninitialised, for the caller to fill; the tensors may be on meta)."""
         offsets: dict[torch.dtype, int] = {}
         slots = []
         for name, t in named:
@@ -213,6 +214,8 @@ class FlatParams:
             slots.append(ParamSlot(name, t.dtype, off, t.numel(), tuple(t.shape), bool(t.requires_grad)))
             offsets[t.dtype] = off + t.numel()
         layout = FlatLayout(tuple(slots), tuple(offsets.items()), torch.device(device))
+        if not copy:
+            return cls(layout, layout.empty_like())
         with torch.no_grad():
             buffers = layout.pack({name: t.detach() for name, t in named})
         return cls(layout, buffers)
@@ -377,6 +380,7 @@ def split(
     *,
     device: torch.device | str | None = None,
     build: Collection[int] | None = None,
+    source=None,
 ) -> StagedModel:
     """Cut ``gm`` (from :func:`fxpipe.trace`) into stages by ``assignment`` (node name -> stage).
 
@@ -385,6 +389,12 @@ def split(
     them. ``build``: the stage indices to materialise there (default all); the others get
     their module and flat buffers on the ``meta`` device (no memory; code and specs intact), as
     a rank that runs only its own stages needs.
+
+    ``source``: where the built stages' tensor values come from, an object with
+    ``fill(dest, originals)`` writing each ``dest[name]`` (allocated on ``device``) for the
+    model's tensor ``originals[name]`` (:class:`fxpipe.materialize.Materializer`: a state dict,
+    the modules' initialisers; how a model on the meta device is built). Default: copies of the
+    traced model's own tensors, which must then not be on the meta device.
     """
     info = gm.meta.get("fxpipe")
     if not isinstance(info, TraceInfo):
@@ -415,7 +425,8 @@ def split(
                     f"stages.\n  {n.format_node()}\nPut {n.name!r} and its users {users} on one stage."
                 )
 
-    src_device = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    # the device the trace ran on (a meta model traces as if on the CPU): baked device arguments name it
+    src_device = info.device or next((p.device for p in gm.parameters()), torch.device("cpu"))
     device = torch.device(device) if device is not None else src_device
     build = set(range(d)) if build is None else set(build)
     bad = sorted(build - set(range(d)))
@@ -449,13 +460,18 @@ def split(
         stages.append(
             _build_stage(
                 gm, s, d, per_stage[s], inputs, outs, output if s == d - 1 else None,
-                canon, gm_params, readers, produced_on, src_device, stage_device,
+                canon, gm_params, readers, produced_on, src_device, stage_device, source,
             )
         )
 
     param_names = {canon(n) for n in gm_params}
     tied = [TiedParam(name, tuple(sorted(ss))) for name, ss in readers.items() if len(ss) > 1 and name in param_names]
     originals, unused = _originals(gm, info, canon, readers)
+    meta = {n: t for n, t in unused.items() if t.is_meta}
+    if meta:  # a meta model's state no stage reads: the source's values, on the CPU, for state_dict()
+        dest = {n: torch.empty_like(t, device="cpu") for n, t in meta.items()}
+        _fill(source, dest, meta, "state no stage reads")
+        unused.update(dest)
     out_names = stages[-1].outputs
     return StagedModel(
         stages=stages,
@@ -603,8 +619,24 @@ def _placeholder(g: fx.Graph, node: fx.Node) -> fx.Node:
     return new
 
 
+def _fill(source, dest: dict[str, torch.Tensor], originals: dict[str, torch.Tensor], what: str) -> None:
+    """Write ``dest`` (new tensors) from ``source``, or copies of ``originals`` without one."""
+    if source is not None:
+        source.fill(dest, originals)
+        return
+    meta = [n for n, t in originals.items() if t.is_meta]
+    if meta:
+        raise FxpipeError(
+            f"{what} needs values for {len(meta)} tensors that are on the meta device, e.g. {meta[:3]}, and "
+            f"split was given no source of values: pass source=fxpipe.materialize.Materializer(model, gm, ...) "
+            f"(fxpipe.compile does), or build the model on a real device")
+    with torch.no_grad():
+        for n, t in dest.items():
+            t.copy_(originals[n])
+
+
 def _build_stage(
-    gm, s, d, nodes, inputs, outs, output, canon, gm_params, readers, produced_on, src_device, device
+    gm, s, d, nodes, inputs, outs, output, canon, gm_params, readers, produced_on, src_device, device, source=None
 ) -> Stage:
     runs_here = nodes + ([output] if output is not None else [])
     read = {a for r in runs_here for a in r.all_input_nodes}
@@ -627,8 +659,15 @@ def _build_stage(
         if r.op == "call_module":
             for local, p in gm.get_submodule(r.target).named_parameters(remove_duplicate=False):
                 params.setdefault(canon(f"{r.target}.{local}"), p)
+    built = device.type != "meta"
     with torch.no_grad():
-        flat = FlatParams.build(list(params.items()), device)
+        flat = FlatParams.build(list(params.items()), device, copy=not built)
+    # what a built stage's tensors get their values from: name -> (new tensor, the model's tensor)
+    dest: dict[str, torch.Tensor] = {}
+    origin: dict[str, torch.Tensor] = {}
+    if built:
+        dest.update(flat.layout.views(flat.buffers))
+        origin.update(params)
 
     root: dict[str, Any] = {}
     buffer_names: list[str] = []
@@ -638,6 +677,10 @@ def _build_stage(
             target = canon(a.target)
             if target in flat.params:
                 root[target] = flat.params[target]
+            elif built:
+                root[target] = dest[target] = torch.empty_like(obj, device=device)
+                origin[target] = obj
+                buffer_names.append(target)
             else:
                 root[target] = obj.detach().to(device, copy=True)
                 buffer_names.append(target)
@@ -652,13 +695,20 @@ def _build_stage(
         env[a] = new
     for r in nodes:
         if r.op == "call_module" and r.target not in root:
-            sub = copy.deepcopy(gm.get_submodule(r.target)).to(device)
+            original = gm.get_submodule(r.target)
+            sub = copy.deepcopy(original)
+            sub = sub.to_empty(device=device) if built else sub.to(device)
+            if built:
+                for b, t in original.named_buffers():
+                    dest[f"{r.target}.{b}"], origin[f"{r.target}.{b}"] = sub.get_buffer(b), t
             for local, _ in list(sub.named_parameters(remove_duplicate=False)):
                 owner, _, leaf = local.rpartition(".")
                 sub.get_submodule(owner)._parameters[leaf] = flat.params[canon(f"{r.target}.{local}")]
             buffer_names += [f"{r.target}.{b}" for b, _ in sub.named_buffers()]
             root[r.target] = sub
 
+    if built:
+        _fill(source, dest, origin, f"stage {s}")
     move = device.type != "meta" and device != src_device
     for r in nodes:
         new = g.node_copy(r, env.__getitem__)
@@ -709,7 +759,7 @@ def _originals(gm: fx.GraphModule, info: TraceInfo, canon, readers) -> tuple[dic
         persistent = any(k in sd_keys for k in keys)
         originals[c] = keys if persistent else []
         if persistent and c not in readers:
-            unused[c] = t.detach().clone()
+            unused[c] = t if t.is_meta else t.detach().clone()  # a meta one is filled by split
     return originals, unused
 
 

@@ -77,6 +77,7 @@ def compile(
     precision: str = "fp32",
     scaler=None,
     accumulate: str = "gradients",
+    weights=None,
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
 
@@ -92,13 +93,17 @@ def compile(
     ``scaler``'s settings, a ``torch.amp.GradScaler``, default GradScaler's). ``accumulate``:
     ``"gradients"`` (default) or ``"optimizer"``: AdamA, each micro-batch's gradient folded into
     Adam's moments at once and no gradient buffer (Adam/AdamW, one replica, no clipping).
+    ``weights``: the initial weights, a state dict under the original model's keys, a
+    ``torch.save`` file of one or a ``Pipeline.save`` checkpoint directory; each rank reads only
+    its stage's keys. With a model built on the meta device, each rank materialises only its own
+    stage, from ``weights`` or else the modules' initialisers seeded per module (fxpipe/materialize.py).
     """
     config = PipelineConfig(
         loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
         stages=stages, plan=plan, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, recompute=recompute,
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
         device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite, precision=precision, scaler=scaler,
-        accumulate=accumulate,
+        accumulate=accumulate, weights=weights,
     )
     return Pipeline(model, example_inputs, config)
 
@@ -135,6 +140,9 @@ class PipelineConfig:
     # "gradients": sum micro-batch gradients, then step; "optimizer": AdamA (fold each into the
     # moments at once; no gradient buffer). Exact only for one replica without clipping.
     accumulate: str = "gradients"
+    # initial weights (a state dict under the original keys, a torch.save file, a Pipeline.save
+    # checkpoint); a model on the meta device without them: its modules' initialisers
+    weights: Any = None
 
     @property
     def on_nonfinite(self) -> str:
@@ -200,6 +208,12 @@ class PipelineConfig:
             for name, (conflict, reason) in why.items():
                 if conflict:
                     bad(name, "compatible with accumulate='optimizer' (AdamA)", getattr(self, name), reason)
+        if self.weights is not None and not isinstance(self.weights, (Mapping, str, os.PathLike)):
+            bad("weights", "a state dict, a torch.save file's path or a Pipeline.save checkpoint directory (or None)",
+                type(self.weights).__name__, "pass model.state_dict() of the same model, or its file's path")
+        if isinstance(self.weights, (str, os.PathLike)) and not os.path.exists(self.weights):
+            bad("weights", "an existing file or checkpoint directory", os.fspath(self.weights),
+                "check the path (every rank reads it: on several nodes it must be on a filesystem they all see)")
         if not _known_device(self.device):
             bad("device", "'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of those)", self.device,
                 "fxpipe computes on the CPU or on CUDA GPUs")
@@ -286,10 +300,21 @@ class Pipeline:
         from .codegen import split
         from .plan import Plan, graph_fingerprint
 
+        from .materialize import Materializer, has_meta
+
         o = self.config
+        # meta example inputs: CPU zeros of their shapes (batches are checked against them, checkpoints keep them)
+        args, kwargs = pytree.tree_map(lambda x: torch.zeros_like(x, device="cpu") if isinstance(x, torch.Tensor)
+                                       and x.is_meta else x, (args, kwargs))
         self._example = kwargs if kwargs else args
         self._eval = None
-        gm = trace(self.model, self._example)
+        gm = trace(self.model, self._example)  # a meta model traces as the same model on the CPU
+        self._source = None
+        if o.weights is not None or has_meta(self.model):
+            # Each rank fills only the stage(s) it builds. Checked before the plan is broadcast:
+            # a wrong key or a module without an initialiser fails alike on every rank.
+            self._source = Materializer(self.model, gm, weights=o.weights, seed=o.seed, device=self.device)
+            self._source.check()
         self.trace_info = gm.meta["fxpipe"]
         self.inputs = InputSignature.record(self.trace_info, args, kwargs)  # checks every later batch
         m = o.microbatches or DEFAULT_MICROBATCHES
@@ -361,7 +386,7 @@ class Pipeline:
         build = sorted({stage_and_replica(r, d)[0] for r in ranks})
         precision = Precision(o.precision)
         prepare(gm, precision, self.device)  # the graph under autocast; the dtypes crossing cuts
-        self.staged = split(gm, plan.assignment, build=build, device=self.device)
+        self.staged = self._split_agreed(split, gm, plan.assignment, build)
         self.staged_graph = gm
         self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
                                                     if len(tp.stages) > 1))
@@ -425,6 +450,26 @@ class Pipeline:
         atexit.register(gc.unfreeze)  # at exit everything is collected as usual
         if self.config.verbose and self.rank == 0:
             print(self.describe())
+
+    def _split_agreed(self, split, gm, assignment, build):
+        """``split`` this rank's stage(s); where each rank fills its own from a source (a meta
+        model, ``weights``), every rank then learns whether all could: one that could not raises
+        its error, the others say so, and none waits for it in the collectives that follow."""
+        failed = None
+        try:
+            staged = split(gm, assignment, build=build, device=self.device, source=self._source)
+        except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agree
+            failed = e
+        if self._source is not None and self.distributed:
+            flags = torch.zeros(self.world_size, device=self.device)
+            flags[self.rank] = float(failed is not None)
+            dist.all_reduce(flags)
+            others = [r for r in range(self.world_size) if flags[r] and r != self.rank]
+            if failed is None and others:
+                raise FxpipeError(f"rank(s) {others} could not build their stage (their error says why); every rank stops")
+        if failed is not None:
+            raise failed
+        return staged
 
     def describe(self) -> str:
         o = self.config
@@ -697,7 +742,9 @@ class Pipeline:
                 mapping[node.name] = stage
         build = sorted({wk.index for wk in self.workers.values()})
         prepare(gm, Precision(self.config.precision), self.device)
-        return split(gm, mapping, build=build, device=self.device)  # buffers, constants
+        # a meta model's eval stages: the workers' newest weights and buffers, else the training source's
+        source = None if self._source is None else _Newest(self.workers.values(), self._source)
+        return split(gm, mapping, build=build, device=self.device, source=source)  # buffers, constants
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -863,6 +910,26 @@ class Pipeline:
         if self.rank != 0:
             return []
         return write_pipeline_dumps(self, out_dir, events)
+
+
+class _Newest:
+    """Values for eval stages built from a meta model: the training workers' newest weights and
+    buffers (what an eval forward reads), else ``rest`` (a :class:`fxpipe.materialize.Materializer`)."""
+
+    def __init__(self, workers, rest):
+        self.workers, self.rest = list(workers), rest
+
+    def fill(self, dest, originals) -> None:
+        left = dict(dest)
+        with torch.no_grad():
+            for wk in self.workers:
+                newest = wk.store.compute(wk.store.updates)
+                for name in list(left):
+                    value = newest.get(name, wk.buffers.get(name))
+                    if value is not None:
+                        left.pop(name).copy_(value)
+        if left:
+            self.rest.fill(left, {n: originals[n] for n in left})
 
 
 class Loss:

@@ -116,6 +116,9 @@ class TraceInfo:
     batch_size: int | None  # size of dim 0 of the first tensor input
     export_error: str | None = None  # why export failed, when the fallback ran
     tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # canonical -> aliases
+    # A meta model (or meta example inputs) is traced as if on this device (fake tensors): the
+    # device its graph's baked device arguments name. None: the parameters' device.
+    device: torch.device | None = None
 
     def flatten_inputs(self, args: Sequence, kwargs: Mapping) -> list:
         """The flat list of input values for the placeholders, from model-style args/kwargs."""
@@ -192,10 +195,11 @@ def trace(
 
     export_exc: BaseException | None = None
     gm = None
+    on_meta = _on_meta(model, args, kwargs)
     if prefer == "export" and not leaf_modules:
         try:
             with _no_kv_cache(model):
-                gm = _export(model, args, kwargs)
+                gm = _export_meta(model, args, kwargs) if on_meta else _export(model, args, kwargs)
             path = "export"
         except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
             export_exc = e
@@ -222,6 +226,7 @@ def trace(
         batch_size=int(first.shape[0]) if first is not None else None,
         export_error=None if export_exc is None else f"{type(export_exc).__name__}: {export_exc}"[:2000],
         tied=tied,
+        device=_traced_device(model, leaves) if on_meta else None,
     )
     return gm
 
@@ -244,6 +249,65 @@ def _no_kv_cache(model: nn.Module):
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     ep = torch.export.export(model, args, kwargs, strict=False)
     return ep.module()
+
+
+def _on_meta(model: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether any parameter, buffer or example input is on the meta device."""
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in tensors)
+
+
+def _traced_device(model: nn.Module, leaves: Sequence) -> torch.device:
+    """The device a meta trace pretends to run on: that of the first real tensor, else the CPU
+    (a model built under ``torch.device("meta")`` is traced as the same model built on the CPU)."""
+    tensors = [*model.parameters(), *model.buffers(), *leaves]
+    return next((t.device for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta), torch.device("cpu"))
+
+
+def _export_meta(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """Export a model whose parameters, buffers or inputs are on the meta device, exactly as the
+    same model on a real device exports: every tensor becomes a fake tensor on that device (no
+    memory). Meta kernels alone would differ from a real device's in output strides (e.g.
+    scaled_dot_product_attention's), which adds ``contiguous`` nodes, so the graph and its
+    fingerprint would not match a real rank's trace. The graph keeps the model's own tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device = _traced_device(model, pytree.tree_leaves((args, kwargs)))
+    mode = FakeTensorMode()
+    fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(original) -> (fake, original)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in fakes:
+            with mode:
+                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            if isinstance(t, nn.Parameter):
+                f = nn.Parameter(f, requires_grad=t.requires_grad)
+            fakes[id(t)] = (f, t)
+        return fakes[id(t)][0]
+
+    swapped = []
+    for mod in model.modules():  # a shared module once: its tensors are swapped (and restored) once
+        for table in (mod._parameters, mod._buffers):
+            for key, t in list(table.items()):
+                if t is not None:
+                    swapped.append((table, key, t))
+                    table[key] = fake(t)
+    try:
+        fargs, fkwargs = pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        gm = _export(model, fargs, fkwargs)
+    finally:
+        for table, key, t in swapped:
+            table[key] = t
+    original = {id(f): t for f, t in fakes.values()}
+    for mod in gm.modules():
+        for table in (mod._parameters, mod._buffers):
+            for key, t in list(table.items()):
+                if t is not None and id(t) in original:
+                    table[key] = original[id(t)]
+        for key, value in list(vars(mod).items()):  # tensor constants export lifted: meta, no values
+            if isinstance(value, torch.Tensor) and type(value).__name__ == "FakeTensor":
+                setattr(mod, key, torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta"))
+    return gm
 
 
 class _LeafTracer(fx.Tracer):
