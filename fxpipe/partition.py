@@ -881,7 +881,8 @@ def _reason(c: _Candidate, win: _Candidate, schedule: str, limit: float) -> str:
         return "a tie: the tie-break prefers shallower, narrower, larger b, no recomputation"
     pc, pw = parts(c), parts(win)
     k = max(pc, key=lambda k: pc[k] - pw[k])
-    slower = f"{1 - c.throughput / win.throughput:.1%} slower"
+    lag = 1 - c.throughput / win.throughput
+    slower = f"{lag:.2%} slower" if lag < 0.01 else f"{lag:.1%} slower"
     if k == "compute":
         why = [f"slowest stage computes {c.compute * 1e3:.3g} ms per micro-batch of {c.b}"]
         if c.recompute and not win.recompute:
@@ -1397,10 +1398,10 @@ class _BlockSource:
         self.batch_size = blocks.batch_size
         self.n = blocks.n0 + (layers - BlockCosting.SAMPLE) * blocks.blen
         self._chains: dict[tuple[int, int], Chain] = {}
-        c, k, s0, blen = blocks.costs, BlockCosting.SAMPLE, blocks.start, blocks.blen
+        s0, blen = blocks.start, blocks.blen
         compute = [nd.name for nd in blocks.gm.graph.nodes if nd.op in _COMPUTE]
-        self._middle = compute[s0 + blen : s0 + 2 * blen]
-        self._costs = c
+        self._middle = compute[s0 + blen : s0 + 2 * blen]  # the template every inner block copies
+        self._costs = blocks.costs
 
     def chain(self, batch: int, grad_buffers: int) -> Chain:
         if (batch, grad_buffers) not in self._chains:
