@@ -93,6 +93,22 @@ def _accumulate_rows(numel: int, device: torch.device, repeat: int, kernels) -> 
     return _rows("accumulate", numel, len(sizes), floor, variants, repeat)
 
 
+def _torch_adamw(numel, device, sizes, hyper, flags, label):
+    """(torch.optim.AdamW over parameter views of one flat buffer, stepped once, the buffer), or
+    None where the variant is not built for the device (fused=True)."""
+    flat = torch.randn(numel, device=device)
+    params = [torch.nn.Parameter(v) for v in _views(flat, sizes)]
+    for p, g in zip(params, _views(torch.randn(numel, device=device), sizes)):
+        p.grad = g
+    try:
+        opt = torch.optim.AdamW(params, **hyper, **flags)
+        opt.step()
+    except (RuntimeError, ValueError) as e:
+        print(f"note: skipped {label}: {e}", file=sys.stderr)
+        return None
+    return opt, flat
+
+
 def _adamw_rows(numel: int, device: torch.device, repeat: int, kernels) -> list[list]:
     sizes = _split(numel)
     hyper = dict(lr=1e-3, weight_decay=0.01)
@@ -101,17 +117,9 @@ def _adamw_rows(numel: int, device: torch.device, repeat: int, kernels) -> list[
     for label, flags in (("per-parameter loop (foreach=False)", dict(foreach=False)),
                          ("torch.optim foreach=True", dict(foreach=True)),
                          ("torch.optim fused=True", dict(fused=True))):
-        flat = torch.randn(numel, device=device)
-        params = [torch.nn.Parameter(v) for v in _views(flat, sizes)]
-        for p, g in zip(params, _views(torch.randn(numel, device=device), sizes)):
-            p.grad = g
-        try:
-            opt = torch.optim.AdamW(params, **hyper, **flags)
-            opt.step()
-        except (RuntimeError, ValueError) as e:  # fused=True is not built for every device
-            print(f"note: skipped {label}: {e}", file=sys.stderr)
-            continue
-        variants.append((label, opt.step, None))
+        made = _torch_adamw(numel, device, sizes, hyper, flags, label)
+        if made is not None:
+            variants.append((label, made[0].step, None))
     spec = OptimizerSpec("adamw", **hyper)
     state = init_state(spec, numel, device)
     grad = torch.randn(numel, device=device)
@@ -141,18 +149,11 @@ def _mixed_rows(numel: int, device: torch.device, repeat: int, kernels) -> list[
     variants = []
     for label, flags in (("torch.optim foreach=True + copy_", dict(foreach=True)),
                          ("torch.optim fused=True + copy_", dict(fused=True))):
-        flat = torch.randn(numel, device=device)
-        copy = torch.empty(numel, device=device, dtype=torch.bfloat16)
-        params = [torch.nn.Parameter(v) for v in _views(flat, sizes)]
-        for p, g in zip(params, _views(torch.randn(numel, device=device), sizes)):
-            p.grad = g
-        try:
-            opt = torch.optim.AdamW(params, **hyper, **flags)
-            opt.step()
-        except (RuntimeError, ValueError) as e:
-            print(f"note: skipped {label}: {e}", file=sys.stderr)
-            continue
-        variants.append((label, lambda opt=opt, flat=flat, copy=copy: (opt.step(), copy.copy_(flat)), None))
+        made = _torch_adamw(numel, device, sizes, hyper, flags, label)
+        if made is not None:
+            opt, flat = made
+            copy = torch.empty(numel, device=device, dtype=torch.bfloat16)
+            variants.append((label, lambda opt=opt, flat=flat, copy=copy: (opt.step(), copy.copy_(flat)), None))
     spec = OptimizerSpec("adamw", **hyper)
     state = init_state(spec, numel, device)
     grad, master = torch.randn(numel, device=device), torch.randn(numel, device=device)

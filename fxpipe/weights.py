@@ -411,13 +411,17 @@ class _Fused:
                     self.scratch_views[name].zero_()
                 else:
                     self.scratch_views[name].copy_(g)
-            first = self.accumulated.get(t, 0) == 0
-            acc = self.store.grads(t)  # the master's dtypes, in the same order as the compute ones
-            for a, buf in zip(acc.values(), self.scratch.values()):
-                self.ops.accumulate(a, buf, 1.0, overwrite=first)
+            self._fold(t, first=self.accumulated.get(t, 0) == 0)
         self.accumulated[t] = self.accumulated.get(t, 0) + 1
         for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
             x.grad = g
+
+    def _fold(self, t: int, first: bool) -> None:
+        """Add the micro-batch's scratch gradient into batch t's accumulator (the first one
+        overwrites it)."""
+        acc = self.store.grads(t)  # the master's dtypes, in the same order as the compute ones
+        for a, buf in zip(acc.values(), self.scratch.values()):
+            self.ops.accumulate(a, buf, 1.0, overwrite=first)
 
     def update(self, t, step, grads, src, dst, coef) -> None:
         store = self.store
@@ -482,28 +486,16 @@ class _AdamA(_Fused):
             check_adama_spec("AdamA", spec)
         self.finite: dict[int, torch.Tensor] = {}  # batch -> all its gradients finite so far (device bool)
 
-    def backward(self, t, leaves, roots, seeds, boundary) -> None:
-        params = [leaves[n] for n in self.names]
-        inputs = params + [x for x in boundary if x.requires_grad]
-        grads = (torch.autograd.grad(roots, inputs, seeds if seeds[0] is not None else None, allow_unused=True)
-                 if roots else [None] * len(inputs))
-        first = self.accumulated.get(t, 0) == 0
-        with torch.no_grad():
-            for name, g in zip(self.names, grads):
-                if g is None:
-                    self.scratch_views[name].zero_()
-                else:
-                    self.scratch_views[name].copy_(g)
-            scratch = list(self.scratch.values())
-            for dt, lo, hi, group in self.segments:  # the compute buffers follow the master's order
-                state = {k: v[lo:hi] for k, v in self.state[dt].items()}
-                g = scratch[self.store.layout.dtypes.index(dt)][lo:hi]
-                self.ops.adama_accumulate(self.specs[group], g, state, scale=1.0, first=first)
-            ok = torch.stack([torch.isfinite(b).all() for b in scratch]).all() if scratch else torch.tensor(True)
-            self.finite[t] = ok if first else self.finite[t] & ok
-        self.accumulated[t] = self.accumulated.get(t, 0) + 1
-        for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
-            x.grad = g
+    def _fold(self, t: int, first: bool) -> None:
+        """Fold the micro-batch's scratch gradient into Adam's moments (the first micro-batch of
+        batch t decays them first), and note whether it was finite."""
+        scratch = list(self.scratch.values())
+        for dt, lo, hi, group in self.segments:  # the compute buffers follow the master's order
+            state = {k: v[lo:hi] for k, v in self.state[dt].items()}
+            g = scratch[self.store.layout.dtypes.index(dt)][lo:hi]
+            self.ops.adama_accumulate(self.specs[group], g, state, scale=1.0, first=first)
+        ok = torch.stack([torch.isfinite(b).all() for b in scratch]).all() if scratch else torch.tensor(True)
+        self.finite[t] = ok if first else self.finite[t] & ok
 
     def update(self, t, step, grads, src, dst, coef) -> None:
         store = self.store
