@@ -113,3 +113,20 @@ def test_what_adama_cannot_do_is_rejected_at_compile():
     plan = fxpipe.plan(net, example, stages=1, world_size=2, microbatches=4)
     with pytest.raises(ConfigError, match=r"needs one replica \(width 1\), the plan has width 2.*Pass stages=2"):
         compile_with(stages=None, plan=plan)
+
+
+def test_adama_resumes_bitwise_from_a_checkpoint(tmp_path):
+    net, batches = gpt(steps=6)
+    whole = compile_adama(net, batches)
+    expected = [whole.step(*b) for b in batches]
+    first = compile_adama(net, batches)
+    for b in batches[:3]:
+        first.step(*b)
+    first.save(str(tmp_path))
+    first.wait_for_checkpoint()
+    second = fxpipe.compile(copy.deepcopy(net), loss_fn=lm_loss, optimizer=ADAMW, microbatches=4, stages=2,
+                            accumulate="optimizer", verbose=False)
+    second.load(str(tmp_path))
+    assert [second.step(*b) for b in batches[3:]] == expected[3:]
+    a, b = whole.state_dict(), second.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
