@@ -177,3 +177,17 @@ def test_device_model_costs_operators_at_the_achievable_rate():
     assert c.device_model("fp32").mem_bandwidth == 1555e9
     assert math.isclose(c.with_efficiency(0.25).achievable_flops("fp32"), 0.25 * 19.5e12)
     assert np.isfinite(c.allreduce_time(1.0, [0, 7]))
+
+
+def test_calibrate_replaces_the_efficiency_with_a_measured_one():
+    import torch
+    from torch import nn
+
+    local = Cluster.local(1, "cpu")
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    measured = local.calibrate(model, (torch.randn(64, 256),), repeats=3)
+    assert 0 < measured.efficiency <= 1 and measured.flops == local.flops
+    assert measured.achievable_flops() == pytest.approx(measured.efficiency * local.peak_flops())
+    with pytest.raises(PlanError, match=r"calibrate: the model has no operator with known FLOPs .*; calibrate with a "
+                                        r"model of matrix products"):
+        local.calibrate(nn.ReLU(), (torch.randn(4, 4),), repeats=1)

@@ -195,6 +195,15 @@ def test_block_costing_errors():
         BlockCosting.from_model(*meta_gpt(3), blocks="blocks")
 
 
+def test_block_costing_and_capacity_errors(blocks):
+    with pytest.raises(PlanError, match=r"layers must be an integer >= 2 for block costing, found 1; trace a smaller "
+                                        r"model whole"):
+        blocks.chain(1, layers=1)
+    with pytest.raises(PlanError, match=r"not even 2 blocks of 'blocks' fit 4 x 0.00 GB of small with 2bw; expected a "
+                                        r"model whose smallest form fits; use more accelerators or a smaller block"):
+        capacity(blocks, cluster=small_cluster(memory=1e3, nodes=1), global_batch=8)
+
+
 def test_cli_plans_a_factory_and_writes_json(tmp_path, monkeypatch, capsys):
     from fxpipe.cli import main
 
