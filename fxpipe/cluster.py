@@ -146,6 +146,11 @@ class Cluster:
             bad("intra_allreduce_bandwidth", "a positive number or None", self.intra_allreduce_bandwidth,
                 "leave it None to use intra.bandwidth")
 
+    def __hash__(self) -> int:  # ``flops`` is a dict: hash its items (a Plan holding a Cluster stays hashable)
+        return hash((self.name, self.nodes, self.per_node, self.memory, tuple(sorted(self.flops.items())),
+                     self.mem_bandwidth, self.intra, self.inter, self.efficiency, self.reserved, self.op_latency,
+                     self.accelerator, self.intra_allreduce_bandwidth))
+
     # ------------------------------------------------------------------------ constructors
 
     @classmethod

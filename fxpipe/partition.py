@@ -39,6 +39,11 @@ partitions meeting it, the one with the earliest cuts is returned (deterministic
 Algorithm 1 — enumerate depth ``d`` (with width ``w = world_size / d``), recomputation on/off, and
 the micro-batch size ``b`` when a global batch is given, partition each, and keep the highest
 predicted throughput that fits memory; the runner-up is kept in the plan to explain the choice.
+With a :class:`fxpipe.Cluster` it also chooses how many whole nodes to use, prices each cut and
+each gradient all-reduce on the runtime's placement (:func:`stage_links`, :func:`reduction_time`)
+and searches branch and bound (:func:`_search`); ``plan.configurations`` keeps the best of each
+depth and why it lost. :class:`BlockCosting` builds the chain of a model of repeated blocks at any
+depth from a trace of three, and :func:`capacity` finds the deepest such model that fits.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint
 
-__all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan"]
+__all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
+           "placement", "stage_links", "reduction_time", "BlockCosting", "Capacity", "capacity"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _SCHEDULES = ("2bw", "1f1b", "gpipe")

@@ -107,7 +107,7 @@ def test_cluster_plan_places_stages_as_the_runtime_does(gpt4):
     assert all(c.throughput <= p.throughput * (1 + 1e-9) for c in p.configurations if c.fits)
     text = str(p)
     assert "placement: rank = replica x" in text and "configurations searched" in text and "why not chosen" in text
-    assert Plan.from_json(p.to_json()) == p
+    assert Plan.from_json(p.to_json()) == p and hash(Plan.from_json(p.to_json())) == hash(p)
     # a fixed world size searches its depths only
     q = fxpipe.plan(gm, inputs, cluster=cluster, world_size=8, global_batch=32, precision="fp16")
     assert q.stages * q.width == 8
