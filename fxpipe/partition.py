@@ -592,6 +592,7 @@ class _Candidate:
     compute: float = 0.0  # the slowest stage's compute per micro-batch (recomputation included)
     comm: float = 0.0  # the slowest stage's sends and receives per micro-batch
     inter: bool = False  # the slowest stage sends or receives across nodes
+    layout: str = "replica"  # where the (stage, replica) pairs go among the ranks (fxpipe.schedule.rank_of)
 
     def key(self):
         # best first; ties: shallower, narrower, larger b, no recomputation
@@ -621,29 +622,30 @@ def _positive(name: str, v, allow_none: bool = True) -> None:
         raise PlanError(f"{name} must be a positive integer, found {v!r}")
 
 
-def _rank(s: int, r: int, d: int) -> int:
+def _rank(s: int, r: int, d: int, w: int = 1, layout: str = "replica") -> int:
     from .schedule import rank_of
 
-    return rank_of(s, r, d)
+    return rank_of(s, r, d, w, layout)
 
 
-def placement(cluster: Cluster, stages: int, width: int) -> tuple[tuple[int, int, int, int], ...]:
-    """``(rank, stage, replica, node)`` for every rank of a d x w pipeline, in rank order: the
-    runtime's layout (rank ``replica * d + stage``, :func:`fxpipe.schedule.rank_of`) on
-    ``cluster``'s nodes (``rank // per_node``)."""
-    rows = [(_rank(s, r, stages), s, r) for r in range(width) for s in range(stages)]
+def placement(cluster: Cluster, stages: int, width: int,
+              layout: str = "replica") -> tuple[tuple[int, int, int, int], ...]:
+    """``(rank, stage, replica, node)`` for every rank of a d x w pipeline, in rank order:
+    ``layout`` (:func:`fxpipe.schedule.rank_of`, what the runtime then uses) on ``cluster``'s
+    nodes (``rank // per_node``)."""
+    rows = [(_rank(s, r, stages, width, layout), s, r) for r in range(width) for s in range(stages)]
     return tuple((k, s, r, cluster.node_of(k)) for k, s, r in sorted(rows))
 
 
-def stage_links(cluster: Cluster, stages: int, width: int) -> tuple[tuple[float, float], ...]:
+def stage_links(cluster: Cluster, stages: int, width: int,
+                layout: str = "replica") -> tuple[tuple[float, float], ...]:
     """``(latency, bandwidth)`` between stage s and s + 1 for every s. Inside a node the intra
     link. Across nodes the inter-node link, shared: every stage pair of every replica sends at
     once in a pipeline's steady state, so a node's interface is divided among the flows leaving
     it (activations out of the sending node, gradients out of the receiving one), and a
-    boundary runs at the pace of its most crowded replica (replicas run in lockstep). Under the
-    runtime's layout a node's ranks are consecutive, so at most one replica crosses each border
-    between nodes and has the interface to itself."""
-    ranks = [[_rank(s, r, stages) for r in range(width)] for s in range(stages)]
+    boundary runs at the pace of its most crowded replica (replicas run in lockstep). Ranks are
+    placed by ``layout`` (:func:`fxpipe.schedule.rank_of`)."""
+    ranks = [[_rank(s, r, stages, width, layout) for r in range(width)] for s in range(stages)]
     node = cluster.node_of
     crossing = [(s, r) for s in range(stages - 1) for r in range(width) if node(ranks[s][r]) != node(ranks[s + 1][r])]
     out: dict[int, int] = {}
@@ -658,14 +660,15 @@ def stage_links(cluster: Cluster, stages: int, width: int) -> tuple[tuple[float,
                  for s in range(stages - 1))
 
 
-def crossing_stages(cluster: Cluster, stages: int, width: int) -> list[int]:
+def crossing_stages(cluster: Cluster, stages: int, width: int, layout: str = "replica") -> list[int]:
     """The boundaries s (between stage s and s + 1) that some replica sends across nodes."""
+    rank = lambda s, r: _rank(s, r, stages, width, layout)  # noqa: E731
     return [s for s in range(stages - 1)
-            if any(cluster.node_of(_rank(s, r, stages)) != cluster.node_of(_rank(s + 1, r, stages))
-                   for r in range(width))]
+            if any(cluster.node_of(rank(s, r)) != cluster.node_of(rank(s + 1, r)) for r in range(width))]
 
 
-def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, int]], width: int) -> float:
+def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, int]], width: int,
+                   layout: str = "replica") -> float:
     """Seconds of the slowest gradient all-reduce of a step: each stage's data-parallel ring
     over its w replicas (its gradients in the master dtype, tied ones left out) and each tied
     weight's ring over its stages in every replica (as ``fxpipe.pipeline.Topology`` groups
@@ -686,7 +689,7 @@ def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, i
             dp[stages[0]] += nbytes
         else:
             tied[stages] = tied.get(stages, 0.0) + nbytes
-    rank = lambda s, r: _rank(s, r, d)  # noqa: E731
+    rank = lambda s, r: _rank(s, r, d, width, layout)  # noqa: E731
     groups = [([rank(s, r) for r in range(width)], dp[s]) for s in range(d)]
     groups += [([rank(s, r) for r in range(width) for s in st], nbytes) for st, nbytes in tied.items()]
     groups = [(g, nbytes) for g, nbytes in groups if len(g) > 1 and nbytes > 0]
@@ -762,13 +765,14 @@ def _configs(world: int, depths: Sequence[int], global_batch: int | None, microb
 
 
 def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, world: int,
-           d: int, w: int, b: int, m: int, rc: bool, device: DeviceModel, fit: bool = True) -> _Candidate:
+           d: int, w: int, b: int, m: int, rc: bool, device: DeviceModel, fit: bool = True,
+           layout: str = "replica") -> _Candidate:
     """One configuration, partitioned under the memory limit (``fit``) or without one (to report
     what a configuration that does not fit would need and give). Raises PlanError("smallest
     memory ...") when ``fit`` and nothing fits."""
     grad_buffers = 2 if (w > 1 or clip) else 1
     chain = source.chain(b, grad_buffers)
-    links = stage_links(cluster, d, w)
+    links = stage_links(cluster, d, w, layout)
     sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links)
     part = partition_chain(chain, sm)
     if fit and grad_buffers == 1 and _over_with_tied_buffers(chain, sm, part, limit):
@@ -779,7 +783,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
         chain = source.chain(b, grad_buffers)
         part = partition_chain(chain, sm)
     pipe = pipeline_time(schedule, d, m, part.bottleneck)
-    ar = reduction_time(cluster, chain, part.bounds, w)
+    ar = reduction_time(cluster, chain, part.bounds, w, layout)
     # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the next
     # batch (PipeDream-2BW §3.1); flushing schedules wait for it.
     step = max(pipe, ar) if schedule == "2bw" else pipe + ar
@@ -791,11 +795,12 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
     slow = max(range(d), key=lambda s: stage_time(chain, sm, s, *part.bounds[s]))
     l, r = part.bounds[slow]
     comm = _comm(chain, sm, l - 1, slow - 1) + _comm(chain, sm, r, slow)
-    across = crossing_stages(cluster, d, w)
+    across = crossing_stages(cluster, d, w, layout)
     inter = any(k in across for k in (slow - 1, slow))
     memory = max(mems)
     return _Candidate(b * m * w / step, step, ar, d, w, b, m, rc, sm, part, chain, grad_buffers, world,
-                      memory <= limit * (1 + 1e-9), memory, pipe, stage_time(chain, sm, slow, l, r) - comm, comm, inter)
+                      memory <= limit * (1 + 1e-9), memory, pipe, stage_time(chain, sm, slow, l, r) - comm, comm, inter,
+                      layout)
 
 
 def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, limit: float, worlds: Sequence[int],
@@ -838,7 +843,8 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
             if bb >= too_big.get((world, d, rc), math.inf):
                 continue
             try:
-                c = _price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device)
+                c = max((_price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, layout=lay)
+                         for lay in _layouts(cluster, d, w)), key=lambda x: x.throughput)
             except PlanError as e:
                 if "smallest memory" not in str(e):
                     raise
@@ -855,6 +861,12 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
     return _Search(found + missed, math.inf, sorted({c[1] for c in configs}))
 
 
+def _layouts(cluster: Cluster, d: int, w: int) -> tuple[str, ...]:
+    """The rank layouts worth pricing: stage-major differs from replica-major only when both d
+    and w exceed 1 and the ranks span more than one node."""
+    return ("replica", "stage") if d > 1 and w > 1 and d * w > cluster.per_node else ("replica",)
+
+
 def _bound(source, cluster: Cluster, schedule: str, world: int, d: int, w: int, b: int, m: int) -> float:
     """An upper bound on the throughput of (N, d, w, b, m): compute perfectly balanced over the
     stages without recomputation or communication, and the data-parallel all-reduce no shorter
@@ -864,8 +876,10 @@ def _bound(source, cluster: Cluster, schedule: str, world: int, d: int, w: int, 
     ar = 0.0
     if w > 1:
         share = source.untied_param_bytes() / d
-        groups = [[_rank(s, r, d) for r in range(w)] for s in range(d)]
-        ar = min(cluster.allreduce_time(share, g, groups) for g in groups)
+        ar = math.inf
+        for layout in _layouts(cluster, d, w):  # a bound for every layout the search prices
+            groups = [[_rank(s, r, d, w, layout) for r in range(w)] for s in range(d)]
+            ar = min(ar, min(cluster.allreduce_time(share, g, groups) for g in groups))
     step = max(pipe, ar) if schedule == "2bw" else pipe + ar
     return b * m * w / step
 
@@ -1119,7 +1133,8 @@ def plan(
         graph_hash=graph_fingerprint(gm),
         precision=precision,
         cluster=cluster if given_cluster else None,
-        placement=placement(cluster, best.d, best.w),
+        placement=placement(cluster, best.d, best.w, best.layout),
+        layout=best.layout,
         configurations=_configuration_rows(found.candidates, best, schedule, limit, top) if given_cluster or top else (),
     )
 

@@ -221,7 +221,8 @@ class PipelineConfig:
 
 @dataclass(frozen=True)
 class Topology:
-    """Who is where: rank ``replica * d + stage`` (:func:`fxpipe.schedule.rank_of`), and the
+    """Who is where — the plan's ``layout`` (:func:`fxpipe.schedule.rank_of`: replica-major,
+    rank ``replica * d + stage``, or stage-major, rank ``stage * w + replica``) — and the
     collective groups the runtime creates (the same, in the same order, on every rank).
 
     ``tied``: for each parameter read on several stages, the stages holding a copy. A tied
@@ -233,10 +234,23 @@ class Topology:
     stages: int
     width: int
     tied: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    layout: str = "replica"
 
     @property
     def world_size(self) -> int:
         return self.stages * self.width
+
+    def rank(self, stage: int, replica: int) -> int:
+        return rank_of(stage, replica, self.stages, self.width, self.layout)
+
+    def locate(self, rank: int) -> tuple[int, int]:
+        """``(stage, replica)`` of ``rank``."""
+        return stage_and_replica(rank, self.stages, self.width, self.layout)
+
+    def neighbours(self, rank: int) -> tuple[int | None, int | None]:
+        """The ranks of the previous and the next stage of ``rank``'s replica (None at the ends)."""
+        s, r = self.locate(rank)
+        return (self.rank(s - 1, r) if s > 0 else None, self.rank(s + 1, r) if s < self.stages - 1 else None)
 
     @property
     def tied_stages(self) -> list[int]:
@@ -250,9 +264,9 @@ class Topology:
         d, w = self.stages, self.width
         groups = {}
         for _, stages in self.tied:
-            groups[self.tied_group(stages)] = [rank_of(s, r, d) for r in range(w) for s in stages]
+            groups[self.tied_group(stages)] = sorted(self.rank(s, r) for r in range(w) for s in stages)
         for s in range(d):
-            groups[f"dp:{s}"] = [rank_of(s, r, d) for r in range(w)]
+            groups[f"dp:{s}"] = [self.rank(s, r) for r in range(w)]
         groups["all"] = list(range(d * w))  # LOSS (every rank gets the loss) and NORM (all decide alike)
         return groups
 
@@ -383,13 +397,14 @@ class Pipeline:
             )
         self.plan = plan
         ranks = [self.rank] if self.distributed else list(range(d * w))
-        build = sorted({stage_and_replica(r, d)[0] for r in ranks})
+        layout = Topology(d, w, layout=plan.layout)
+        build = sorted({layout.locate(r)[0] for r in ranks})
         precision = Precision(o.precision)
         prepare(gm, precision, self.device)  # the graph under autocast; the dtypes crossing cuts
         self.staged = self._split_agreed(split, gm, plan.assignment, build)
         self.staged_graph = gm
         self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
-                                                    if len(tp.stages) > 1))
+                                                    if len(tp.stages) > 1), plan.layout)
         if o.accumulate == "optimizer" and topo.tied:
             raise ConfigError(
                 f"fxpipe.compile: accumulate='optimizer' (AdamA) needs each weight on one stage; "
@@ -405,7 +420,7 @@ class Pipeline:
         comm_for = (lambda r: DistComm(groups, timeout=wait_limit)) if self.distributed else hub.comm
         self.workers: dict[int, StageWorker] = {}
         for r in ranks:
-            s, rep = stage_and_replica(r, d)
+            s, rep = topo.locate(r)
             stage = self.staged.stages[s]
             cfg = WorkerConfig(
                 schedule=plan.schedule,
@@ -428,7 +443,7 @@ class Pipeline:
                 accumulate=o.accumulate,
             )
             self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
-                                          device=self.device)
+                                          device=self.device, neighbours=topo.neighbours(r))
         self.hub = hub
         for r, wk in self.workers.items():
             if wk.store.fallback and wk.replica == 0:
@@ -550,8 +565,7 @@ class Pipeline:
         runtime never skips, reorders or adds an action. Under torchrun the one local rank runs
         it straight through (a wait blocks); in one process the ranks are interleaved, each run
         until its next action waits for an operation that has not completed."""
-        d = self.plan.stages
-        lists = {r: segment(stage_and_replica(r, d)[0]) for r in self.workers}
+        lists = {r: segment(self.topology.locate(r)[0]) for r in self.workers}
         if self.distributed:
             (r, wk), = self.workers.items()
             for i in range(len(lists[r])):
@@ -599,7 +613,7 @@ class Pipeline:
         parts = {r: wk.batch_loss.pop(t) for r, wk in self.workers.items()}
         if self.config.accumulate == "optimizer":  # its non-finite flags travel in the loss sums
             self._loss_sums[t] = next(iter(parts.values()))[1:]
-        last = [r for r in parts if stage_and_replica(r, plan.stages)[0] == plan.stages - 1]
+        last = [r for r in parts if self.topology.locate(r)[0] == plan.stages - 1]
         if not last:
             _, total, handle = next(iter(parts.values()))
             return Loss(total, handle, count)

@@ -137,11 +137,13 @@ class Plan:
     graph_hash: str
     precision: str = "fp32"  #: the precision the memory and time model assumed
     cluster: Cluster | None = None  #: the cluster planned for (None: this machine, one node)
-    #: ``(rank, stage, replica, node)`` for every rank, in rank order: the runtime's layout,
-    #: rank ``replica * d + stage`` (fxpipe.schedule.rank_of) on node ``rank // per_node``
+    #: ``(rank, stage, replica, node)`` for every rank, in rank order, on node ``rank // per_node``
     placement: tuple[tuple[int, int, int, int], ...] = ()
     #: the best configuration of each depth the search priced, best first (the chosen one among them)
     configurations: tuple[Configuration, ...] = ()
+    #: which rank runs which (stage, replica), as the runtime places them (fxpipe.schedule.rank_of):
+    #: "replica" (rank = replica * d + stage) or "stage" (rank = stage * w + replica)
+    layout: str = "replica"
 
     @property
     def assignment(self) -> dict[str, int]:
@@ -201,7 +203,8 @@ class Plan:
         for _, stage, replica, node in self.placement:
             nodes.setdefault(node, {}).setdefault(replica, []).append(stage)
         per_node = self.cluster.per_node if self.cluster is not None else len(self.placement)
-        lines = [f"placement: rank = replica x {self.stages} + stage (the runtime's), node = rank // {per_node}"]
+        rule = (f"replica x {self.stages} + stage" if self.layout == "replica" else f"stage x {self.width} + replica")
+        lines = [f"placement: rank = {rule} ({self.layout}-major; the runtime places ranks so), node = rank // {per_node}"]
         shown = sorted(nodes)
         for node in shown[:limit]:
             groups: dict[str, list[int]] = {}

@@ -63,7 +63,8 @@ class WorkerConfig:
 class StageWorker:
     """Executes one rank's actions for one stage (see module docstring)."""
 
-    def __init__(self, stage, cfg: WorkerConfig, comm: Comm, *, rank: int, replica: int, trace_info, device=None):
+    def __init__(self, stage, cfg: WorkerConfig, comm: Comm, *, rank: int, replica: int, trace_info, device=None,
+                 neighbours: tuple[int | None, int | None] | None = None):
         self.stage = stage
         self.cfg = cfg
         self.comm = comm
@@ -73,8 +74,10 @@ class StageWorker:
         self.trace_info = trace_info
         self.device = device or torch.device("cpu")
         d = cfg.stages
-        self.prev = rank - 1 if self.index > 0 else None
-        self.next = rank + 1 if self.index < d - 1 else None
+        # the ranks of this replica's previous and next stage (the plan's layout; by default
+        # replica-major, where they are the neighbouring ranks)
+        self.prev, self.next = neighbours if neighbours is not None else (
+            rank - 1 if self.index > 0 else None, rank + 1 if self.index < d - 1 else None)
         self.is_last = self.index == d - 1
 
         self.layout = stage.flat.layout
@@ -383,8 +386,10 @@ class StageWorker:
                 sq += g.detach().double().pow(2).sum()
         if self.is_last:
             sq += self.loss_check.pop(t)
+        # one entry per (replica, stage), replica-major whatever the ranks' layout: a replica's
+        # stages are then neighbours, summed in stage order below
         parts = torch.zeros(self.cfg.stages * self.cfg.width, dtype=torch.float64, device=self.device)
-        parts[self.rank] = sq
+        parts[self.replica * self.cfg.stages + self.index] = sq
         self.norm_sq[t] = parts
         self.reductions[Kind.NORM_START, t] = self.comm.all_reduce(parts, "all", str(a))
 

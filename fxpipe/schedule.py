@@ -127,6 +127,7 @@ __all__ = [
     "lower_to_streams",
     "rank_of",
     "stage_and_replica",
+    "LAYOUTS",
     "stream_of",
     "validate",
     "version_of",
@@ -304,13 +305,26 @@ def version_of(schedule: str, k: int, microbatches: int) -> int:
     return t - 1
 
 
-def rank_of(stage: int, replica: int, stages: int) -> int:
-    """Global rank of ``stage`` in data-parallel ``replica``: ``replica * stages + stage``."""
+#: Where the d x w (stage, replica) pairs go among the ranks (:func:`rank_of`).
+LAYOUTS = ("replica", "stage")
+
+
+def rank_of(stage: int, replica: int, stages: int, width: int = 1, layout: str = "replica") -> int:
+    """Global rank of ``stage`` in data-parallel ``replica``. ``layout="replica"`` (the default,
+    replica-major): a replica's stages on consecutive ranks, ``replica * stages + stage``, so a
+    node holds whole pipelines. ``"stage"`` (stage-major): a stage's replicas on consecutive
+    ranks, ``stage * width + replica``, so a stage's data-parallel all-reduce stays inside a
+    node and the pipeline crosses nodes (PipeDream-2BW's placement on multi-GPU servers). The
+    plan says which (``Plan.layout``); the schedule IR itself numbers ranks replica-major."""
+    if layout == "stage":
+        return stage * width + replica
     return replica * stages + stage
 
 
-def stage_and_replica(rank: int, stages: int) -> tuple[int, int]:
+def stage_and_replica(rank: int, stages: int, width: int = 1, layout: str = "replica") -> tuple[int, int]:
     """Inverse of :func:`rank_of`: ``(stage, replica)`` of a global rank."""
+    if layout == "stage":
+        return rank // width, rank % width
     return rank % stages, rank // stages
 
 

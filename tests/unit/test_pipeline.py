@@ -285,3 +285,26 @@ def test_eval_stages_are_built_on_the_pipelines_device(monkeypatch):
     x = torch.randint(0, 50, (4, 8))
     pipe.eval_step(x, x)
     assert devices == [pipe.device]
+
+
+@pytest.mark.parametrize("name", ["w2_gpt2_2bw"])
+def test_the_runtime_places_ranks_by_the_plans_layout(name):
+    # Stage-major (rank = stage * w + replica): a stage's replicas on neighbouring ranks (one
+    # node), the pipeline across them. The runtime takes peers and groups from the plan; the
+    # strict one-process hub checks every post, and the numbers are the reference's.
+    import dataclasses
+
+    case = CASES[name]
+    model, example, batches, loss_fn, opt = build(case)
+    plan = fxpipe.plan(model, example, stages=2, world_size=4, microbatches=case.microbatches, schedule=case.schedule)
+    plan = dataclasses.replace(plan, layout="stage")
+    pipe = fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
+                          schedule=case.schedule, max_grad_norm=case.max_grad_norm, plan=plan, verbose=False)
+    topo = pipe.topology
+    assert [topo.locate(r) for r in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert topo.groups()["dp:0"] == [0, 1] and topo.groups()["dp:1"] == [2, 3]
+    assert (pipe.workers[1].next, pipe.workers[3].prev) == (3, 1)
+    assert "rank = stage x 2 + replica (stage-major" in str(pipe.plan)
+    losses = [pipe.step(x, y) for x, y in batches]
+    mismatches = compare(case, losses, pipe.state_dict())
+    assert not mismatches, "\n".join(mismatches)

@@ -2,7 +2,6 @@
 autocast policy, fp32 accumulation, fp16 loss scaling — against tests/reference.train_mixed."""
 
 import copy
-import functools
 
 import pytest
 import torch
