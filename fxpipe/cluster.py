@@ -10,15 +10,18 @@ leaving the node at once::
                        schedule="2bw", precision="fp16")
     print(plan)                                                # stages, placement, the search
 
-Placement is the runtime's: rank ``replica * d + stage`` (:func:`fxpipe.schedule.rank_of`), on
-node ``rank // per_node`` (torchrun numbers ranks node by node). A plan for N < size
-accelerators uses the first N ranks. What the planner prices on that layout:
+Placement is the plan's, and the runtime follows it (``Plan.layout``,
+:func:`fxpipe.schedule.rank_of`): replica-major, rank ``replica * d + stage`` (a node holds whole
+replicas), or stage-major, rank ``stage * w + replica`` (a stage's replicas share a node); on
+node ``rank // per_node`` (torchrun numbers ranks node by node). The planner prices both where
+they differ and keeps the faster. A plan for N < size accelerators uses the first N ranks. What
+the planner prices on a layout:
 
 * **Activations between stages s and s+1** use the intra link when every replica's two ranks
-  share a node, else the inter link (replicas run in lockstep, so the slowest replica sets the
-  pace). Each replica's ranks are consecutive, so at most one replica's stage pair crosses the
-  border between two consecutive nodes: such a flow has the node's interface to itself in its
-  direction.
+  share a node, else the inter link, its bandwidth divided among the flows that leave the node
+  at once (replicas run in lockstep, so the most crowded replica sets the pace). With
+  ``overlap_p2p`` (the presets: NCCL's sends run beside compute) a stage costs the larger of its
+  compute and its link time per micro-batch, else their sum (this machine's CPU ranks).
 * **A ring all-reduce** among ``k`` ranks moves ``2(k-1)/k`` of the data over each hop of the
   ring and pays ``2(k-1)`` latencies. It runs at the pace of the slowest hop: the intra link
   when the group sits in one node, else the node's interface divided among the groups that
@@ -105,6 +108,10 @@ class Cluster:
     op_latency: float = 5e-6  #: seconds of fixed dispatch cost per operator
     accelerator: str = ""  #: e.g. "V100-SXM2-16GB"
     intra_allreduce_bandwidth: float | None = None  #: ring bus bytes/s inside a node (None: intra.bandwidth)
+    #: stage-to-stage sends run beside compute (GPUs: NCCL's copy engines and its own stream), so
+    #: a stage's per-micro-batch time is the larger of its compute and its link time, not their
+    #: sum; False for this machine as measured (CPU ranks: gloo's copies share the cores)
+    overlap_p2p: bool = True
 
     def __post_init__(self) -> None:
         def bad(what: str, expected: str, found: Any, fix: str) -> None:
@@ -175,7 +182,7 @@ class Cluster:
             intra=Link(device.p2p_bandwidth, device.p2p_latency),
             inter=Link(device.p2p_bandwidth, device.p2p_latency),
             efficiency=1.0, op_latency=device.op_latency, accelerator=device.name,
-            intra_allreduce_bandwidth=device.allreduce_bandwidth,
+            intra_allreduce_bandwidth=device.allreduce_bandwidth, overlap_p2p=False,
         )
 
     @classmethod

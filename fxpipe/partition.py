@@ -141,6 +141,9 @@ class StageModel:
     #: ``(latency, bandwidth)`` of the link between stage s and s + 1, per s (a cluster's
     #: placement puts some pairs on one node, others across nodes); empty: ``p2p_*`` for all
     links: tuple[tuple[float, float], ...] = ()
+    #: sends overlap compute (a cluster's ``overlap_p2p``): a stage takes the larger of its compute
+    #: and each of its cuts' link time per micro-batch; otherwise their sum
+    overlap: bool = False
 
     def link(self, boundary: int) -> tuple[float, float]:
         """``(latency, bandwidth)`` between stage ``boundary`` and ``boundary + 1``."""
@@ -151,7 +154,7 @@ class StageModel:
     @classmethod
     def for_schedule(cls, schedule: str, stages: int, microbatches: int, recompute: bool | Sequence[bool],
                      device: DeviceModel, memory_limit: float | None = None,
-                     links: Sequence[tuple[float, float]] = ()) -> "StageModel":
+                     links: Sequence[tuple[float, float]] = (), overlap: bool = False) -> "StageModel":
         d = stages
         inflight = tuple(microbatches if schedule == "gpipe" else d - s for s in range(d))
         if isinstance(recompute, bool):
@@ -160,7 +163,7 @@ class StageModel:
             recompute = tuple(recompute and inflight[s] > 1 for s in range(d))
         return cls(d, inflight, tuple(bool(x) for x in recompute), device.p2p_latency, device.p2p_bandwidth,
                    device.memory_bytes if memory_limit is None else float(memory_limit),
-                   tuple((float(a), float(b)) for a, b in links))
+                   tuple((float(a), float(b)) for a, b in links), bool(overlap))
 
 
 @dataclass(frozen=True)
@@ -197,11 +200,20 @@ def _cut_times(chain: Chain, latency: float, bandwidth: float) -> np.ndarray:
     return ct
 
 
+def stage_compute(chain: Chain, model: StageModel, s: int, l: int, r: int) -> float:
+    """Seconds of compute per micro-batch of stage ``s`` holding positions ``l..r`` (forward,
+    again under recomputation, and backward)."""
+    f = float(chain.fwd[l : r + 1].sum())
+    return (2 * f if model.recompute[s] else f) + float(chain.bwd[l : r + 1].sum())
+
+
 def stage_time(chain: Chain, model: StageModel, s: int, l: int, r: int) -> float:
     """Seconds per micro-batch of stage ``s`` holding positions ``l..r``."""
-    f = float(chain.fwd[l : r + 1].sum())
-    return ((2 * f if model.recompute[s] else f) + float(chain.bwd[l : r + 1].sum())
-            + _comm(chain, model, l - 1, s - 1) + _comm(chain, model, r, s))
+    compute = stage_compute(chain, model, s, l, r)
+    comm_in, comm_out = _comm(chain, model, l - 1, s - 1), _comm(chain, model, r, s)
+    if model.overlap:
+        return max(compute, comm_in, comm_out)
+    return compute + comm_in + comm_out
 
 
 def _held(chain: Chain, l: int, r: int) -> list[int]:
@@ -245,10 +257,16 @@ class _Solver:
         Pf = np.concatenate([[0.0], np.cumsum(chain.fwd)])
         Pb = np.concatenate([[0.0], np.cumsum(chain.bwd)])
         self.X, self.Y = [], []
+        # overlap: a stage's time is max(compute, its cuts' link times); the cut times then only
+        # bound T (feasible), and X/Y hold the compute alone
+        self.cut_in, self.cut_out = [], []
         for s in range(d):
             P = (2 * Pf if model.recompute[s] else Pf) + Pb
-            self.X.append(ct(s - 1)[:n] - P[:n])  # input cut of a stage starting at l is cut l-1
-            self.Y.append(P[1:] + ct(s)[1:])  # output cut of a stage ending at r is cut r
+            cin, cout = ct(s - 1)[:n], ct(s)[1:]  # the input cut of a stage starting at l is cut l-1
+            self.cut_in.append(cin)
+            self.cut_out.append(cout)
+            self.X.append(-P[:n] if model.overlap else cin - P[:n])
+            self.Y.append(P[1:] if model.overlap else P[1:] + cout)
         self.start_ok = np.concatenate([[True], chain.valid])
         self.rho = [self._window(s, model.memory_limit) for s in range(d)]
 
@@ -302,10 +320,14 @@ class _Solver:
         R: list[np.ndarray] = [None] * (self.d + 1)  # type: ignore[list-item]
         R[self.d] = np.zeros(n + 1, dtype=bool)
         R[self.d][n] = True
+        overlap = self.model.overlap
         for s in range(self.d - 1, -1, -1):
-            Ys = np.where(R[s + 1][1:], self.Y[s], math.inf)
+            reach_next = R[s + 1][1:] & (self.cut_out[s] <= T) if overlap else R[s + 1][1:]
+            Ys = np.where(reach_next, self.Y[s], math.inf)
             rho = self.rho[s]
             ok = self.start_ok & (rho >= idx)
+            if overlap:
+                ok &= self.cut_in[s] <= T
             best = _range_min(Ys, idx, np.maximum(rho, idx))
             reach = np.zeros(n + 1, dtype=bool)
             reach[:n] = ok & np.isfinite(best) & (best + self.X[s] <= T)
@@ -319,8 +341,13 @@ class _Solver:
         for s in range(self.d):
             hi = self.rho[s][l]
             r_ok = R[s + 1][l + 1 : hi + 2] & (self.Y[s][l : hi + 1] + self.X[s][l] <= T)
+            if self.model.overlap:
+                r_ok &= self.cut_out[s][l : hi + 1] <= T
             r = l + int(np.argmax(r_ok))
-            worst = max(worst, float(self.Y[s][r] + self.X[s][l]))
+            time = float(self.Y[s][r] + self.X[s][l])
+            if self.model.overlap:
+                time = max(time, float(self.cut_in[s][l]), float(self.cut_out[s][r]))
+            worst = max(worst, time)
             bounds.append((l, r))
             l = r + 1
         return Partition(tuple(bounds), worst)
@@ -773,7 +800,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
     grad_buffers = 2 if (w > 1 or clip) else 1
     chain = source.chain(b, grad_buffers)
     links = stage_links(cluster, d, w, layout)
-    sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links)
+    sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links, cluster.overlap_p2p)
     part = partition_chain(chain, sm)
     if fit and grad_buffers == 1 and _over_with_tied_buffers(chain, sm, part, limit):
         # A stage holding a copy of a tied weight keeps a second gradient buffer (its tied
@@ -799,7 +826,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
     inter = any(k in across for k in (slow - 1, slow))
     memory = max(mems)
     return _Candidate(b * m * w / step, step, ar, d, w, b, m, rc, sm, part, chain, grad_buffers, world,
-                      memory <= limit * (1 + 1e-9), memory, pipe, stage_time(chain, sm, slow, l, r) - comm, comm, inter,
+                      memory <= limit * (1 + 1e-9), memory, pipe, stage_compute(chain, sm, slow, l, r), comm, inter,
                       layout)
 
 
@@ -1545,7 +1572,8 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
                 continue
             m = per // b
             chain = source.chain(b, 2)  # two gradient buffers: overlapped reductions or a tied weight
-            sm = StageModel.for_schedule(schedule, d, m, True, device, limit, stage_links(cluster, d, w))
+            sm = StageModel.for_schedule(schedule, d, m, True, device, limit, stage_links(cluster, d, w),
+                                         cluster.overlap_p2p)
             if sum(chain.valid) >= d - 1 and _Solver(chain, sm).feasible(math.inf) is not None:
                 return d, w, b, m, chain, sm
         return None

@@ -191,3 +191,15 @@ def test_calibrate_replaces_the_efficiency_with_a_measured_one():
     with pytest.raises(PlanError, match=r"calibrate: the model has no operator with known FLOPs .*; calibrate with a "
                                         r"model of matrix products"):
         local.calibrate(nn.ReLU(), (torch.randn(4, 4),), repeats=1)
+
+
+def test_sends_overlap_compute_on_cluster_presets_not_on_this_machine():
+    # NCCL's sends run beside compute on GPUs: a stage costs max(compute, link) per micro-batch;
+    # the local machine (CPU ranks, gloo copying on the same cores) keeps the sum.
+    from fxpipe.partition import Chain, StageModel, stage_time
+
+    assert Cluster.preset("dgx-a100", nodes=2).overlap_p2p and not Cluster.local().overlap_p2p
+    chain = Chain([1.0, 1.0], [2.0, 2.0], [1.0, 1.0], [10.0], [10.0], [True], [], ())
+    for overlap, expected in ((False, 3.0 + 0.5), (True, 3.0)):  # one cut: 10 B each way at 40 B/s
+        model = StageModel(2, (2, 1), (False, False), 0.0, 40.0, overlap=overlap)
+        assert stage_time(chain, model, 0, 0, 0) == expected

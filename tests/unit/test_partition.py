@@ -70,7 +70,8 @@ def test_exact_against_brute_force(seed):
     recompute = tuple(rng.random() < 0.5 for _ in range(d))
     inflight = tuple(d - s for s in range(d))
     lat, bw = rng.choice([(0.0, math.inf), (0.05, 20.0)])
-    unlimited = StageModel(d, inflight, recompute, lat, bw)
+    overlap = seed % 2 == 1  # odd seeds: sends overlap compute (a cluster's GPUs), stage time = max
+    unlimited = StageModel(d, inflight, recompute, lat, bw, overlap=overlap)
     # a memory limit that binds: between the smallest feasible and the unconstrained optimum's needs
     if sum(chain.valid) < d - 1:
         with pytest.raises(PlanError, match="allows only"):
@@ -78,7 +79,7 @@ def test_exact_against_brute_force(seed):
         return
     lo = min_memory(chain, unlimited)
     limit = rng.choice([math.inf, lo * rng.uniform(1.0, 1.5)])
-    model = StageModel(d, inflight, recompute, lat, bw, limit)
+    model = StageModel(d, inflight, recompute, lat, bw, limit, overlap=overlap)
     expect = brute_force(chain, model)
     part = partition_chain(chain, model)
     check_partition(chain, model, part)
