@@ -117,7 +117,7 @@ def test_meta_models_build_only_their_stage_on_four_ranks(tmp_path):
     import fxpipe
 
     os.environ["FXPIPE_TEST_TMP"] = str(tmp_path)
-    results = run_function(4, "tests.dist.test_meta_build:meta_cases", timeout=360)
+    results = run_function(4, "tests.dist.test_meta_build_dist:meta_cases", timeout=360)
     errors = [f"rank {r}:\n{res['error']}" for r, res in enumerate(results) if res["error"]]
     assert not errors, "\n".join(errors)
     values = [res["value"] for res in results]
