@@ -112,7 +112,7 @@ def meta_cases(rank, world):
     return out
 
 
-@pytest.mark.slow  # 4 ranks, each importing transformers and building 9 pipelines: ~30 s on 2 cores
+@pytest.mark.slow  # 4 ranks, each importing transformers and building 7 pipelines: ~80 s on 2 cores
 def test_meta_models_build_only_their_stage_on_four_ranks(tmp_path):
     import fxpipe
 
