@@ -166,7 +166,8 @@ def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) ->
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-    src = next((p.device for p in gm.parameters()), torch.device("cpu"))
+    info = gm.meta.get("fxpipe")  # a meta model traces as if on its device (TraceInfo.device)
+    src = getattr(info, "device", None) or next((p.device for p in gm.parameters()), torch.device("cpu"))
     mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def fake(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
