@@ -11,7 +11,7 @@ from tests.reference import train_adama, train_mixed
 from tests.unit import test_optimizer_accumulation as test_adama
 from tests.unit.test_precision import DTYPES, SCALER, _poisoned_loss
 
-# the default suite: fp16 with an injected inf (8 steps) and AdamA under 2bw; the slow one the rest
+# one group of ranks: fp16 with an injected inf (8 steps) and AdamA under 2bw; the other the rest
 QUICK, QUICK_ADAMA = [("gpt", "1f1b", "fp16", True)], ["2bw"]
 FULL = [("gpt", "2bw", "bf16", False)] + [(m, s, p, False) for m in ("gpt2", "llama") for s in ("2bw", "1f1b")
                                           for p in ("bf16", "fp16")]
@@ -115,6 +115,7 @@ def _check_adama(results, schedules):
             assert max(abs(a - b) for a, b in zip(got["losses"], ref_losses)) <= 1e-5, (schedule, rank)
 
 
+@pytest.mark.slow  # the default suite's budget; the one-process tests cover the same cases
 def test_two_ranks_fp16_skip_and_adama_match_the_references():
     results = run_function(2, "tests.dist.test_precision_dist:quick", timeout=240)
     _check(results, QUICK)

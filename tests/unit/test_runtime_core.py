@@ -132,15 +132,17 @@ def _held(pipe) -> dict[str, int]:
         "program": sum(len(seg) + len(drain) for parts in pipe.program._parts.values() for seg, drain in parts.values()),
         "hub": len(pipe.hub.engine) + len(pipe.hub.engine.queue),
         "timeline": len(pipe.timeline),
+        "loss sums": len(pipe._loss_sums),
     }
     for r, wk in pipe.workers.items():
         for name in ("inputs", "targets", "recv_act", "recv_grad", "ctx", "sends", "reductions", "norm_sq",
-                     "clip_coef", "losses", "eval_weights", "batch_loss", "loss_posts", "loss_check", "nonfinite", "dropped"):
+                     "clip_coef", "losses", "eval_weights", "batch_loss", "loss_posts", "loss_check", "nonfinite", "dropped",
+                     "batch_scale", "updated_flags"):
             sizes[f"{r}.{name}"] = len(getattr(wk, name))
     return sizes
 
 
-def test_state_is_the_same_after_50_and_500_steps():
+def test_state_is_the_same_after_30_and_300_steps():
     # 2bw, d = 2, w = 2 (4 ranks in this process), clipping, a tied embedding on both stages
     model, example = gpt2_tiny(batch=1, seq=4, labels=True)
     plan = fxpipe.plan(model, example, stages=2, microbatches=2, schedule="2bw", world_size=4, clip=True)
@@ -150,9 +152,9 @@ def test_state_is_the_same_after_50_and_500_steps():
     ids = torch.randint(0, 100, (4, 4))
     batch = {"input_ids": ids, "labels": ids}
     held = {}
-    for t in range(1, 501):
+    for t in range(1, 301):
         pipe.step(batch)
-        if t in (50, 500):
+        if t in (30, 300):
             held[t] = _held(pipe)
-    assert held[50] == held[500]
-    assert sum(held[500].values()) < 1000
+    assert held[30] == held[300]
+    assert sum(held[300].values()) < 1000
