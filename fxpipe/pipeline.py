@@ -145,9 +145,14 @@ class PipelineConfig:
     weights: Any = None
 
     @property
+    def policy(self) -> Precision:
+        """``precision`` as the policy object (:class:`fxpipe.precision.Precision`)."""
+        return Precision(self.precision)
+
+    @property
     def on_nonfinite(self) -> str:
         """What a non-finite step does: ``nonfinite``, or its default for the precision."""
-        return self.nonfinite or ("skip" if self.precision == "fp16" else "raise")
+        return self.nonfinite or ("skip" if self.policy.scaled else "raise")
 
     def __post_init__(self) -> None:
         def bad(name, expected, found, fix=""):
@@ -185,7 +190,7 @@ class PipelineConfig:
         if self.nonfinite not in ("raise", "skip", None):
             bad("nonfinite", "'raise' or 'skip' (or None)", self.nonfinite,
                 "'raise' stops at a NaN/inf loss or gradient, 'skip' drops that step's update and trains on")
-        precision = Precision(self.precision)  # raises ConfigError for an unknown one
+        precision = self.policy  # raises ConfigError for an unknown one
         if precision.scaled and self.nonfinite == "raise":
             bad("nonfinite", "'skip' (or None) with precision='fp16'", self.nonfinite,
                 "fp16 loss scaling skips every step whose scaled gradients overflow and lowers the scale; "
@@ -397,9 +402,8 @@ class Pipeline:
             )
         self.plan = plan
         ranks = [self.rank] if self.distributed else list(range(d * w))
-        layout = Topology(d, w, layout=plan.layout)
-        build = sorted({layout.locate(r)[0] for r in ranks})
-        precision = Precision(o.precision)
+        build = sorted({stage_and_replica(r, d, w, plan.layout)[0] for r in ranks})
+        precision = o.policy
         prepare(gm, precision, self.device)  # the graph under autocast; the dtypes crossing cuts
         self.staged = self._split_agreed(split, gm, plan.assignment, build)
         self.staged_graph = gm
@@ -654,7 +658,7 @@ class Pipeline:
         where = "; ".join(f"step {t}: stage(s) {sorted(found[t])}" for t in ready)
         if self.config.on_nonfinite == "skip":
             self.skipped_steps.extend(ready)
-            if Precision(self.config.precision).scaled:
+            if self.config.policy.scaled:
                 return  # fp16's loss scaling: an overflow is how the scale is found, not news
             warnings.warn(f"fxpipe: a non-finite loss or gradient in {where}; that update was skipped on every "
                           f"rank (nonfinite='skip'), {len(self.skipped_steps)} skipped so far", RuntimeWarning,
@@ -755,7 +759,7 @@ class Pipeline:
                 stage = max(stage, train.get(node.name, stage))
                 mapping[node.name] = stage
         build = sorted({wk.index for wk in self.workers.values()})
-        prepare(gm, Precision(self.config.precision), self.device)
+        prepare(gm, self.config.policy, self.device)
         # a meta model's eval stages: the workers' newest weights and buffers, else the training source's
         source = None if self._source is None else _Newest(self.workers.values(), self._source)
         return split(gm, mapping, build=build, device=self.device, source=source)  # buffers, constants

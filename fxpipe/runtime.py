@@ -63,8 +63,8 @@ class WorkerConfig:
 class StageWorker:
     """Executes one rank's actions for one stage (see module docstring)."""
 
-    def __init__(self, stage, cfg: WorkerConfig, comm: Comm, *, rank: int, replica: int, trace_info, device=None,
-                 neighbours: tuple[int | None, int | None] | None = None):
+    def __init__(self, stage, cfg: WorkerConfig, comm: Comm, *, rank: int, replica: int, trace_info,
+                 neighbours: tuple[int | None, int | None], device=None):
         self.stage = stage
         self.cfg = cfg
         self.comm = comm
@@ -74,10 +74,7 @@ class StageWorker:
         self.trace_info = trace_info
         self.device = device or torch.device("cpu")
         d = cfg.stages
-        # the ranks of this replica's previous and next stage (the plan's layout; by default
-        # replica-major, where they are the neighbouring ranks)
-        self.prev, self.next = neighbours if neighbours is not None else (
-            rank - 1 if self.index > 0 else None, rank + 1 if self.index < d - 1 else None)
+        self.prev, self.next = neighbours  # this replica's previous and next stage's ranks (the plan's layout)
         self.is_last = self.index == d - 1
 
         self.layout = stage.flat.layout
