@@ -55,18 +55,21 @@ class _DistHandle(Handle):
 
     def wait(self) -> None:
         timeout = self.comm.timeout if self.comm is not None else None
-        start = time.monotonic()
+        start = time.perf_counter()
         for w in self.works:
             try:
                 w.wait(timeout) if timeout is not None else w.wait()
             except RuntimeError as e:
-                raise self.comm.failure(self.label, self.peer, time.monotonic() - start, e) from e
+                raise self.comm.failure(self.label, self.peer, time.perf_counter() - start, e) from e
+        if self.comm is not None:
+            self.comm.waited += time.perf_counter() - start
         self.works, self.tensors = [], ()
 
 
 class Comm:
     rank: int
     world_size: int
+    waited: float = 0.0  # seconds this rank spent blocked in Handle.wait (fxpipe.profile reads it)
 
     # ``label`` names the operation (the action that posts it) in errors and recordings.
     def isend(self, tensors: Sequence[torch.Tensor], peer: int, label: str = "") -> Handle:

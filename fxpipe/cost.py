@@ -68,13 +68,17 @@ class DeviceModel:
     p2p_latency: float = 50e-6  #: seconds of fixed cost per message
     allreduce_bandwidth: float = 1e9  #: bus bytes/s of a ring all-reduce among replicas
     op_latency: float = 5e-6  #: seconds of fixed dispatch cost per operator
+    backward_ratio: float = 2.0  #: a node's backward time over its forward's (two matmuls per matmul)
+    #: seconds of one optimizer step per byte of parameters; None: 8 bytes moved per byte over
+    #: ``mem_bandwidth`` (an Adam-like step reads and writes weights, gradients and two moments)
+    update_time_per_byte: float | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "name":
+            if f.name == "name" or (f.name == "update_time_per_byte" and v is None):
                 continue
-            if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in ("p2p_latency", "op_latency")):
+            if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in ("p2p_latency", "op_latency", "update_time_per_byte")):
                 raise PlanError(
                     f"DeviceModel.{f.name} must be a positive number, found {v!r}; "
                     f"pass e.g. DeviceModel({f.name}={getattr(DeviceModel, f.name)!r})"
@@ -108,6 +112,71 @@ class DeviceModel:
         """:meth:`gpu` for a CUDA device, :meth:`cpu` otherwise."""
         kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         return cls.gpu(**overrides) if kind == "cuda" else cls.cpu(**overrides)
+
+    def update_time(self, param_bytes: float) -> float:
+        """Seconds of one optimizer step over ``param_bytes`` bytes of parameters."""
+        per_byte = self.update_time_per_byte if self.update_time_per_byte is not None else 8 / self.mem_bandwidth
+        return param_bytes * per_byte
+
+    def calibrate(self, gm: fx.GraphModule, example_inputs=None, *, optimizer=None,
+                  torch_device: str | torch.device | None = None, repeats: int = 5) -> "DeviceModel":
+        """This model fitted to what this machine does with ``gm`` now: the whole traced graph
+        runs forward and backward on ``example_inputs`` (median of ``repeats`` after a warm-up),
+        and the roofline's ``peak_flops`` and ``mem_bandwidth`` are scaled by one factor so
+        that the analytic forward times of the nodes sum to the measured forward, and
+        ``backward_ratio`` is set so their backwards sum to the measured backward. With
+        ``optimizer`` (``compile``'s factory) one step over parameters of the model's shapes (up
+        to 8M elements) gives ``update_time_per_byte``. The per-node split keeps the roofline's
+        proportions: what is calibrated is this machine's speed, not a stage's time, so a plan
+        predicts splits, schedules and micro-batch counts it never ran.
+        ``compile(cost_mode="calibrated")`` calls it on rank 0 before planning."""
+        dev = torch.device(torch_device) if torch_device is not None else torch.device("cpu")
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        if example_inputs is None:
+            flat = _synth_inputs(gm)
+        else:
+            args, kwargs = normalize_inputs(example_inputs)
+            flat = gm.meta["fxpipe"].flatten_inputs(args, kwargs)
+        flat = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat]
+        params = [p for p in gm.parameters() if p.requires_grad]
+        if any(p.is_meta for p in params):
+            raise PlanError("calibrate times the model on real tensors, but its parameters are on the meta device; "
+                            "calibrate a real copy (or one block of it) and pass the result as device_model=, or plan "
+                            "a meta model with cost_mode='analytic'")
+        if any(p.device != dev for p in params):
+            raise PlanError(f"calibrate runs the model where its parameters are; found them on {params[0].device}, "
+                            f"asked for {dev}: move the model to {dev} first")
+
+        def once() -> tuple[float, float]:
+            sync()
+            t0 = time.perf_counter()
+            outs = [o for o in pytree.tree_leaves(gm(*flat)) if isinstance(o, torch.Tensor) and o.requires_grad]
+            sync()
+            t1 = time.perf_counter()
+            torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
+            sync()
+            return t1 - t0, time.perf_counter() - t1
+
+        with torch.random.fork_rng(devices=rng_devices(dev)):
+            once()
+            samples = [once() for _ in range(repeats)]
+        fwd = statistics.median(f for f, _ in samples)
+        bwd = statistics.median(b for _, b in samples)
+
+        costs = annotate(gm, mode="analytic", device=self)
+        nodes = [c for c in costs.nodes.values() if c.fwd_time.a or c.fwd_time.c]
+        n = len(nodes)
+        batch = costs.batch_size
+        lat = min(self.op_latency, 0.5 * fwd / max(n, 1))
+        roof = sum(c.fwd_time(batch) - self.op_latency for c in nodes)  # time above the fixed cost
+        scale = roof / max(fwd - n * lat, 1e-12)
+        grads = [c for c in nodes if c.requires_grad]
+        ratio = (bwd - len(grads) * lat) / max(sum(c.fwd_time(batch) - self.op_latency for c in grads) / scale, 1e-12)
+        update = self.update_time_per_byte
+        if optimizer is not None:
+            update = _time_optimizer(optimizer, params, dev, sync, repeats)
+        return dataclasses.replace(self, peak_flops=self.peak_flops * scale, mem_bandwidth=self.mem_bandwidth * scale,
+                                   op_latency=lat, backward_ratio=max(ratio, 0.1), update_time_per_byte=update)
 
     def p2p_time(self, nbytes: float) -> float:
         """Seconds to send one message of ``nbytes`` between adjacent stages."""
@@ -268,7 +337,7 @@ def annotate(
             fwd, bwd = measured.get(node.name, (0.0, 0.0))
         else:
             fwd = device.op_latency + max(flops / device.peak_flops, (moved + moved_params) / device.mem_bandwidth)
-            bwd = device.op_latency + 2 * (fwd - device.op_latency) if grad[node.name] else 0.0
+            bwd = device.op_latency + device.backward_ratio * (fwd - device.op_latency) if grad[node.name] else 0.0
         costs[node.name] = NodeCost(
             flops=Linear.fit(flops, batch, scales=scal),
             out_bytes=Linear.fit(out_b, batch, scales=out_scales),
@@ -456,6 +525,32 @@ def _bytes_moved(node: fx.Node, ni: NodeInfo) -> tuple[float, float]:
 
 # --------------------------------------------------------------------------------------------
 # measured times
+
+
+def _time_optimizer(factory, params, dev, sync, repeats: int, budget: int = 8 << 20) -> float:
+    """Seconds per parameter byte of one step of the optimizer ``factory`` makes, over copies of
+    the first parameters (in model order) up to ``budget`` elements, with random gradients."""
+    copies, total = [], 0
+    for i, p in enumerate(params):
+        if total >= budget:
+            break
+        q = torch.randn(p.shape, dtype=p.dtype, device=dev).requires_grad_()
+        q.grad = torch.randn_like(q)
+        copies.append((f"p{i}", q))
+        total += q.numel()
+    if not copies:
+        return 0.0
+    opt = factory(copies)
+    opt.step()  # lazily built state
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        opt.step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    nbytes = sum(q.numel() * q.element_size() for _, q in copies)
+    return statistics.median(times) / nbytes
 
 
 def _synth_inputs(gm: fx.GraphModule) -> list:

@@ -146,6 +146,7 @@ def plan_costs(plan):
         forward=[sp.forward_time for sp in sps],
         backward=[sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps],
         p2p=max(sp.send_bytes / dev.p2p_bandwidth + dev.p2p_latency for sp in sps),
+        update=[dev.update_time(sp.param_bytes) for sp in sps],
     )
 
 

@@ -123,7 +123,7 @@ class PipelineConfig:
     recompute: bool | None = None  # activation recomputation; None: the planner decides
     seed: int = 0  # dropout streams per (seed, micro-batch, stage)
     check_batch: bool = True  # first step: every rank passed the same batch
-    cost_mode: str = "analytic"  # "analytic" | "measured"
+    cost_mode: str = "analytic"  # "analytic" | "measured" | "calibrated"
     device_model: Any = None  # fxpipe.cost.DeviceModel for the planner
     kernels: str = "auto"  # "auto" | "triton" | "torch" | "off"
     device: Any = None  # "auto"/None | "cpu" | "cuda[:i]" | torch.device
@@ -171,8 +171,8 @@ class PipelineConfig:
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
             bad("max_grad_norm", "a number > 0 (or None for no clipping)", self.max_grad_norm,
                 "pass e.g. max_grad_norm=1.0, or None to train without clipping")
-        if self.cost_mode not in ("analytic", "measured"):
-            bad("cost_mode", "'analytic' or 'measured'", self.cost_mode)
+        if self.cost_mode not in ("analytic", "measured", "calibrated"):
+            bad("cost_mode", "'analytic', 'measured' or 'calibrated'", self.cost_mode)
         if self.kernels not in ("auto", "triton", "torch", "off"):
             bad("kernels", "'auto', 'triton', 'torch' or 'off'", self.kernels)
         if not callable(self.optimizer):
@@ -310,6 +310,8 @@ class Pipeline:
         self.record = False
         self.timeline: list[tuple[int, str, float, float]] = []
         self._t0 = time.perf_counter()
+        self.profile = None  # a fxpipe.profile.Profile: where each later step's time goes
+        self.workers: dict[int, StageWorker] = {}  # this process's ranks (set up with the plan)
         if example_inputs is not None:
             self._setup(*normalize_inputs(example_inputs))
 
@@ -342,10 +344,20 @@ class Pipeline:
         if plan is None:
             plan_json = None
             device_model = o.device_model
-            if device_model is None and self.distributed and o.cost_mode == "measured":
+            cost_mode = o.cost_mode
+            if cost_mode == "calibrated":
+                # Every rank at once, so the speed measured is a rank's while the others compute
+                # too (on a CPU host they share cores, caches and memory bandwidth); rank 0's
+                # figures go into the plan. Then the roofline, from those figures.
+                if self.distributed:
+                    dist.barrier()
+                device_model = (device_model or DeviceModel.for_device(self.device)).calibrate(
+                    gm, self._example, optimizer=o.optimizer, torch_device=self.device)
+                cost_mode = "analytic"
+            if o.device_model is None and self.distributed and o.cost_mode != "analytic":
                 # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are
                 # broadcast), so the planner prices a cut with this machine's links.
-                device_model = DeviceModel.for_device(self.device).measure_p2p()
+                device_model = (device_model or DeviceModel.for_device(self.device)).measure_p2p()
             if self.rank == 0:
                 from .partition import plan as make_plan
 
@@ -357,7 +369,7 @@ class Pipeline:
                     microbatches=m,
                     schedule=o.schedule,
                     world_size=world,
-                    cost_mode=o.cost_mode,
+                    cost_mode=cost_mode,
                     device=device_model,
                     recompute=o.recompute,
                     torch_device=self.device,
@@ -422,7 +434,6 @@ class Pipeline:
         # the process group's watchdog enforces the timeout instead (docs/design.md).
         wait_limit = self.timeout if self.device.type == "cpu" else None
         comm_for = (lambda r: DistComm(groups, timeout=wait_limit)) if self.distributed else hub.comm
-        self.workers: dict[int, StageWorker] = {}
         for r in ranks:
             s, rep = topo.locate(r)
             stage = self.staged.stages[s]
@@ -517,6 +528,18 @@ class Pipeline:
         :class:`~fxpipe.errors.InputError` before anything is split or communicated."""
         if self._stopped is not None:
             raise self._stopped
+        if self.profile is None:
+            return self._step(inputs, target, sync)
+        start, waited = time.perf_counter(), self._waited()
+        try:
+            return self._step(inputs, target, sync)
+        finally:
+            self.profile.step(time.perf_counter() - start, self._waited() - waited)
+
+    def _waited(self) -> float:
+        return sum(wk.comm.waited for wk in self.workers.values())
+
+    def _step(self, inputs, target, sync: bool):
         args, kwargs = batch_inputs(inputs, "step()")
         if not self._setup_done:  # the lazy path: the first micro-batch defines the signature
             m, w = self.config.microbatches or DEFAULT_MICROBATCHES, self._width_hint()
@@ -596,7 +619,7 @@ class Pipeline:
 
     def _run(self, r: int, wk: StageWorker, lst: list[Action], i: int) -> None:
         a = lst[i]
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), wk.comm.waited
         try:
             wk.run(a)
         except FxpipeError:
@@ -606,6 +629,8 @@ class Pipeline:
             posted = getattr(wk.comm, "last_posted", "")  # NCCL's watchdog errors name no action
             posted = f" (its last posted communication: {posted})" if posted else ""
             raise RuntimeError(f"rank {r} failed running action {a}{posted}:\n{grid}") from e
+        if self.profile is not None:
+            self.profile.action(a.kind, time.perf_counter() - start, wk.comm.waited - waited)
         if self.record:
             self.timeline.append((r, str(a), start - self._t0, time.perf_counter() - self._t0))
 

@@ -73,7 +73,7 @@ class Costs:
     """Recomputed forward before a backward; None = the forward time again."""
     p2p: float = 0.0
     """One activation or gradient transfer between neighbouring stages."""
-    update: float = 0.0
+    update: float | Sequence[float] = 0.0
     """Optimizer step of one stage."""
     reduce: float = 0.0
     """One asynchronous reduction (data-parallel all-reduce, tied-weight sum, norm all-reduce)."""

@@ -149,3 +149,49 @@ def test_planner_searching_b_with_measured_costs_measures_a_second_size(monkeypa
     p = partition.plan(model, (torch.randn(4, 16),), global_batch=16, cost_mode="measured", world_size=1)
     assert seen == [("measured", 4), ("measured", 2)]
     assert p.microbatch_size * p.microbatches == 16
+
+
+def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
+    """The calibrated model's node times sum to the measured forward and backward of the whole
+    graph (timed here by a fake clock: 3 s forward, 5 s backward), keeping the roofline's
+    proportions between nodes; an optimizer factory gives the update time per byte."""
+    import fxpipe.cost as cost
+
+    gm, _ = linear_gm(64)
+    clock = iter(x for _ in range(100) for x in (0.0, 3.0, 8.0))  # once(): t0, t1 (fwd 3 s), end (bwd 5 s)
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: next(clock))
+    dev = DeviceModel(op_latency=1e-6)
+    cal = dev.calibrate(gm, repeats=3)
+    monkeypatch.undo()
+    before, after = annotate(gm, device=dev), annotate(gm, device=cal)
+    nodes = [n for n, c in after.nodes.items() if c.fwd_time(64) > 0]
+    assert math.isclose(sum(after.nodes[n].fwd_time(64) for n in nodes), 3.0, rel_tol=1e-9)
+    grads = [n for n in nodes if after.nodes[n].requires_grad]
+    assert math.isclose(sum(after.nodes[n].bwd_time(64) for n in grads), 5.0, rel_tol=1e-9)
+    lat = cal.op_latency  # proportions above the fixed cost are the roofline's
+    ratios = [(after.nodes[n].fwd_time(64) - lat) / (before.nodes[n].fwd_time(64) - dev.op_latency) for n in nodes]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
+    assert cal.update_time_per_byte is None and cal.update_time(1e6) == pytest.approx(8e6 / cal.mem_bandwidth)
+    timed = dev.calibrate(gm, repeats=1, optimizer=lambda named: torch.optim.Adam([p for _, p in named]))
+    assert timed.update_time_per_byte > 0 and timed.backward_ratio > 0
+
+
+def test_calibrate_refuses_a_meta_model():
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    gm = fxpipe.trace(model, (torch.randn(2, 4),))
+    if not any(p.is_meta for p in gm.parameters()):
+        pytest.skip("the trace materialised the parameters")
+    with pytest.raises(PlanError, match="meta device"):
+        DeviceModel().calibrate(gm)
+
+
+def test_calibrated_compile_plans_with_this_machines_speed():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(4)])
+    pipe = fxpipe.compile(model, (torch.randn(8, 32),), loss_fn=lambda out, y: out.pow(2).mean(), stages=2,
+                          microbatches=2, cost_mode="calibrated", verbose=False)
+    dev = pipe.plan.device
+    assert dev.update_time_per_byte is not None and dev.backward_ratio != 2.0
+    assert DeviceModel(**{**dev.__dict__}).backward_ratio == dev.backward_ratio  # survives the plan's JSON
+    pipe.step(torch.randn(16, 32), torch.zeros(16, 32))

@@ -1,0 +1,281 @@
+"""The physical limit, and how close each pipeline schedule gets to it, with every millisecond accounted for.
+
+    python benchmarks/limit.py                # about 6 minutes on 2 CPU cores
+    python benchmarks/limit.py --rounds 1     # one round, about 2 minutes
+
+The pinned configuration (issue #15): a GPT (vocab 512, d_model 256, 8 layers, 4 heads, sequence
+64, untied embeddings), a global batch of 32 in m = 4 micro-batches of 8, Adam (lr 1e-3), two
+gloo ranks with one thread each. Every system below trains exactly this:
+
+* ``limit``: two copies of the whole model trained at once in two single-thread processes (no
+  bubble, no communication, the same optimizer, both cores busy): the summed throughput is the
+  most any 2-rank pipeline can reach on this machine;
+* fxpipe ``2bw``, ``1f1b``, ``gpipe`` and ``zb`` (ZB-H1), the split the planner picks;
+* torch.distributed.pipelining (PiPPy) ``ScheduleGPipe`` and ``Schedule1F1B`` split at the same
+  layer boundary, and its ``ScheduleInterleavedZeroBubble``, which needs 2 stages per rank: 4
+  stages on 2 ranks, split every 2 layers.
+
+Every run is a fresh pair of processes (so each one's peak memory is its own), the systems
+alternate within each of ``--rounds`` rounds, and each reports the median over rounds of its
+throughput: samples in the measured steps over the slower rank's wall time for them. Beside each
+fxpipe schedule it prints the simulator's prediction of the step time (the plan's costs through
+:func:`fxpipe.simulate.simulate`) and, per rank, where the step went (:mod:`fxpipe.profile`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from tabulate import tabulate
+
+VOCAB, WIDTH, LAYERS, HEADS, SEQ = 512, 256, 8, 4, 64
+M, MB = 4, 8
+BATCH = M * MB
+
+FXPIPE = ("2bw", "1f1b", "gpipe", "zb")
+PIPPY = ("pippy gpipe", "pippy 1f1b", "pippy interleaved zb")
+SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + PIPPY
+
+
+def _model():
+    from fxpipe.demo import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH,
+                         tie_weights=False))
+
+
+def _data(steps: int):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, VOCAB, (BATCH, SEQ), generator=g), torch.randint(0, VOCAB, (BATCH, SEQ), generator=g))
+            for _ in range(steps)]
+
+
+def _optimizer(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _peak_rss_reset() -> None:
+    """Start a new peak-RSS window (Linux: writing 5 to clear_refs resets VmHWM)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss() -> float:
+    """Peak resident memory (MiB) since the last reset."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _timed(step, batches, warmup: int) -> tuple[float, int]:
+    """(seconds for the steps after ``warmup``, samples in them), all ranks starting together."""
+    for x, y in batches[:warmup]:
+        step(x, y)
+    if dist.is_initialized():
+        dist.barrier()
+    t0 = time.perf_counter()
+    for x, y in batches[warmup:]:
+        step(x, y)
+    return time.perf_counter() - t0, BATCH * (len(batches) - warmup)
+
+
+def _limit(rank: int, batches, warmup: int) -> dict:
+    from fxpipe.demo import lm_loss
+
+    model = _model()
+    opt = _optimizer(model.parameters())
+
+    def step(x, y):
+        for xs, ys in zip(x.chunk(M), y.chunk(M)):
+            (lm_loss(model(xs), ys) / M).backward()
+        opt.step()
+        opt.zero_grad()
+
+    seconds, samples = _timed(step, batches, warmup)
+    return {"seconds": seconds, "samples": samples}
+
+
+def _fxpipe(rank: int, schedule: str, batches, warmup: int) -> dict:
+    import fxpipe
+    from fxpipe.demo import lm_loss
+    from fxpipe.inspect import plan_costs
+    from fxpipe.profile import Profile
+    from fxpipe.schedule import generate
+    from fxpipe.simulate import simulate
+
+    pipe = fxpipe.compile(_model(), (batches[0][0][:MB],), loss_fn=lm_loss, microbatches=M, stages=2,
+                          schedule=schedule, optimizer=_optimizer, verbose=False, cost_mode="calibrated")
+    profile = Profile()
+    pipe.profile = None
+
+    def step(x, y):
+        pipe.step(x, y)
+
+    for x, y in batches[:warmup]:
+        step(x, y)
+    dist.barrier()
+    pipe.profile = profile
+    t0 = time.perf_counter()
+    for x, y in batches[warmup:]:
+        step(x, y)
+    seconds = time.perf_counter() - t0
+    pipe.profile = None
+    pipe.flush()
+    plan = pipe.plan
+    predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), plan_costs(plan)).step_time
+    return {"seconds": seconds, "samples": BATCH * (len(batches) - warmup), "profile": profile.summary(),
+            "predicted": predicted, "split": [sp.first_module for sp in plan.stage_plans]}
+
+
+def _pippy(rank: int, name: str, batches, warmup: int) -> dict:
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
+                                              SplitPoint, pipeline)
+
+    from fxpipe.demo import lm_loss
+
+    interleaved = name == "pippy interleaved zb"
+    cuts = (2, 4, 6) if interleaved else (LAYERS // 2,)
+    pipe = pipeline(_model(), mb_args=(batches[0][0][:MB],),
+                    split_spec={f"blocks.{c}": SplitPoint.BEGINNING for c in cuts})
+    world = dist.get_world_size()
+    stage_ids = (rank, rank + world) if interleaved else (rank,)
+    stages = [pipe.build_stage(s, torch.device("cpu")) for s in stage_ids]
+    params = [p for s in stages for p in s.submod.parameters()]
+    opt = _optimizer(params)
+    if interleaved:
+        sched = ScheduleInterleavedZeroBubble(stages, M, loss_fn=lm_loss)
+    else:
+        sched = (ScheduleGPipe if name == "pippy gpipe" else Schedule1F1B)(stages[0], M, loss_fn=lm_loss)
+    first, last = 0 in stage_ids, pipe.num_stages - 1 in stage_ids
+
+    def step(x, y):
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": []} if last else {}
+        sched.step(*args, **kwargs)
+        opt.step()
+        opt.zero_grad()
+
+    seconds, samples = _timed(step, batches, warmup)
+    return {"seconds": seconds, "samples": samples}
+
+
+def _worker(rank: int, world: int, name: str, store: str, out: str, steps: int, warmup: int) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    batches = _data(steps + warmup)
+    if name == "limit":  # two independent trainers: no process group, just both cores busy
+        barrier = _FileBarrier(store, world)
+        barrier.wait(rank)
+        _peak_rss_reset()
+        result = _limit(rank, batches, warmup)
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        _peak_rss_reset()
+        if name.startswith("fxpipe"):
+            result = _fxpipe(rank, name.split()[1], batches, warmup)
+        else:
+            result = _pippy(rank, name, batches, warmup)
+        dist.barrier()
+        dist.destroy_process_group()
+    result["peak_mib"] = _peak_rss()
+    torch.save(result, f"{out}.{rank}")
+
+
+class _FileBarrier:
+    """Start two process-group-less trainers together (a file per arrived rank)."""
+
+    def __init__(self, path: str, world: int):
+        self.path, self.world = path + ".barrier", world
+
+    def wait(self, rank: int) -> None:
+        open(f"{self.path}.{rank}", "w").close()
+        while not all(os.path.exists(f"{self.path}.{r}") for r in range(self.world)):
+            time.sleep(0.01)
+
+
+def run(name: str, steps: int, warmup: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result")
+        mp.start_processes(_worker, args=(2, name, os.path.join(tmp, "store"), out, steps, warmup), nprocs=2,
+                           start_method="spawn", join=True)
+        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+
+
+def throughput(name: str, ranks: list[dict]) -> float:
+    if name == "limit":  # two independent trainers: their rates add up
+        return sum(r["samples"] / r["seconds"] for r in ranks)
+    return ranks[0]["samples"] / max(r["seconds"] for r in ranks)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--only", nargs="*", choices=SYSTEMS, default=SYSTEMS, help="run just these systems")
+    args = ap.parse_args()
+    results: dict[str, list[list[dict]]] = {n: [] for n in args.only}
+    for r in range(args.rounds):
+        for name in args.only:
+            results[name].append(run(name, args.steps, args.warmup))
+            print(f"round {r + 1}: {name}: {throughput(name, results[name][-1]):.1f} samples/s", file=sys.stderr)
+    report(results)
+
+
+def report(results: dict[str, list[list[dict]]]) -> None:
+    rate = {n: statistics.median(throughput(n, rs) for rs in runs) for n, runs in results.items()}
+    limit = rate.get("limit")
+    base = rate.get("pippy 1f1b")
+    rows = []
+    for name, runs in results.items():
+        middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
+        measured_ms = 1e3 * BATCH / rate[name]
+        predicted = middle[0].get("predicted")
+        rows.append([
+            _LABELS.get(name, name), rate[name], 100 * rate[name] / limit if limit else None,
+            rate[name] / base if base else None, " / ".join(f"{r['peak_mib']:.0f}" for r in middle),
+            measured_ms if name != "limit" else None,
+            1e3 * predicted if predicted else None,
+            100 * (1e3 * predicted / measured_ms - 1) if predicted else None,
+        ])
+    print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}; GPT {LAYERS}x{WIDTH}, vocab {VOCAB}, "
+          f"sequence {SEQ}; {M} micro-batches of {MB}; Adam; 2 gloo ranks, 1 thread each; median of "
+          f"{len(next(iter(results.values())))} alternating rounds\n")
+    print(tabulate(rows, headers=["system", "samples/s", "% of limit", "vs PiPPy 1F1B", "peak MiB (rank 0 / 1)",
+                                  "ms/step", "simulated ms/step", "sim error %"], floatfmt=".1f", missingval="-"))
+    for name, runs in results.items():
+        if not name.startswith("fxpipe"):
+            continue
+        middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
+        print(f"\n{name}: where each rank's step went (ms per step, median round)")
+        keys = list(middle[0]["profile"])
+        print(tabulate([[f"rank {r}"] + [middle[r]["profile"][k] for k in keys] for r in range(len(middle))],
+                       headers=[""] + keys, floatfmt=".1f"))
+
+
+_LABELS = {
+    "limit": "physical limit: 2 whole models, 1 process each",
+    "pippy gpipe": "PiPPy ScheduleGPipe",
+    "pippy 1f1b": "PiPPy Schedule1F1B (baseline)",
+    "pippy interleaved zb": "PiPPy ScheduleInterleavedZeroBubble (4 stages on 2 ranks)",
+    "fxpipe zb": "fxpipe zb (ZB-H1)",
+}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""fxpipe.profile: where a step's time goes, in parts that add up to the step."""
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.profile import CATEGORIES, Profile
+from fxpipe.schedule import Kind
+
+
+def test_parts_add_up_to_the_steps_wall_time():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    pipe = fxpipe.compile(model, (torch.randn(8, 64),), loss_fn=lambda out, y: (out - y).pow(2).mean(), stages=2,
+                          microbatches=4, verbose=False)
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    pipe.step(x, y)
+    pipe.profile = Profile()
+    walls = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        pipe.step(x, y)
+        walls.append(time.perf_counter() - t0)
+    s = pipe.profile.summary()
+    assert list(s) == [*CATEGORIES, "step"] and pipe.profile.steps == 3
+    assert s["step"] == pytest.approx(sum(s[c] for c in CATEGORIES))
+    assert s["step"] <= 1e3 * sum(walls) / 3 + 1e-6 and s["step"] > 0.9 * 1e3 * sum(walls) / 3
+    assert s["compute"] > 0 and s["optimizer"] > 0 and s["runtime overhead"] > 0
+    assert s["waiting on a peer"] == 0  # one process: the driver runs an action only once it can
+
+
+def test_blocked_time_counts_as_waiting_wherever_it_happens():
+    p = Profile()
+    p.action(Kind.F, 0.010, 0.004)  # a forward that waited 4 ms for its activations
+    p.action(Kind.NORM_WAIT, 0.003, 0.003)  # a join whose peers were late
+    p.action(Kind.SEND_ACT, 0.001, 0.0)
+    p.action(Kind.UPDATE, 0.002, 0.0)
+    p.step(0.020, 0.009)  # 2 ms blocked after the segment (the loss read)
+    s = p.summary()
+    assert s == pytest.approx({"compute": 6.0, "waiting on a peer": 9.0, "communication not hidden": 1.0,
+                               "optimizer": 2.0, "runtime overhead": 2.0, "step": 20.0})
