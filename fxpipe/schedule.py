@@ -134,7 +134,7 @@ __all__ = [
     "waits_for",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "2bw", "zb")
 
 
 class Kind(str, enum.Enum):
@@ -143,6 +143,8 @@ class Kind(str, enum.Enum):
     F = "F"
     R = "R"  # recompute the forward of a micro-batch right before its backward
     B = "B"
+    I = "I"  # zb: the input-gradient half of a backward (on the critical path: its SEND_GRAD follows)
+    W = "W"  # zb: the weight-gradient half of a backward, deferred to fill bubbles
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -177,6 +179,8 @@ SPEC: dict[Kind, KindSpec] = {
     Kind.F: KindSpec("compute", False, None, Kind.RECV_ACT, "forward"),
     Kind.R: KindSpec("compute", False, None, None, "recompute"),
     Kind.B: KindSpec("compute", False, None, Kind.RECV_GRAD, "backward"),
+    Kind.I: KindSpec("compute", False, None, Kind.RECV_GRAD, "backward_input"),
+    Kind.W: KindSpec("compute", False, None, None, "backward_weight"),
     Kind.SEND_ACT: KindSpec("p2p", False, "send", None, "p2p"),
     Kind.RECV_ACT: KindSpec("p2p", False, "recv", None, "p2p"),
     Kind.SEND_GRAD: KindSpec("p2p", False, "send", None, "p2p"),
@@ -194,7 +198,9 @@ SPEC: dict[Kind, KindSpec] = {
 }
 assert set(SPEC) == set(Kind), "every Kind needs its SPEC entry"
 
-COMPUTE = frozenset({Kind.F, Kind.R, Kind.B})
+COMPUTE = frozenset({Kind.F, Kind.R, Kind.B, Kind.I, Kind.W})
+GRAD_SOURCES = frozenset({Kind.B, Kind.I})  # what produces the gradient SEND_GRAD k sends
+LAST_BACKWARD = frozenset({Kind.B, Kind.W})  # what ends a micro-batch's backward (frees its activations)
 SENDS = frozenset(k for k, v in SPEC.items() if v.comm == "send")
 RECVS = frozenset(k for k, v in SPEC.items() if v.comm == "recv")
 P2P = SENDS | RECVS
@@ -375,7 +381,50 @@ def _one_f_one_b(first: int, last: int, warmup: int) -> list[tuple[Kind, int]]:
     return order
 
 
-def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int) -> list[tuple[Kind, int]]:
+def _zero_bubble(first: int, last: int, warmup: int, defer: int) -> list[tuple[Kind, int]]:
+    """ZB-H1 over k=first..last: 1f1b's order with each ``B k`` split into ``I k`` and ``W k``,
+    ``W`` deferred: after each ``I``, the oldest ``W`` runs while more than ``defer`` of them are
+    due; the deferred rest run after the last ``I`` (Qi et al., ICLR 2024, figure 3: they fill
+    the cool-down's bubble). With warmup=1, defer=1, first=1, last=4::
+
+        F1 I1 F2 I2 W1 F3 I3 W2 F4 I4 W3 W4
+    """
+    n = last - first + 1
+    warmup = min(warmup, n)
+    order = [(Kind.F, first + j) for j in range(warmup)]
+    w_done = 0
+    for j in range(n):
+        order.append((Kind.I, first + j))
+        while j + 1 - w_done > defer:
+            order.append((Kind.W, first + w_done))
+            w_done += 1
+        if warmup + j < n:
+            order.append((Kind.F, first + warmup + j))
+    order += [(Kind.W, first + j) for j in range(w_done, n)]
+    return order
+
+
+def zb_bounds(stage: int, stages: int, microbatches: int, recompute: bool = False) -> tuple[int, int]:
+    """``(in flight, deferred)`` of stage ``stage`` under zb: at most ``min(d, m)`` micro-batches
+    between their F and their W (ZB-H1: the peak of 1f1b's first stage, on every stage), of
+    which at most ``min(d, m) - min(d - i, m)`` have run their I (weight passes deferred). A
+    stage that recomputes defers none (``R k, I k, W k`` adjacent, so at most one micro-batch's
+    recomputed activations are alive), and holds ``min(d - i, m)`` as under 1f1b."""
+    warmup = min(stages - stage, microbatches)
+    if recompute:
+        return warmup, 0
+    limit = min(stages, microbatches)
+    return limit, limit - warmup
+
+
+def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int,
+                   recompute: bool = False) -> list[tuple[Kind, int]]:
+    if schedule == "zb":
+        defer = zb_bounds(stage, d, m, recompute)[1]
+        order: list[tuple[Kind, int]] = []
+        for t in range(1, steps + 1):
+            order += _zero_bubble((t - 1) * m + 1, t * m, d - stage, defer)
+        return order
     if schedule == "2bw":
         # PipeDream-2BW (arXiv 2006.09503, fig. 3): 1F1B with d - i micro-batches in flight on
         # stage i, across step boundaries.
@@ -581,8 +630,8 @@ def _core_list(
     tied = stage in group
     reduces = dp or tied or clip
     two_bw = schedule == "2bw"
-    order = _compute_order(schedule, stage, d, m, steps)
-    last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind is Kind.B}
+    order = _compute_order(schedule, stage, d, m, steps, recompute)
+    last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind in LAST_BACKWARD}
     pending: list[int] = []  # batches whose gradients are handed to reductions, UPDATE still due
     cut_due: list[int] = []  # 2bw: batches done here whose TIED/NORM cuts are still ahead
     posted: set[tuple[str, int]] = set()
@@ -654,12 +703,12 @@ def _core_list(
             while pending and pending[0] < need:
                 finish(pending.pop(0))
         v = version_of(schedule, k, m)
-        if kind is Kind.B and recompute:
+        if kind in GRAD_SOURCES and recompute:
             out.append(Action(stage, Kind.R, k, v))
         out.append(Action(stage, kind, k, v))
         if kind is Kind.B:
             b_done = k
-        if kind is Kind.B and last_b[t] == pos:
+        if kind in LAST_BACKWARD and last_b[t] == pos:
             # Batch t-1's reductions end before batch t's start: at most two gradient buffers.
             while pending:
                 finish(pending.pop(0))
@@ -707,10 +756,10 @@ def _with_p2p(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]], d: i
             lst.append(a)
             if a.kind is Kind.F and s < d - 1:
                 lst.append(Action(s, Kind.SEND_ACT, a.index))
-            elif a.kind is Kind.B and s > 0:
+            elif a.kind in GRAD_SOURCES and s > 0:
                 lst.append(Action(s, Kind.SEND_GRAD, a.index))
-            if a.kind in (Kind.F, Kind.B):
-                phase_of[s, a.kind, a.index] = phase
+            if a.kind is Kind.F or a.kind in GRAD_SOURCES:  # a B and an I both send the gradient
+                phase_of[s, Kind.F if a.kind is Kind.F else Kind.B, a.index] = phase
         while phase < len(bounds):
             phase += 1
             opens[s][phase] = None
@@ -719,7 +768,7 @@ def _with_p2p(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]], d: i
         messages = sorted(
             (phase_of[i, Kind.F, a.index] if a.kind is Kind.F else phase_of[i + 1, Kind.B, a.index], pos,
              Kind.SEND_ACT if a.kind is Kind.F else Kind.RECV_GRAD, a.index)
-            for pos, a in enumerate(cores[i][0]) if a.kind in (Kind.F, Kind.B)
+            for pos, a in enumerate(cores[i][0]) if a.kind is Kind.F or a.kind in GRAD_SOURCES
         )
         channel = [(phase, kind, k) for phase, _, kind, k in messages]
         lists[i] = _place_receives(lists[i], i, channel, opens[i])
@@ -866,10 +915,13 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
     first_b: dict[int, int] = {}
     last_b: dict[int, int] = {}
     done: dict[tuple[Kind, int], int] = {}
-    in_flight: dict[int, int] = {}  # micro-batch -> version, F done and B not yet
+    in_flight: dict[int, int] = {}  # micro-batch -> version, F done and B (zb: W) not yet
     newest = 0
     started: dict[tuple[Kind, int], int] = {}
-    limit = m if schedule == "gpipe" else d - s
+    zb = schedule == "zb"
+    rc = recompute is not None and recompute[s]
+    limit = m if schedule == "gpipe" else zb_bounds(s, d, m, rc)[0] if zb else d - s
+    backward = (Kind.I, Kind.W) if zb else (Kind.B,)  # what each micro-batch's backward is here
     reduced = {a.index for a in lst if a.kind in STARTS}  # batches whose gradient is reduced
     max_versions = 2 if schedule == "2bw" else 1
 
@@ -890,6 +942,9 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             ck.fail(s, pos, f"{a.kind}{a.index} appears twice (first at position {done[a.kind, a.index]})", "Drop one")
         done[a.kind, a.index] = pos
         k, t = a.index, a.index
+        if a.kind in (Kind.B, Kind.I, Kind.W) and a.kind not in backward:
+            ck.fail(s, pos, f"{schedule} has no {a.kind} actions (its backward is {' + '.join(map(str, backward))})",
+                    f"Use {' and '.join(f'{s}{b}{k}' for b in backward)} instead")
         if a.kind in COMPUTE or a.kind in P2P:
             if not 1 <= k <= total:
                 ck.fail(s, pos, f"micro-batch {k} is outside 1..{total} (steps={steps}, m={m})", "Fix the index")
@@ -913,16 +968,18 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                 ck.fail(s, pos, f"no RECV_ACT{k} posted before the forward that consumes it", f"Insert {s}RECV_ACT{k} before it")
             in_flight[k] = a.version
             if len(in_flight) > limit:
+                what = f"min(d, m) = {limit}, zb" if zb and not rc else f"{limit} ({schedule}"
                 ck.fail(
-                    s, pos, f"{len(in_flight)} micro-batches of activations in flight, expected at most {limit} "
-                    f"({schedule} on stage {s} of {d})", "Run a backward before this forward",
+                    s, pos, f"{len(in_flight)} micro-batches of activations in flight, expected at most {what} "
+                    f"on stage {s} of {d}{', recomputing' if rc and zb else ''})",
+                    "Run a backward before this forward" + (" (a W frees its micro-batch)" if zb else ""),
                 )
         elif a.kind is Kind.R:
             if (Kind.F, k) not in done:
                 ck.fail(s, pos, f"recompute of micro-batch {k} before its forward", f"Move it after {s}F{k}")
             if recompute is not None and not recompute[s]:
                 ck.fail(s, pos, f"stage {s} recomputes although recompute[{s}] is False", "Drop the R action")
-        elif a.kind is Kind.B:
+        elif a.kind in GRAD_SOURCES:
             if (Kind.F, k) not in done:
                 ck.fail(s, pos, f"backward of micro-batch {k} before its forward", f"Move {s}F{k} before it")
             if recompute is not None and recompute[s] and (Kind.R, k) not in done:
@@ -930,8 +987,10 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             if s < d - 1 and (Kind.RECV_GRAD, k) not in done:
                 ck.fail(s, pos, f"no RECV_GRAD{k} posted before the backward that consumes it", f"Insert {s}RECV_GRAD{k} before it")
             first_b.setdefault(t, pos)
-            last_b[t] = pos
-            in_flight.pop(k, None)
+            if a.kind is Kind.B:
+                last_b[t] = pos
+                in_flight.pop(k, None)
+            # An I already writes batch t's gradient on a stage that cannot split (runtime fallback).
             handed_off = (t - 1) in reduced  # a second gradient buffer holds batch t-1's
             if t > 1 and (Kind.UPDATE, t - 1) not in done and not handed_off:
                 ck.fail(
@@ -939,8 +998,18 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                     f"Run UPDATE{t - 1} earlier: without a reduction holding batch {t - 1}'s gradient "
                     f"the stage has one gradient accumulator",
                 )
+        elif a.kind is Kind.W:
+            if (Kind.I, k) not in done:
+                ck.fail(s, pos, f"weight pass of micro-batch {k} before its input-gradient pass", f"Move {s}I{k} before it")
+            if rc:
+                prev = next((b for b in reversed(lst[:pos]) if b.kind in COMPUTE or b.kind is Kind.UPDATE), None)
+                if prev != Action(s, Kind.I, k, a.version):
+                    ck.fail(s, pos, f"stage {s} recomputes, so W{k} must directly follow I{k} (found {prev} before it)",
+                            "Deferring it would keep the recomputed activations alive: put it right after the I")
+            last_b[t] = pos
+            in_flight.pop(k, None)
         elif a.kind in SENDS:
-            source = Kind.F if a.kind is Kind.SEND_ACT else Kind.B
+            source = Kind.F if a.kind is Kind.SEND_ACT else backward[0]
             if (source, k) not in done:
                 ck.fail(s, pos, f"sends micro-batch {k} before {s}{source}{k} produced it", f"Move it after {s}{source}{k}")
         if a.kind in P2P and not 0 <= a.peer < d:
@@ -953,7 +1022,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                     f"Run UPDATE{t - 1} first: at most two gradient buffers (accumulator and one in reduction)",
                 )
             if t not in last_b or any(
-                b.kind is Kind.B and batch_of(b.index, m) == t for b in lst[pos + 1:]
+                b.kind in (Kind.B, Kind.I, Kind.W) and batch_of(b.index, m) == t for b in lst[pos + 1:]
             ):
                 ck.fail(s, pos, f"reduction of batch {t} issued before the stage's last backward of batch {t}", "Move it after that backward")
             if a.kind is Kind.NORM_START:
@@ -969,7 +1038,8 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                 ck.fail(s, pos, f"batch {t} is outside 1..{steps}", "Fix the index")
             if t != newest + 1:
                 ck.fail(s, pos, f"produces W({t}) but the newest version is W({newest})", f"Updates run in order: UPDATE{newest + 1} next")
-            if t not in last_b or any(b.kind is Kind.B and batch_of(b.index, m) == t for b in lst[pos + 1:]):
+            if t not in last_b or any(b.kind in (Kind.B, Kind.I, Kind.W) and batch_of(b.index, m) == t
+                                      for b in lst[pos + 1:]):
                 ck.fail(s, pos, f"UPDATE{t} before the stage's last backward of batch {t}", "Move it after that backward")
             for (kind, tb), p in started.items():
                 if tb == t and (_WAIT_OF[kind], t) not in done:
@@ -1002,9 +1072,10 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             if (kind, t) not in done:
                 ck.fail(s, upd, f"missing {kind}{t} (width={width}, tied={group}, clip={clip})", f"Insert {s}{kind}{t} after the last backward of batch {t}")
     for k in range(1, steps * m + 1):
-        for kind in (Kind.F, Kind.B):
+        for kind in (Kind.F, *backward):
             if (kind, k) not in done:
-                ck.fail(s, len(lst) - 1, f"no {kind}{k}: expected one F and one B for each of micro-batches 1..{steps * m}", f"Insert {s}{kind}{k}")
+                each = "one F, one I and one W" if zb else "one F and one B"
+                ck.fail(s, len(lst) - 1, f"no {kind}{k}: expected {each} for each of micro-batches 1..{steps * m}", f"Insert {s}{kind}{k}")
         for kind, present in ((Kind.SEND_ACT, s < d - 1), (Kind.RECV_ACT, s > 0), (Kind.SEND_GRAD, s > 0), (Kind.RECV_GRAD, s < d - 1)):
             if present and (kind, k) not in done:
                 ck.fail(s, len(lst) - 1, f"no {kind}{k} on stage {s}", f"Insert {s}{kind}{k} (see the posting rules in fxpipe.schedule)")
@@ -1136,10 +1207,10 @@ def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
             waits.append(key[need, a.index])
         elif need in STARTS:  # a join without its start never becomes ready
             waits.append(str(Action(a.stage, need, a.index)))
-        if a.kind is Kind.B:
+        if a.kind in (Kind.B, Kind.I, Kind.W):
             last_b = str(a)
         elif a.kind in SENDS:
-            source = Kind.F if a.kind is Kind.SEND_ACT else Kind.B
+            source = Kind.F if a.kind is Kind.SEND_ACT else Kind.I if (Kind.I, a.index) in key else Kind.B
             if (source, a.index) not in key:
                 raise ScheduleError(f"{a} sends a tensor that no {a.stage}{source}{a.index} in this list produces: put the send after it")
             waits.append(key[source, a.index])
