@@ -71,7 +71,7 @@ __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_ch
            "placement", "stage_links", "reduction_time", "BlockCosting", "Capacity", "capacity"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
-_SCHEDULES = ("2bw", "1f1b", "gpipe")
+_SCHEDULES = ("2bw", "1f1b", "gpipe", "zb")
 _REL_TOL = 1e-9
 
 
