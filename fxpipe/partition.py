@@ -22,8 +22,9 @@ with ``A(l, r)`` the bytes of every output of the stage's nodes (what autograd m
 includes the values the stage sends, whose storage the gradient received for them takes over
 once sent, as Megatron-LM's ``deallocate_output_tensor`` does), ``I(l)`` the bytes crossing its
 input cut, and ``k_s, j_s`` from the schedule (docs/design.md; PipeDream-2BW §3): ``n_s = d - s``
-micro-batches in flight under 1f1b/2bw, ``m`` under gpipe; ``k_s = n_s, j_s = 0`` without
-recomputation, ``k_s = 1, j_s = n_s`` with it.
+micro-batches in flight under 1f1b/2bw, ``m`` under gpipe, ``min(d, m)`` under zb (its deferred
+weight passes; ``d - s`` on a stage that recomputes, which defers none); ``k_s = n_s, j_s = 0``
+without recomputation, ``k_s = 1, j_s = n_s`` with it.
 
 Algorithm: binary search on the bottleneck ``T`` with an exact O(n log n · d) feasibility test.
 Both constraints split into a part in ``l`` and a part in ``r``: ``T_s = X_s(l) + Y_s(r)`` and
@@ -133,7 +134,7 @@ class StageModel:
     """How a schedule turns a run of nodes into a stage's time and memory."""
 
     stages: int
-    inflight: tuple[int, ...]  #: micro-batches stashed per stage (d - s under 1f1b/2bw, m under gpipe)
+    inflight: tuple[int, ...]  #: micro-batches stashed per stage (d - s under 1f1b/2bw, m under gpipe, zb: min(d, m))
     recompute: tuple[bool, ...]
     p2p_latency: float = 0.0
     p2p_bandwidth: float = math.inf

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: per-stage action lists for gpipe, 1f1b and 2bw, checked and lowered.
+"""Pipeline schedules as data: per-stage action lists for gpipe, 1f1b, 2bw and zb, checked and lowered.
 
 A schedule is what one rank of each stage does, in order: a :class:`Program` hands out one
 *segment* per step (ending with ``END_STEP t``), a *drain* for a flush and an *eval* pass, all
@@ -16,6 +16,8 @@ Actions
     1F3v0        stage 1, forward of micro-batch 3 on weight version 0
     1R3v0        stage 1 recomputes micro-batch 3's forward (activation recomputation) before 1B3v0
     1B3v0        stage 1, backward of micro-batch 3 on weight version 0
+    1I3v0        zb: stage 1, input-gradient half of micro-batch 3's backward (what SEND_GRAD3 sends)
+    1W3v0        zb: stage 1, weight-gradient half of micro-batch 3's backward (deferred; frees it)
     0SEND_ACT3   stage 0 posts the send of micro-batch 3's activations to stage 1
     1RECV_ACT3   stage 1 posts the receive of those activations from stage 0
     1SEND_GRAD3  stage 1 posts the send of the gradient of its input to stage 0
@@ -32,13 +34,13 @@ Actions
     1EVAL3       eval_step: forward-only pass of micro-batch 3, newest weights, eval mode
 
 Each kind is declared once in :data:`SPEC` (stream, index type, what it posts, what it waits
-for); every consumer reads it. ``index`` is the micro-batch ``k`` for F, R, B, EVAL, SEND_* and
-RECV_*, and the batch ``t`` for the rest. Micro-batches are numbered 1..steps*m over the whole run;
-batch ``t`` (1-indexed) holds micro-batches ``(t-1)*m+1 .. t*m``. ``version`` is set on F, R, B.
+for); every consumer reads it. ``index`` is the micro-batch ``k`` for F, R, B, I, W, EVAL, SEND_*
+and RECV_*, and the batch ``t`` for the rest. Micro-batches are numbered 1..steps*m over the whole run;
+batch ``t`` (1-indexed) holds micro-batches ``(t-1)*m+1 .. t*m``. ``version`` is set on F, R, B, I, W.
 
 Weight versions (docs/design.md, "Weight-update semantics")
 -----------------------------------------------------------
-* gpipe, 1f1b: micro-batches of batch ``t`` use ``W(t-1)``; ``UPDATE t`` runs after the stage's
+* gpipe, 1f1b, zb: micro-batches of batch ``t`` use ``W(t-1)``; ``UPDATE t`` runs after the stage's
   last backward of batch ``t`` and before its first forward of batch ``t+1`` (a flush).
 * 2bw (PipeDream-2BW, arXiv 2006.09503, section 3.1): micro-batch ``k`` uses
   ``max(floor((k-1)/m) - 1, 0)`` for its forward and its backward on every stage, so
@@ -56,6 +58,24 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
 * gpipe: ``F1..Fm`` then ``B1..Bm`` in the same (increasing) order, then ``UPDATE``.
 * 1f1b (PipeDream-Flush): per batch, ``min(d-i, m)`` warm-up forwards, then alternate B, F
   until the forwards run out, then the remaining backwards, then ``UPDATE``.
+* zb (ZB-H1, Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3): 1f1b's
+  order with each ``B k`` split into ``I k`` (input gradient, on the critical path: its
+  ``SEND_GRAD k`` follows) and ``W k`` (weight gradient). After each ``I``, the oldest pending
+  ``W`` runs while more than ``D_i`` are pending; the rest run after the last ``I``, filling
+  the cool-down's bubble. ``D_i = min(d, m) - min(d - i, m)``, so stage ``i`` holds at most
+  ``min(d, m)`` micro-batches in flight (F done, W not yet): 1f1b's first-stage peak, on every
+  stage (:func:`zb_bounds`). A stage with recomputation defers nothing (``R k, I k, W k``
+  adjacent, at most one micro-batch's recomputed activations alive; ``min(d - i, m)`` in
+  flight, as 1f1b). All W's of batch ``t`` precede ``UPDATE t``: a flush, 1f1b's numbers.
+  d=2, m=4 (the first stage's ``I`` is empty: it sends no gradient, its ``W`` is the whole
+  backward)::
+
+      stage 0: F1 F2 I1 W1 F3 I2 W2 F4 I3 W3 I4 W4 U1
+      stage 1: F1 I1 F2 I2 W1 F3 I3 W2 F4 I4 W3 W4 U1
+                          ^ W1 deferred past I2: stage 1 holds 2 micro-batches, as stage 0 does
+
+  Timed with F = I = W = 1 (simulate's default split of B = 2), a step takes 13 against
+  1f1b's 15: ``m(F+I+W) + (d-1)(F+I-W)`` against ``(m+d-1)(F+B)``.
 * 2bw: the 1f1b pattern over all micro-batches at once (no flush), with ``UPDATE t`` after the
   last backward of batch ``t``. The design's example, d=2, m=2::
 
@@ -65,7 +85,7 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
 
   (``|`` = ``END_STEP``: right before the stage's first forward of the next batch.)
 
-Reductions: ``DP_START t`` right after the stage's last backward of batch ``t``. The cross-stage
+Reductions: ``DP_START t`` right after the stage's last backward of batch ``t`` (zb: its last W). The cross-stage
 collectives sit at *cuts* that every stage marks in the same order (:func:`_core_list` gives the
 positions): 2bw ``TIED_START t`` right after stage 0's last backward of batch ``t`` (on stage
 ``s``: before ``F(tm+d-s)``), 2bw ``NORM_START t`` before ``F((t+1)m+1-s)`` (with a tied weight
@@ -76,10 +96,10 @@ as late as the version rule allows: before the first forward of batch ``t+2`` (2
 
 Point-to-point posting (what the runtime does)
 ----------------------------------------------
-* ``SEND_ACT k`` directly follows ``F k``, ``SEND_GRAD k`` directly follows ``B k``: an
+* ``SEND_ACT k`` directly follows ``F k``, ``SEND_GRAD k`` directly follows ``B k`` (zb: ``I k``): an
   asynchronous send of the tensor just produced, never waited for in program order.
 * ``RECV_ACT k`` / ``RECV_GRAD k`` post an asynchronous receive into a fresh buffer; ``F k`` waits
-  for ``RECV_ACT k``, ``B k`` for ``RECV_GRAD k`` (:func:`waits_for`).
+  for ``RECV_ACT k``, ``B k`` (zb: ``I k``) for ``RECV_GRAD k`` (:func:`waits_for`).
 * Channels: the operations between stages ``i`` and ``i+1`` form one queue. A message belongs to
   the phase (between two cuts) of the F or B that sends it; the channel carries phase 0's
   messages, then phase 1's, ..., each phase in stage ``i``'s compute order, and both ranks post
@@ -132,6 +152,7 @@ __all__ = [
     "validate",
     "version_of",
     "waits_for",
+    "zb_bounds",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "2bw", "zb")
@@ -475,7 +496,7 @@ def generate(
     steps followed by a flush: exactly what the runtime executes for ``steps`` calls of
     ``Pipeline.step`` and one ``flush`` (the segments of :class:`Program`, concatenated).
 
-    ``schedule``: "gpipe", "1f1b" or "2bw"; ``stages`` = d; ``microbatches`` = m per step.
+    ``schedule``: "gpipe", "1f1b", "2bw" or "zb"; ``stages`` = d; ``microbatches`` = m per step.
     ``width``: data-parallel width w (adds DP_START/DP_WAIT when w > 1; every replica runs the
     same lists, see :func:`actions_by_rank`). ``recompute``: one bool, or one per stage (adds
     ``R k`` before ``B k``). ``tied``: True for a tied weight on the first and last stage, or the
@@ -876,10 +897,13 @@ def validate(
     """Raise :class:`ScheduleError` unless the lists obey every invariant of ``schedule``.
 
     Checks, per stage: the stage field, one F and one B per micro-batch with F before B (and R
-    between them, only where recompute is on); each F/R/B on the version of :func:`version_of`
+    between them, only where recompute is on) -- under zb one F, I and W each, F before I before
+    W, no B, and on a recomputing stage W directly after its I; each F/R/B/I/W on the version of
+    :func:`version_of`
     (so the same on every stage); SEND after the F/B that produced its tensor and each RECV
     before its consumer; at most ``d - i`` micro-batches in flight on stage i (1f1b, 2bw) or
-    ``m`` (gpipe); at most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in
+    ``m`` (gpipe), or ``min(d, m)`` between F and W (zb; ``min(d - i, m)`` where the stage
+    recomputes, see :func:`zb_bounds`); at most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in
     its window (after the last B of batch t, before the first B of batch t+1 and the first F of
     batch t+2 for 2bw, t+1 otherwise); each reduction started after the last B of batch t and
     waited for before UPDATE t; the reductions that ``width``/``tied``/``clip`` require (when

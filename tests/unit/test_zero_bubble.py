@@ -302,3 +302,14 @@ def test_a_real_zb_step_keeps_at_most_the_bound_alive():
     # recomputation: F keeps no graph; R k, I k, W k adjacent hold one micro-batch's at a time
     peak, ctx, left = _live_microbatches("zb", recompute=True)
     assert peak == {0: 1, 1: 1} and left == 0
+
+
+def test_inspect_draws_a_zb_plan(tmp_path):
+    from fxpipe.inspect import inspect_pipeline
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    inspect_pipeline(model, (torch.randn(2, 8),), str(tmp_path), stages=2, microbatches=4, schedule="zb")
+    svg = (tmp_path / "schedule.svg").read_text()
+    assert "zb, 2 stages x 1 replica" in svg
+    assert {"I input-gradient backward", "W weight-gradient backward"} <= legend(svg)
