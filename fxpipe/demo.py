@@ -131,7 +131,7 @@ def demo_factory(microbatch: int = 4, seq_len: int = 32, **cfg):
 def add_demo_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=2, help="local CPU ranks (1 = all stages in this process)")
     p.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    p.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe"))
+    p.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe", "zb"))
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
     p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")

@@ -22,8 +22,9 @@ with ``A(l, r)`` the bytes of every output of the stage's nodes (what autograd m
 includes the values the stage sends, whose storage the gradient received for them takes over
 once sent, as Megatron-LM's ``deallocate_output_tensor`` does), ``I(l)`` the bytes crossing its
 input cut, and ``k_s, j_s`` from the schedule (docs/design.md; PipeDream-2BW §3): ``n_s = d - s``
-micro-batches in flight under 1f1b/2bw, ``m`` under gpipe; ``k_s = n_s, j_s = 0`` without
-recomputation, ``k_s = 1, j_s = n_s`` with it.
+micro-batches in flight under 1f1b/2bw, ``m`` under gpipe, ``min(d, m)`` under zb (its deferred
+weight passes; ``d - s`` on a stage that recomputes, which defers none); ``k_s = n_s, j_s = 0``
+without recomputation, ``k_s = 1, j_s = n_s`` with it.
 
 Algorithm: binary search on the bottleneck ``T`` with an exact O(n log n · d) feasibility test.
 Both constraints split into a part in ``l`` and a part in ``r``: ``T_s = X_s(l) + Y_s(r)`` and
@@ -71,7 +72,7 @@ __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_ch
            "placement", "stage_links", "reduction_time", "BlockCosting", "Capacity", "capacity"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
-_SCHEDULES = ("2bw", "1f1b", "gpipe")
+_SCHEDULES = ("2bw", "1f1b", "gpipe", "zb")
 _REL_TOL = 1e-9
 
 
@@ -133,7 +134,7 @@ class StageModel:
     """How a schedule turns a run of nodes into a stage's time and memory."""
 
     stages: int
-    inflight: tuple[int, ...]  #: micro-batches stashed per stage (d - s under 1f1b/2bw, m under gpipe)
+    inflight: tuple[int, ...]  #: micro-batches stashed per stage (d - s under 1f1b/2bw, m under gpipe, zb: min(d, m))
     recompute: tuple[bool, ...]
     p2p_latency: float = 0.0
     p2p_bandwidth: float = math.inf
@@ -157,10 +158,14 @@ class StageModel:
                      links: Sequence[tuple[float, float]] = (), overlap: bool = False) -> "StageModel":
         d = stages
         inflight = tuple(microbatches if schedule == "gpipe" else d - s for s in range(d))
+        if schedule == "zb":  # ZB-H1: min(d, m) on every stage (W deferred), d - s where it recomputes
+            inflight = tuple(min(d, microbatches) for _ in range(d))
         if isinstance(recompute, bool):
             # With one micro-batch in flight (the last stage under 1f1b/2bw) recomputation
             # saves nothing and costs a forward: it stays off there.
             recompute = tuple(recompute and inflight[s] > 1 for s in range(d))
+        if schedule == "zb":  # a recomputing stage runs R k, I k, W k together: 1f1b's count
+            inflight = tuple(min(d - s, microbatches) if rc else n for s, (n, rc) in enumerate(zip(inflight, recompute)))
         return cls(d, inflight, tuple(bool(x) for x in recompute), device.p2p_latency, device.p2p_bandwidth,
                    device.memory_bytes if memory_limit is None else float(memory_limit),
                    tuple((float(a), float(b)) for a, b in links), bool(overlap))
@@ -630,11 +635,20 @@ class _Candidate:
         return self.b * self.m * self.w
 
 
-def pipeline_time(schedule: str, stages: int, microbatches: int, bottleneck: float) -> float:
+def pipeline_time(schedule: str, stages: int, microbatches: int, bottleneck: float,
+                  forward: float | None = None, recompute: bool = False) -> float:
     """Steady-state time of one step when every stage takes ``bottleneck`` per micro-batch
     (forward + backward) and communication is free: 2bw never drains, so a step is m stage
-    times; 1f1b and gpipe fill and drain the pipeline every step, m + d - 1. Equal to what
-    :func:`fxpipe.simulate.simulate` measures on the generated lists (tests/unit/test_simulate.py)."""
+    times; 1f1b and gpipe fill and drain the pipeline every step, m + d - 1. zb (ZB-H1, Qi et
+    al. 2024, section 3) fills the drain with deferred weight passes, leaving
+    ``m * bottleneck + (d - 1) * (F + I - W)``; with I = W (the simulator's default split of a
+    backward) that is ``(d - 1) * forward``, ``forward`` defaulting to a third of the bottleneck
+    (a backward of two forwards), for m >= d. A recomputing zb stage defers no W, so zb with
+    ``recompute`` is priced as 1f1b. Equal to what :func:`fxpipe.simulate.simulate` measures on
+    the generated lists (tests/unit/test_simulate.py)."""
+    if schedule == "zb" and not recompute:
+        f = bottleneck / 3 if forward is None else forward
+        return microbatches * bottleneck + (stages - 1) * f
     return (microbatches if schedule == "2bw" else microbatches + stages - 1) * bottleneck
 
 
@@ -809,7 +823,9 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
         grad_buffers = 2
         chain = source.chain(b, grad_buffers)
         part = partition_chain(chain, sm)
-    pipe = pipeline_time(schedule, d, m, part.bottleneck)
+    slow = max(range(d), key=lambda s: stage_time(chain, sm, s, *part.bounds[s]))
+    pipe = pipeline_time(schedule, d, m, part.bottleneck, recompute=any(sm.recompute),
+                         forward=float(chain.fwd[part.bounds[slow][0]:part.bounds[slow][1] + 1].sum()))
     ar = reduction_time(cluster, chain, part.bounds, w, layout)
     # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the next
     # batch (PipeDream-2BW §3.1); flushing schedules wait for it.
@@ -819,7 +835,6 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
     for s, (l, r) in enumerate(part.bounds):
         extra = float(sum(chain.tensor_grad_bytes[p] for p in _held(chain, l, r))) if s in tied else 0.0
         mems.append(stage_memory(chain, sm, s, l, r) + extra)
-    slow = max(range(d), key=lambda s: stage_time(chain, sm, s, *part.bounds[s]))
     l, r = part.bounds[slow]
     comm = _comm(chain, sm, l - 1, slow - 1) + _comm(chain, sm, r, slow)
     across = crossing_stages(cluster, d, w, layout)
@@ -899,7 +914,8 @@ def _bound(source, cluster: Cluster, schedule: str, world: int, d: int, w: int, 
     stages without recomputation or communication, and the data-parallel all-reduce no shorter
     than that of an even share of the parameters read by one node only (tied ones left out)."""
     per_micro = source.per_sample(b) * b / d
-    pipe = pipeline_time(schedule, d, m, per_micro)
+    # zb: m stage times at least (its drain's share depends on the forward, unknown here)
+    pipe = m * per_micro if schedule == "zb" else pipeline_time(schedule, d, m, per_micro)
     ar = 0.0
     if w > 1:
         share = source.untied_param_bytes() / d

@@ -38,7 +38,7 @@ from .errors import ConfigError, FxpipeError, NonFiniteError, RuntimeMismatchErr
 from .inputs import InputSignature, batch_inputs, check_first_batch
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig
-from .schedule import Action, Program, format_actions, rank_of, stage_and_replica
+from .schedule import SCHEDULES, Action, Program, format_actions, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
@@ -115,7 +115,7 @@ class PipelineConfig:
     loss_fn: Callable | None = None  # loss_fn(output, target) -> scalar; None: the model's output/.loss
     optimizer: Callable = default_optimizer  # [(original_name, param), ...] -> torch.optim.Optimizer
     microbatches: int | None = None  # m per step and replica; None: DEFAULT_MICROBATCHES
-    schedule: str = "2bw"  # "2bw" | "1f1b" | "gpipe"
+    schedule: str = "2bw"  # "2bw" | "1f1b" | "gpipe" | "zb"
     stages: int | None = None  # d; None: the planner's choice for the world size
     plan: Any = None  # a fxpipe.Plan (or its JSON) to use instead of planning
     lr_scheduler: Callable | None = None  # optimizer -> scheduler, stepped once per step
@@ -159,9 +159,10 @@ class PipelineConfig:
             fix = f"; {fix}" if fix else ""
             raise ConfigError(f"fxpipe.compile: {name} must be {expected}, found {found!r}{fix}")
 
-        if self.schedule not in ("2bw", "1f1b", "gpipe"):
-            bad("schedule", "'2bw', '1f1b' or 'gpipe'", self.schedule,
-                "'2bw' is PipeDream-2BW (the default), '1f1b' PipeDream-Flush, 'gpipe' GPipe")
+        if self.schedule not in SCHEDULES:
+            bad("schedule", "'2bw', '1f1b', 'gpipe' or 'zb'", self.schedule,
+                "'2bw' is PipeDream-2BW (the default), '1f1b' PipeDream-Flush, 'gpipe' GPipe, "
+                "'zb' zero-bubble ZB-H1 (1f1b's numbers, each backward split into I and a deferred W)")
         for name in ("microbatches", "stages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

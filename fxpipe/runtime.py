@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -126,6 +127,7 @@ class StageWorker:
         # Gradients flow through floating-point boundary values only; both ends agree from specs.
         self.float_out = [s is not None and s.torch_dtype.is_floating_point for s in self.output_specs]
         self.float_in = [s.torch_dtype.is_floating_point for s in self.input_specs]
+        self._warned_unsplit = False  # zb: the stage's unsplit backward is reported once
 
     # ------------------------------------------------------------------ helpers
 
@@ -250,8 +252,42 @@ class StageWorker:
             ctx["loss"] = self._loss(k, outputs, last_use=True)
 
     def _do_b(self, a: Action) -> None:
+        ctx = self.ctx.pop(a.index)
+        t, roots, seeds, boundary = self._backward_roots(a, ctx)
+        self.store.backward(t, a.version, roots, seeds, boundary)
+        # A boundary input that did not influence the outputs still gets a (zero) gradient, so
+        # both sides of the channel always exchange the same tensors.
+        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
+
+    def _do_i(self, a: Action) -> None:
+        """zb: the input-gradient half of micro-batch k's backward (what SEND_GRAD k sends). The
+        weight half waits in ``ctx`` for ``W k`` (:mod:`fxpipe.backward`); nothing else of the
+        micro-batch is kept: its outputs and loss are dropped here, so the graph lives only
+        through the nodes the weight pass starts from. On a stage whose graph cannot be split
+        (``store.unsplit`` says why) this is the whole backward and ``W k`` does nothing."""
+        ctx = self.ctx[a.index]
+        t, roots, seeds, boundary = self._backward_roots(a, ctx)
+        ctx.clear()
+        ctx["pending"] = self.store.backward_input(t, a.version, roots, seeds, boundary)
+        if self.store.unsplit is not None and not self._warned_unsplit:
+            self._warned_unsplit = True
+            if self.replica == 0:
+                warnings.warn(f"fxpipe: zb on stage {self.index}: its backward runs unsplit in I (W is empty) because "
+                              f"{self.store.unsplit}", RuntimeWarning, stacklevel=2)
+        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
+        for x in boundary:
+            x.grad = None
+
+    def _do_w(self, a: Action) -> None:
+        """zb: micro-batch k's weight gradients into batch t's accumulator, from what ``I k``
+        recorded (no input-gradient op runs again); frees the rest of its graph."""
+        ctx = self.ctx.pop(a.index)
+        self.store.backward_weight(self._batch(a.index), ctx.pop("pending"))
+
+    def _backward_roots(self, a: Action, ctx: dict):
+        """(batch, roots, seeds, float boundary leaves) of micro-batch k's backward: the scaled
+        loss on the last stage, else the outputs with the gradients received for them."""
         k = a.index
-        ctx = self.ctx.pop(k)
         t = self._batch(k)
         if self.scaler is not None:  # the scale in force after the update that wrote this version
             self.batch_scale[t] = self.scaler.scale_for(a.version)
@@ -270,10 +306,7 @@ class StageWorker:
         boundary = [x for x, f in zip(ctx["boundary"], self.float_in) if f]
         if self.is_last and self.cfg.accumulate != "optimizer":  # x*0 is 0 or NaN: the NORM carries it
             self.loss_check[t] = self.loss_check.get(t, 0.0) + ctx["loss"].detach().double() * 0
-        self.store.backward(t, a.version, roots, seeds, boundary)
-        # A boundary input that did not influence the outputs still gets a (zero) gradient, so
-        # both sides of the channel always exchange the same tensors.
-        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
+        return t, roots, seeds, boundary
 
     def _do_send_act(self, a: Action) -> None:
         ctx = self.ctx[a.index] if self.eval_stage is None else self.ctx.pop(a.index)

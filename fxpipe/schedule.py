@@ -1,4 +1,4 @@
-"""Pipeline schedules as data: per-stage action lists for gpipe, 1f1b and 2bw, checked and lowered.
+"""Pipeline schedules as data: per-stage action lists for gpipe, 1f1b, 2bw and zb, checked and lowered.
 
 A schedule is what one rank of each stage does, in order: a :class:`Program` hands out one
 *segment* per step (ending with ``END_STEP t``), a *drain* for a flush and an *eval* pass, all
@@ -16,6 +16,8 @@ Actions
     1F3v0        stage 1, forward of micro-batch 3 on weight version 0
     1R3v0        stage 1 recomputes micro-batch 3's forward (activation recomputation) before 1B3v0
     1B3v0        stage 1, backward of micro-batch 3 on weight version 0
+    1I3v0        zb: stage 1, input-gradient half of micro-batch 3's backward (what SEND_GRAD3 sends)
+    1W3v0        zb: stage 1, weight-gradient half of micro-batch 3's backward (deferred; frees it)
     0SEND_ACT3   stage 0 posts the send of micro-batch 3's activations to stage 1
     1RECV_ACT3   stage 1 posts the receive of those activations from stage 0
     1SEND_GRAD3  stage 1 posts the send of the gradient of its input to stage 0
@@ -32,13 +34,13 @@ Actions
     1EVAL3       eval_step: forward-only pass of micro-batch 3, newest weights, eval mode
 
 Each kind is declared once in :data:`SPEC` (stream, index type, what it posts, what it waits
-for); every consumer reads it. ``index`` is the micro-batch ``k`` for F, R, B, EVAL, SEND_* and
-RECV_*, and the batch ``t`` for the rest. Micro-batches are numbered 1..steps*m over the whole run;
-batch ``t`` (1-indexed) holds micro-batches ``(t-1)*m+1 .. t*m``. ``version`` is set on F, R, B.
+for); every consumer reads it. ``index`` is the micro-batch ``k`` for F, R, B, I, W, EVAL, SEND_*
+and RECV_*, and the batch ``t`` for the rest. Micro-batches are numbered 1..steps*m over the whole run;
+batch ``t`` (1-indexed) holds micro-batches ``(t-1)*m+1 .. t*m``. ``version`` is set on F, R, B, I, W.
 
 Weight versions (docs/design.md, "Weight-update semantics")
 -----------------------------------------------------------
-* gpipe, 1f1b: micro-batches of batch ``t`` use ``W(t-1)``; ``UPDATE t`` runs after the stage's
+* gpipe, 1f1b, zb: micro-batches of batch ``t`` use ``W(t-1)``; ``UPDATE t`` runs after the stage's
   last backward of batch ``t`` and before its first forward of batch ``t+1`` (a flush).
 * 2bw (PipeDream-2BW, arXiv 2006.09503, section 3.1): micro-batch ``k`` uses
   ``max(floor((k-1)/m) - 1, 0)`` for its forward and its backward on every stage, so
@@ -56,6 +58,24 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
 * gpipe: ``F1..Fm`` then ``B1..Bm`` in the same (increasing) order, then ``UPDATE``.
 * 1f1b (PipeDream-Flush): per batch, ``min(d-i, m)`` warm-up forwards, then alternate B, F
   until the forwards run out, then the remaining backwards, then ``UPDATE``.
+* zb (ZB-H1, Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3): 1f1b's
+  order with each ``B k`` split into ``I k`` (input gradient, on the critical path: its
+  ``SEND_GRAD k`` follows) and ``W k`` (weight gradient). After each ``I``, the oldest pending
+  ``W`` runs while more than ``D_i`` are pending; the rest run after the last ``I``, filling
+  the cool-down's bubble. ``D_i = min(d, m) - min(d - i, m)``, so stage ``i`` holds at most
+  ``min(d, m)`` micro-batches in flight (F done, W not yet): 1f1b's first-stage peak, on every
+  stage (:func:`zb_bounds`). A stage with recomputation defers nothing (``R k, I k, W k``
+  adjacent, at most one micro-batch's recomputed activations alive; ``min(d - i, m)`` in
+  flight, as 1f1b). All W's of batch ``t`` precede ``UPDATE t``: a flush, 1f1b's numbers.
+  d=2, m=4 (the first stage's ``I`` is empty: it sends no gradient, its ``W`` is the whole
+  backward)::
+
+      stage 0: F1 F2 I1 W1 F3 I2 W2 F4 I3 W3 I4 W4 U1
+      stage 1: F1 I1 F2 I2 W1 F3 I3 W2 F4 I4 W3 W4 U1
+                          ^ W1 deferred past I2: stage 1 holds 2 micro-batches, as stage 0 does
+
+  Timed with F = I = W = 1 (simulate's default split of B = 2), a step takes 13 against
+  1f1b's 15: ``m(F+I+W) + (d-1)(F+I-W)`` against ``(m+d-1)(F+B)``.
 * 2bw: the 1f1b pattern over all micro-batches at once (no flush), with ``UPDATE t`` after the
   last backward of batch ``t``. The design's example, d=2, m=2::
 
@@ -65,7 +85,7 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
 
   (``|`` = ``END_STEP``: right before the stage's first forward of the next batch.)
 
-Reductions: ``DP_START t`` right after the stage's last backward of batch ``t``. The cross-stage
+Reductions: ``DP_START t`` right after the stage's last backward of batch ``t`` (zb: its last W). The cross-stage
 collectives sit at *cuts* that every stage marks in the same order (:func:`_core_list` gives the
 positions): 2bw ``TIED_START t`` right after stage 0's last backward of batch ``t`` (on stage
 ``s``: before ``F(tm+d-s)``), 2bw ``NORM_START t`` before ``F((t+1)m+1-s)`` (with a tied weight
@@ -76,10 +96,10 @@ as late as the version rule allows: before the first forward of batch ``t+2`` (2
 
 Point-to-point posting (what the runtime does)
 ----------------------------------------------
-* ``SEND_ACT k`` directly follows ``F k``, ``SEND_GRAD k`` directly follows ``B k``: an
+* ``SEND_ACT k`` directly follows ``F k``, ``SEND_GRAD k`` directly follows ``B k`` (zb: ``I k``): an
   asynchronous send of the tensor just produced, never waited for in program order.
 * ``RECV_ACT k`` / ``RECV_GRAD k`` post an asynchronous receive into a fresh buffer; ``F k`` waits
-  for ``RECV_ACT k``, ``B k`` for ``RECV_GRAD k`` (:func:`waits_for`).
+  for ``RECV_ACT k``, ``B k`` (zb: ``I k``) for ``RECV_GRAD k`` (:func:`waits_for`).
 * Channels: the operations between stages ``i`` and ``i+1`` form one queue. A message belongs to
   the phase (between two cuts) of the F or B that sends it; the channel carries phase 0's
   messages, then phase 1's, ..., each phase in stage ``i``'s compute order, and both ranks post
@@ -132,9 +152,10 @@ __all__ = [
     "validate",
     "version_of",
     "waits_for",
+    "zb_bounds",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "2bw")
+SCHEDULES = ("gpipe", "1f1b", "2bw", "zb")
 
 
 class Kind(str, enum.Enum):
@@ -143,6 +164,8 @@ class Kind(str, enum.Enum):
     F = "F"
     R = "R"  # recompute the forward of a micro-batch right before its backward
     B = "B"
+    I = "I"  # zb: the input-gradient half of a backward (on the critical path: its SEND_GRAD follows)
+    W = "W"  # zb: the weight-gradient half of a backward, deferred to fill bubbles
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -177,6 +200,8 @@ SPEC: dict[Kind, KindSpec] = {
     Kind.F: KindSpec("compute", False, None, Kind.RECV_ACT, "forward"),
     Kind.R: KindSpec("compute", False, None, None, "recompute"),
     Kind.B: KindSpec("compute", False, None, Kind.RECV_GRAD, "backward"),
+    Kind.I: KindSpec("compute", False, None, Kind.RECV_GRAD, "backward_input"),
+    Kind.W: KindSpec("compute", False, None, None, "backward_weight"),
     Kind.SEND_ACT: KindSpec("p2p", False, "send", None, "p2p"),
     Kind.RECV_ACT: KindSpec("p2p", False, "recv", None, "p2p"),
     Kind.SEND_GRAD: KindSpec("p2p", False, "send", None, "p2p"),
@@ -194,7 +219,9 @@ SPEC: dict[Kind, KindSpec] = {
 }
 assert set(SPEC) == set(Kind), "every Kind needs its SPEC entry"
 
-COMPUTE = frozenset({Kind.F, Kind.R, Kind.B})
+COMPUTE = frozenset({Kind.F, Kind.R, Kind.B, Kind.I, Kind.W})
+GRAD_SOURCES = frozenset({Kind.B, Kind.I})  # what produces the gradient SEND_GRAD k sends
+LAST_BACKWARD = frozenset({Kind.B, Kind.W})  # what ends a micro-batch's backward (frees its activations)
 SENDS = frozenset(k for k, v in SPEC.items() if v.comm == "send")
 RECVS = frozenset(k for k, v in SPEC.items() if v.comm == "recv")
 P2P = SENDS | RECVS
@@ -375,7 +402,50 @@ def _one_f_one_b(first: int, last: int, warmup: int) -> list[tuple[Kind, int]]:
     return order
 
 
-def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int) -> list[tuple[Kind, int]]:
+def _zero_bubble(first: int, last: int, warmup: int, defer: int) -> list[tuple[Kind, int]]:
+    """ZB-H1 over k=first..last: 1f1b's order with each ``B k`` split into ``I k`` and ``W k``,
+    ``W`` deferred: after each ``I``, the oldest ``W`` runs while more than ``defer`` of them are
+    due; the deferred rest run after the last ``I`` (Qi et al., ICLR 2024, figure 3: they fill
+    the cool-down's bubble). With warmup=1, defer=1, first=1, last=4::
+
+        F1 I1 F2 I2 W1 F3 I3 W2 F4 I4 W3 W4
+    """
+    n = last - first + 1
+    warmup = min(warmup, n)
+    order = [(Kind.F, first + j) for j in range(warmup)]
+    w_done = 0
+    for j in range(n):
+        order.append((Kind.I, first + j))
+        while j + 1 - w_done > defer:
+            order.append((Kind.W, first + w_done))
+            w_done += 1
+        if warmup + j < n:
+            order.append((Kind.F, first + warmup + j))
+    order += [(Kind.W, first + j) for j in range(w_done, n)]
+    return order
+
+
+def zb_bounds(stage: int, stages: int, microbatches: int, recompute: bool = False) -> tuple[int, int]:
+    """``(in flight, deferred)`` of stage ``stage`` under zb: at most ``min(d, m)`` micro-batches
+    between their F and their W (ZB-H1: the peak of 1f1b's first stage, on every stage), of
+    which at most ``min(d, m) - min(d - i, m)`` have run their I (weight passes deferred). A
+    stage that recomputes defers none (``R k, I k, W k`` adjacent, so at most one micro-batch's
+    recomputed activations are alive), and holds ``min(d - i, m)`` as under 1f1b."""
+    warmup = min(stages - stage, microbatches)
+    if recompute:
+        return warmup, 0
+    limit = min(stages, microbatches)
+    return limit, limit - warmup
+
+
+def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int,
+                   recompute: bool = False) -> list[tuple[Kind, int]]:
+    if schedule == "zb":
+        defer = zb_bounds(stage, d, m, recompute)[1]
+        order: list[tuple[Kind, int]] = []
+        for t in range(1, steps + 1):
+            order += _zero_bubble((t - 1) * m + 1, t * m, d - stage, defer)
+        return order
     if schedule == "2bw":
         # PipeDream-2BW (arXiv 2006.09503, fig. 3): 1F1B with d - i micro-batches in flight on
         # stage i, across step boundaries.
@@ -426,7 +496,7 @@ def generate(
     steps followed by a flush: exactly what the runtime executes for ``steps`` calls of
     ``Pipeline.step`` and one ``flush`` (the segments of :class:`Program`, concatenated).
 
-    ``schedule``: "gpipe", "1f1b" or "2bw"; ``stages`` = d; ``microbatches`` = m per step.
+    ``schedule``: "gpipe", "1f1b", "2bw" or "zb"; ``stages`` = d; ``microbatches`` = m per step.
     ``width``: data-parallel width w (adds DP_START/DP_WAIT when w > 1; every replica runs the
     same lists, see :func:`actions_by_rank`). ``recompute``: one bool, or one per stage (adds
     ``R k`` before ``B k``). ``tied``: True for a tied weight on the first and last stage, or the
@@ -581,8 +651,8 @@ def _core_list(
     tied = stage in group
     reduces = dp or tied or clip
     two_bw = schedule == "2bw"
-    order = _compute_order(schedule, stage, d, m, steps)
-    last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind is Kind.B}
+    order = _compute_order(schedule, stage, d, m, steps, recompute)
+    last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind in LAST_BACKWARD}
     pending: list[int] = []  # batches whose gradients are handed to reductions, UPDATE still due
     cut_due: list[int] = []  # 2bw: batches done here whose TIED/NORM cuts are still ahead
     posted: set[tuple[str, int]] = set()
@@ -654,12 +724,12 @@ def _core_list(
             while pending and pending[0] < need:
                 finish(pending.pop(0))
         v = version_of(schedule, k, m)
-        if kind is Kind.B and recompute:
+        if kind in GRAD_SOURCES and recompute:
             out.append(Action(stage, Kind.R, k, v))
         out.append(Action(stage, kind, k, v))
         if kind is Kind.B:
             b_done = k
-        if kind is Kind.B and last_b[t] == pos:
+        if kind in LAST_BACKWARD and last_b[t] == pos:
             # Batch t-1's reductions end before batch t's start: at most two gradient buffers.
             while pending:
                 finish(pending.pop(0))
@@ -707,10 +777,10 @@ def _with_p2p(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]], d: i
             lst.append(a)
             if a.kind is Kind.F and s < d - 1:
                 lst.append(Action(s, Kind.SEND_ACT, a.index))
-            elif a.kind is Kind.B and s > 0:
+            elif a.kind in GRAD_SOURCES and s > 0:
                 lst.append(Action(s, Kind.SEND_GRAD, a.index))
-            if a.kind in (Kind.F, Kind.B):
-                phase_of[s, a.kind, a.index] = phase
+            if a.kind is Kind.F or a.kind in GRAD_SOURCES:  # a B and an I both send the gradient
+                phase_of[s, Kind.F if a.kind is Kind.F else Kind.B, a.index] = phase
         while phase < len(bounds):
             phase += 1
             opens[s][phase] = None
@@ -719,7 +789,7 @@ def _with_p2p(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]], d: i
         messages = sorted(
             (phase_of[i, Kind.F, a.index] if a.kind is Kind.F else phase_of[i + 1, Kind.B, a.index], pos,
              Kind.SEND_ACT if a.kind is Kind.F else Kind.RECV_GRAD, a.index)
-            for pos, a in enumerate(cores[i][0]) if a.kind in (Kind.F, Kind.B)
+            for pos, a in enumerate(cores[i][0]) if a.kind is Kind.F or a.kind in GRAD_SOURCES
         )
         channel = [(phase, kind, k) for phase, _, kind, k in messages]
         lists[i] = _place_receives(lists[i], i, channel, opens[i])
@@ -827,10 +897,13 @@ def validate(
     """Raise :class:`ScheduleError` unless the lists obey every invariant of ``schedule``.
 
     Checks, per stage: the stage field, one F and one B per micro-batch with F before B (and R
-    between them, only where recompute is on); each F/R/B on the version of :func:`version_of`
+    between them, only where recompute is on) -- under zb one F, I and W each, F before I before
+    W, no B, and on a recomputing stage W directly after its I; each F/R/B/I/W on the version of
+    :func:`version_of`
     (so the same on every stage); SEND after the F/B that produced its tensor and each RECV
     before its consumer; at most ``d - i`` micro-batches in flight on stage i (1f1b, 2bw) or
-    ``m`` (gpipe); at most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in
+    ``m`` (gpipe), or ``min(d, m)`` between F and W (zb; ``min(d - i, m)`` where the stage
+    recomputes, see :func:`zb_bounds`); at most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in
     its window (after the last B of batch t, before the first B of batch t+1 and the first F of
     batch t+2 for 2bw, t+1 otherwise); each reduction started after the last B of batch t and
     waited for before UPDATE t; the reductions that ``width``/``tied``/``clip`` require (when
@@ -866,10 +939,13 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
     first_b: dict[int, int] = {}
     last_b: dict[int, int] = {}
     done: dict[tuple[Kind, int], int] = {}
-    in_flight: dict[int, int] = {}  # micro-batch -> version, F done and B not yet
+    in_flight: dict[int, int] = {}  # micro-batch -> version, F done and B (zb: W) not yet
     newest = 0
     started: dict[tuple[Kind, int], int] = {}
-    limit = m if schedule == "gpipe" else d - s
+    zb = schedule == "zb"
+    rc = recompute is not None and recompute[s]
+    limit = m if schedule == "gpipe" else zb_bounds(s, d, m, rc)[0] if zb else d - s
+    backward = (Kind.I, Kind.W) if zb else (Kind.B,)  # what each micro-batch's backward is here
     reduced = {a.index for a in lst if a.kind in STARTS}  # batches whose gradient is reduced
     max_versions = 2 if schedule == "2bw" else 1
 
@@ -890,6 +966,9 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             ck.fail(s, pos, f"{a.kind}{a.index} appears twice (first at position {done[a.kind, a.index]})", "Drop one")
         done[a.kind, a.index] = pos
         k, t = a.index, a.index
+        if a.kind in (Kind.B, Kind.I, Kind.W) and a.kind not in backward:
+            ck.fail(s, pos, f"{schedule} has no {a.kind} actions (its backward is {' + '.join(map(str, backward))})",
+                    f"Use {' and '.join(f'{s}{b}{k}' for b in backward)} instead")
         if a.kind in COMPUTE or a.kind in P2P:
             if not 1 <= k <= total:
                 ck.fail(s, pos, f"micro-batch {k} is outside 1..{total} (steps={steps}, m={m})", "Fix the index")
@@ -913,16 +992,18 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                 ck.fail(s, pos, f"no RECV_ACT{k} posted before the forward that consumes it", f"Insert {s}RECV_ACT{k} before it")
             in_flight[k] = a.version
             if len(in_flight) > limit:
+                what = f"min(d, m) = {limit}, zb" if zb and not rc else f"{limit} ({schedule}"
                 ck.fail(
-                    s, pos, f"{len(in_flight)} micro-batches of activations in flight, expected at most {limit} "
-                    f"({schedule} on stage {s} of {d})", "Run a backward before this forward",
+                    s, pos, f"{len(in_flight)} micro-batches of activations in flight, expected at most {what} "
+                    f"on stage {s} of {d}{', recomputing' if rc and zb else ''})",
+                    "Run a backward before this forward" + (" (a W frees its micro-batch)" if zb else ""),
                 )
         elif a.kind is Kind.R:
             if (Kind.F, k) not in done:
                 ck.fail(s, pos, f"recompute of micro-batch {k} before its forward", f"Move it after {s}F{k}")
             if recompute is not None and not recompute[s]:
                 ck.fail(s, pos, f"stage {s} recomputes although recompute[{s}] is False", "Drop the R action")
-        elif a.kind is Kind.B:
+        elif a.kind in GRAD_SOURCES:
             if (Kind.F, k) not in done:
                 ck.fail(s, pos, f"backward of micro-batch {k} before its forward", f"Move {s}F{k} before it")
             if recompute is not None and recompute[s] and (Kind.R, k) not in done:
@@ -930,8 +1011,10 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             if s < d - 1 and (Kind.RECV_GRAD, k) not in done:
                 ck.fail(s, pos, f"no RECV_GRAD{k} posted before the backward that consumes it", f"Insert {s}RECV_GRAD{k} before it")
             first_b.setdefault(t, pos)
-            last_b[t] = pos
-            in_flight.pop(k, None)
+            if a.kind is Kind.B:
+                last_b[t] = pos
+                in_flight.pop(k, None)
+            # An I already writes batch t's gradient on a stage that cannot split (runtime fallback).
             handed_off = (t - 1) in reduced  # a second gradient buffer holds batch t-1's
             if t > 1 and (Kind.UPDATE, t - 1) not in done and not handed_off:
                 ck.fail(
@@ -939,8 +1022,18 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                     f"Run UPDATE{t - 1} earlier: without a reduction holding batch {t - 1}'s gradient "
                     f"the stage has one gradient accumulator",
                 )
+        elif a.kind is Kind.W:
+            if (Kind.I, k) not in done:
+                ck.fail(s, pos, f"weight pass of micro-batch {k} before its input-gradient pass", f"Move {s}I{k} before it")
+            if rc:
+                prev = next((b for b in reversed(lst[:pos]) if b.kind in COMPUTE or b.kind is Kind.UPDATE), None)
+                if prev != Action(s, Kind.I, k, a.version):
+                    ck.fail(s, pos, f"stage {s} recomputes, so W{k} must directly follow I{k} (found {prev} before it)",
+                            "Deferring it would keep the recomputed activations alive: put it right after the I")
+            last_b[t] = pos
+            in_flight.pop(k, None)
         elif a.kind in SENDS:
-            source = Kind.F if a.kind is Kind.SEND_ACT else Kind.B
+            source = Kind.F if a.kind is Kind.SEND_ACT else backward[0]
             if (source, k) not in done:
                 ck.fail(s, pos, f"sends micro-batch {k} before {s}{source}{k} produced it", f"Move it after {s}{source}{k}")
         if a.kind in P2P and not 0 <= a.peer < d:
@@ -953,7 +1046,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                     f"Run UPDATE{t - 1} first: at most two gradient buffers (accumulator and one in reduction)",
                 )
             if t not in last_b or any(
-                b.kind is Kind.B and batch_of(b.index, m) == t for b in lst[pos + 1:]
+                b.kind in (Kind.B, Kind.I, Kind.W) and batch_of(b.index, m) == t for b in lst[pos + 1:]
             ):
                 ck.fail(s, pos, f"reduction of batch {t} issued before the stage's last backward of batch {t}", "Move it after that backward")
             if a.kind is Kind.NORM_START:
@@ -969,7 +1062,8 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                 ck.fail(s, pos, f"batch {t} is outside 1..{steps}", "Fix the index")
             if t != newest + 1:
                 ck.fail(s, pos, f"produces W({t}) but the newest version is W({newest})", f"Updates run in order: UPDATE{newest + 1} next")
-            if t not in last_b or any(b.kind is Kind.B and batch_of(b.index, m) == t for b in lst[pos + 1:]):
+            if t not in last_b or any(b.kind in (Kind.B, Kind.I, Kind.W) and batch_of(b.index, m) == t
+                                      for b in lst[pos + 1:]):
                 ck.fail(s, pos, f"UPDATE{t} before the stage's last backward of batch {t}", "Move it after that backward")
             for (kind, tb), p in started.items():
                 if tb == t and (_WAIT_OF[kind], t) not in done:
@@ -1002,9 +1096,10 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             if (kind, t) not in done:
                 ck.fail(s, upd, f"missing {kind}{t} (width={width}, tied={group}, clip={clip})", f"Insert {s}{kind}{t} after the last backward of batch {t}")
     for k in range(1, steps * m + 1):
-        for kind in (Kind.F, Kind.B):
+        for kind in (Kind.F, *backward):
             if (kind, k) not in done:
-                ck.fail(s, len(lst) - 1, f"no {kind}{k}: expected one F and one B for each of micro-batches 1..{steps * m}", f"Insert {s}{kind}{k}")
+                each = "one F, one I and one W" if zb else "one F and one B"
+                ck.fail(s, len(lst) - 1, f"no {kind}{k}: expected {each} for each of micro-batches 1..{steps * m}", f"Insert {s}{kind}{k}")
         for kind, present in ((Kind.SEND_ACT, s < d - 1), (Kind.RECV_ACT, s > 0), (Kind.SEND_GRAD, s > 0), (Kind.RECV_GRAD, s < d - 1)):
             if present and (kind, k) not in done:
                 ck.fail(s, len(lst) - 1, f"no {kind}{k} on stage {s}", f"Insert {s}{kind}{k} (see the posting rules in fxpipe.schedule)")
@@ -1136,10 +1231,10 @@ def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
             waits.append(key[need, a.index])
         elif need in STARTS:  # a join without its start never becomes ready
             waits.append(str(Action(a.stage, need, a.index)))
-        if a.kind is Kind.B:
+        if a.kind in (Kind.B, Kind.I, Kind.W):
             last_b = str(a)
         elif a.kind in SENDS:
-            source = Kind.F if a.kind is Kind.SEND_ACT else Kind.B
+            source = Kind.F if a.kind is Kind.SEND_ACT else Kind.I if (Kind.I, a.index) in key else Kind.B
             if (source, a.index) not in key:
                 raise ScheduleError(f"{a} sends a tensor that no {a.stage}{source}{a.index} in this list produces: put the send after it")
             waits.append(key[source, a.index])

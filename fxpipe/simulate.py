@@ -69,6 +69,12 @@ class Costs:
     """Forward of one micro-batch on a stage."""
     backward: float | Sequence[float] = 2.0
     """Backward of one micro-batch (without recomputation)."""
+    backward_input: float | Sequence[float] | None = None
+    """zb's ``I``: the input-gradient half of a backward; None = half of ``backward``."""
+    backward_weight: float | Sequence[float] | None = None
+    """zb's ``W``: the weight-gradient half; None = ``backward`` minus ``backward_input``. On the
+    first stage, which sends no gradient, the runtime runs the whole backward in ``W``: there
+    ``I`` costs 0 and ``W`` the sum of both."""
     recompute: float | Sequence[float] | None = None
     """Recomputed forward before a backward; None = the forward time again."""
     p2p: float = 0.0
@@ -82,6 +88,10 @@ class Costs:
         value = getattr(self, name)
         if value is None and name == "recompute":
             value = self.forward
+        if value is None and name == "backward_input":
+            return self.per_stage("backward", stage) / 2
+        if value is None and name == "backward_weight":
+            return self.per_stage("backward", stage) - self.per_stage("backward_input", stage)
         if isinstance(value, (int, float)):
             return float(value)
         if stage >= len(value):
@@ -153,7 +163,7 @@ def _derive(events: list[Event], steps_hint: int | None = None) -> Timeline:
             if e.kind is Kind.F:
                 live += 1
                 best = max(best, live)
-            elif e.kind is Kind.B:
+            elif e.kind is Kind.B or e.kind is Kind.W:  # zb: a micro-batch is in flight until its W
                 live -= 1
         peak[r] = best
     return Timeline(sorted(events, key=lambda e: (e.start, e.rank, e.end)), makespan, step_time, bubble, peak)
@@ -192,6 +202,9 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
 
     def duration(s: int, a: Action) -> float:
         name = SPEC[a.kind].cost
+        if s == 0 and a.kind in (Kind.I, Kind.W):  # the first stage's W is its whole backward
+            both = costs.per_stage("backward_input", s) + costs.per_stage("backward_weight", s)
+            return 0.0 if a.kind is Kind.I else both
         return 0.0 if name is None else costs.per_stage(name, s)
 
     def finish(key, start: float, end: float) -> None:
@@ -330,6 +343,8 @@ _DRAWN: dict[Kind, tuple[str, str]] = {
     Kind.F: ("F forward", "#4e79a7"),
     Kind.R: ("R recomputed forward", "#a0cbe8"),
     Kind.B: ("B backward", "#59a14f"),
+    Kind.I: ("I input-gradient backward", "#8cd17d"),
+    Kind.W: ("W weight-gradient backward", "#b6992d"),
     Kind.UPDATE: ("U optimizer step", "#e15759"),
     Kind.EVAL: ("E eval forward", "#f28e2b"),
     Kind.SEND_ACT: ("send/recv activations", "#bab0ac"),
@@ -339,8 +354,9 @@ _DRAWN: dict[Kind, tuple[str, str]] = {
     **{k: ("all-reduce", "#b07aa1") for k in COLLECTIVES},
     **{k: ("wait for an all-reduce", "#dcc3d6") for k in WAITS},
 }
-_LETTER = {Kind.F: "F", Kind.R: "R", Kind.B: "B", Kind.UPDATE: "U", Kind.EVAL: "E"}
-_WORD = {Kind.F: "forward", Kind.R: "recomputed forward", Kind.B: "backward", Kind.EVAL: "eval forward"}
+_LETTER = {Kind.F: "F", Kind.R: "R", Kind.B: "B", Kind.I: "I", Kind.W: "W", Kind.UPDATE: "U", Kind.EVAL: "E"}
+_WORD = {Kind.F: "forward", Kind.R: "recomputed forward", Kind.B: "backward", Kind.I: "input-gradient backward",
+         Kind.W: "weight-gradient backward", Kind.EVAL: "eval forward"}
 _REDUCED = {Kind.DP_START: "DP grads", Kind.TIED_START: "tied grads", Kind.NORM_START: "grad norm", Kind.LOSS: "loss"}
 _IDLE_FILL, _IDLE_HATCH = "#ececec", "#bdbdbd"
 _CHAR = 0.6  # width of a monospace character, in font sizes (DejaVu Sans Mono: 0.602)
@@ -617,7 +633,7 @@ def render_svg(
             body.append(f'<rect x="{x:.2f}" y="{yy}" width="{w:.2f}" height="{hh}" fill="{fill}" stroke="#ffffff" '
                         f'stroke-width="0.5"><title>{escape(tip)}</title></rect>')
             lines = next((c for c in _label(a, m) if all(fits(t, w) for t in c)), ()) if box else ()
-            ink = "#000000" if a.kind is Kind.R else "#ffffff"
+            ink = "#000000" if a.kind in (Kind.R, Kind.I) else "#ffffff"
             for i, text in enumerate(lines):
                 ty = yy + hh / 2 + 3.5 + (i - (len(lines) - 1) / 2) * 11
                 body.append(f'<text x="{x + w / 2:.2f}" y="{ty:.1f}" text-anchor="middle" fill="{ink}">'

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .backward import backward_input
 from .errors import FxpipeError
 from .precision import Precision, compute_dtype
 
@@ -94,6 +95,7 @@ class WeightStore:
         self.grad_pool = [layout.zeros_like() for _ in range(grad_buffers)]
         self.grad_views = [layout.views(g) for g in self.grad_pool]
         self.updates = 0  # the newest version
+        self.unsplit: str | None = None  # zb: why this stage's I runs the whole backward (None: it splits)
         self.optimizer_steps = 0  # updates applied (a skipped non-finite batch applies none)
         # The optimizer's own Parameters: aliases pointed at the slot being written right before
         # each step. They never enter a forward, so re-pointing them is safe. Each alias has its
@@ -169,6 +171,28 @@ class WeightStore:
         """Backpropagate one micro-batch of batch ``t``: weight gradients are added into batch
         t's accumulator, boundary inputs get their ``.grad``."""
         self.strategy.backward(t, self.compute(version), roots, seeds, boundary)
+
+    def backward_input(self, t: int, version: int, roots, seeds, boundary: Sequence[torch.Tensor]):
+        """zb's ``I``: the boundary inputs get their ``.grad``; returns what :meth:`backward_weight`
+        needs for the weight gradients (:mod:`fxpipe.backward`). Where the graph cannot be split
+        (:func:`fxpipe.backward.backward_input` says why, kept in :attr:`unsplit`) this runs the
+        whole backward, as :meth:`backward`, and returns None."""
+        leaves = self.compute(version)
+        trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
+        got = backward_input(roots, seeds, boundary, trainable) if roots else ([None] * len(boundary), None)
+        if isinstance(got, str):
+            self.unsplit = got
+            self.strategy.backward(t, leaves, roots, seeds, boundary)
+            return None
+        for x, g in zip(boundary, got[0]):
+            x.grad = g
+        return got[1]
+
+    def backward_weight(self, t: int, pending) -> None:
+        """zb's ``W``: add the weight gradients ``pending`` yields into batch t's accumulator
+        (nothing when ``I`` ran the whole backward)."""
+        if pending is not None:
+            self.strategy.accumulate(t, pending.run())
 
     def update(self, t: int, coef: torch.Tensor | None, *, skip: bool = False) -> None:
         """``UPDATE t``: write ``W(t)`` from ``W(t-1)`` and batch t's (clipped) gradient into its
@@ -315,6 +339,14 @@ class _TorchOptim:
         for leaf in leaves.values():
             leaf.grad = None
 
+    def accumulate(self, t, grads: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch's weight gradients (name -> tensor, 16-bit under mixed precision)
+        into batch t's accumulator: zb's ``W``."""
+        views = self.store.grad_views_of(t)
+        with torch.no_grad():
+            for n, g in grads.items():
+                views[n].add_(g)
+
     def update(self, t, step, grads, src, dst, coef) -> None:
         store = self.store
         if coef is not None:
@@ -405,16 +437,22 @@ class _Fused:
         inputs = params + [x for x in boundary if x.requires_grad]
         grads = (torch.autograd.grad(roots, inputs, seeds if seeds[0] is not None else None, allow_unused=True)
                  if roots else [None] * len(inputs))
+        self.accumulate(t, dict(zip(self.names, grads)))
+        for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
+            x.grad = g
+
+    def accumulate(self, t, grads: dict[str, torch.Tensor | None]) -> None:
+        """Fold one micro-batch's weight gradients (name -> tensor; absent or None: zero) into
+        batch t's accumulator (AdamA: into the moments), through the flat scratch buffer."""
         with torch.no_grad():
-            for name, g in zip(self.names, grads):
+            for name in self.names:
+                g = grads.get(name)
                 if g is None:
                     self.scratch_views[name].zero_()
                 else:
                     self.scratch_views[name].copy_(g)
             self._fold(t, first=self.accumulated.get(t, 0) == 0)
         self.accumulated[t] = self.accumulated.get(t, 0) + 1
-        for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
-            x.grad = g
 
     def _fold(self, t: int, first: bool) -> None:
         """Add the micro-batch's scratch gradient into batch t's accumulator (the first one

@@ -194,6 +194,14 @@ CASES = {
         Case("llama_2bw_adamw", model="llama", schedule="2bw", optimizer="groups", max_grad_norm=1.0, dtype=torch.float64),
         Case("llama_1f1b_sgd", model="llama", schedule="1f1b", optimizer="sgd"),
         Case("bert_2bw", model="bert", schedule="2bw", optimizer="sgd", max_grad_norm=1.0),
+        # zb (ZB-H1): 1f1b's numbers with each backward split into I and a deferred W
+        Case("zb_adamw_clip", schedule="zb", optimizer="adamw", max_grad_norm=0.5),
+        Case("zb_recompute", schedule="zb", optimizer="sgd", recompute=True),
+        Case("gpt2_zb", model="gpt2", schedule="zb", optimizer="sgd", max_grad_norm=1.0),
+        Case("gpt2_zb_adamw", model="gpt2", schedule="zb", optimizer="groups", max_grad_norm=1.0, dtype=torch.float64),
+        Case("d4_gpt2_zb", model="gpt2", schedule="zb", stages=4, optimizer="sgd", max_grad_norm=1.0),
+        Case("d4_llama_zb_recompute", model="llama", schedule="zb", stages=4, optimizer="adamw", recompute=True,
+             dtype=torch.float64),
         # three stages
         Case("d3_2bw_sgd", schedule="2bw", stages=3, optimizer="sgd", max_grad_norm=0.5),
         Case("d3_2bw_adamw", schedule="2bw", stages=3, optimizer="groups"),

@@ -58,6 +58,16 @@ def test_two_ranks():
     check_cases(2, ["2bw_adamw_clip", "1f1b_adamw", "gpt2_2bw_adamw", "bert_2bw", "dropout_2bw"], 300)
 
 
+def test_two_ranks_zb():
+    # zb's split backward across processes: clipping, tied weights (GPT-2), recomputation
+    check_cases(2, ["zb_adamw_clip", "gpt2_zb", "zb_recompute"], 300)
+
+
+@pytest.mark.slow  # time budget: d = 4 runs by default in one process
+def test_four_ranks_zb():
+    check_cases(4, ["d4_gpt2_zb", "d4_llama_zb_recompute"], 300)
+
+
 @pytest.mark.slow  # the default suite's time budget: these cases run by default in one process
 def test_two_ranks_more_cases():
     check_cases(2, ["2bw_sgd", "2bw_groups", "2bw_recompute", "gpipe_sgd", "gpt2_2bw", "llama_2bw_adamw"], 300)

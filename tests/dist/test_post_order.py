@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 # (model, schedule, stages, clip, recompute); the width is world / stages
 CONFIGS = {
     2: [("gpt2", s, 2, True, r) for s in ("2bw", "1f1b", "gpipe") for r in (False, True)]
-    + [("rms", "2bw", 2, False, False)],
+    + [("rms", "2bw", 2, False, False), ("gpt2", "zb", 2, True, False)],
     3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")] + [("rms", "2bw", 3, True, False)],
     4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe") for d in (2, 4)] + [("rms", "2bw", 2, True, False)],
     6: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")],

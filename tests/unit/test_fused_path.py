@@ -50,7 +50,7 @@ def _train(kernels: str, optimizer, *, schedule="2bw", frozen=False, steps=6):
 
 
 @pytest.mark.parametrize("optimizer", [_groups, _sgd_groups], ids=["adamw-groups", "sgd-groups"])
-@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "zb"])
 def test_param_groups_train_through_the_fused_path_as_torch_optim_does(optimizer, schedule):
     fused, losses, state = _train("torch", optimizer, schedule=schedule)
     assert "update: stage 0 fused (torch), stage 1 fused (torch)" in fused.describe()

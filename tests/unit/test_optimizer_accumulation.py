@@ -31,7 +31,7 @@ def compile_adama(net, batches, **kw):
     return fxpipe.compile(copy.deepcopy(net), (batches[0][0][:2],), loss_fn=lm_loss, **kw)
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe", "zb"])
 def test_matches_the_adama_reference(schedule):
     net, batches = gpt()
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}

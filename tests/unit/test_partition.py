@@ -305,7 +305,7 @@ def test_error_microbatches_below_stages(gpt_gm):
     (dict(stages=3, world_size=4, microbatches=4), r"world_size 4 is not divisible by stages 3.*\[1, 2, 4\]"),
     (dict(world_size=4, global_batch=6, microbatches=1), r"global_batch 6 is not divisible by"),
     (dict(stages=2), "give microbatches=m"),
-    (dict(stages=2, microbatches=4, schedule="zb"), "schedule must be one of"),
+    (dict(stages=2, microbatches=4, schedule="zb1"), "schedule must be one of"),
     (dict(stages=2, microbatches=4, cost_mode="guess"), "cost_mode must be 'analytic' or 'measured'"),
 ])
 def test_error_nonsense(gpt_gm, kw, match):

@@ -245,7 +245,7 @@ def test_data_parallel_ranges_leave_out_tied_weights():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(schedule="zb"), "fxpipe.compile: schedule must be '2bw', '1f1b' or 'gpipe', found 'zb'"),
+    (dict(schedule="zb1"), "fxpipe.compile: schedule must be '2bw', '1f1b', 'gpipe' or 'zb', found 'zb1'"),
     (dict(microbatches=0), "fxpipe.compile: microbatches must be an int >= 1 (or None), found 0"),
     (dict(stages=2.0), "fxpipe.compile: stages must be an int >= 1 (or None), found 2.0"),
     (dict(max_grad_norm=-1.0), "fxpipe.compile: max_grad_norm must be a number > 0 (or None for no clipping), found -1.0"),

@@ -47,7 +47,8 @@ def check_against_reference(model_name, schedule, precision):
     return pipe
 
 
-@pytest.mark.parametrize("model_name,schedule,precision", [("gpt", "2bw", "bf16"), ("llama", "1f1b", "fp16")])
+@pytest.mark.parametrize("model_name,schedule,precision", [("gpt", "2bw", "bf16"), ("llama", "1f1b", "fp16"),
+                                                           ("gpt", "zb", "bf16"), ("llama", "zb", "fp16")])
 def test_matches_the_mixed_precision_reference(model_name, schedule, precision):
     pipe = check_against_reference(model_name, schedule, precision)
     store = pipe.workers[0].store

@@ -30,7 +30,7 @@ from fxpipe.schedule import (
 
 @pytest.mark.parametrize(
     "text", ["1F3", "1F3v0", "0B12v4", "2R7v1", "0SEND_ACT3", "1RECV_ACT3", "1SEND_GRAD9", "0RECV_GRAD9",
-             "0UPDATE2", "3DP_START1", "3DP_WAIT1", "0TIED_START5", "0TIED_WAIT5", "2NORM_START1", "2NORM_WAIT1"],
+             "0UPDATE2", "1I3v0", "1W3v0", "0I12v4", "3DP_START1", "3DP_WAIT1", "0TIED_START5", "0TIED_WAIT5", "2NORM_START1", "2NORM_WAIT1"],
 )
 def test_action_round_trip(text):
     a = Action.parse(text)
@@ -100,6 +100,20 @@ LITERAL = {
     ("1f1b", 2, 2, 2): [  # flush: the second step starts over with the warm-up
         "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1 0F3v1 0F4v1 0B3v1 0B4v1 0UPDATE2",
         "1F1v0 1B1v0 1F2v0 1B2v0 1UPDATE1 1F3v1 1B3v1 1F4v1 1B4v1 1UPDATE2",
+    ],
+    ("zb", 2, 4, 1): [  # ZB-H1: stage 1 defers one W; the first stage's I, W stay adjacent
+        "0F1v0 0F2v0 0I1v0 0W1v0 0F3v0 0I2v0 0W2v0 0F4v0 0I3v0 0W3v0 0I4v0 0W4v0 0UPDATE1",
+        "1F1v0 1I1v0 1F2v0 1I2v0 1W1v0 1F3v0 1I3v0 1W2v0 1F4v0 1I4v0 1W3v0 1W4v0 1UPDATE1",
+    ],
+    ("zb", 4, 4, 1): [  # stage i defers up to i weight passes: d = 4 micro-batches in flight on every stage
+        "0F1v0 0F2v0 0F3v0 0F4v0 0I1v0 0W1v0 0I2v0 0W2v0 0I3v0 0W3v0 0I4v0 0W4v0 0UPDATE1",
+        "1F1v0 1F2v0 1F3v0 1I1v0 1F4v0 1I2v0 1W1v0 1I3v0 1W2v0 1I4v0 1W3v0 1W4v0 1UPDATE1",
+        "2F1v0 2F2v0 2I1v0 2F3v0 2I2v0 2F4v0 2I3v0 2W1v0 2I4v0 2W2v0 2W3v0 2W4v0 2UPDATE1",
+        "3F1v0 3I1v0 3F2v0 3I2v0 3F3v0 3I3v0 3F4v0 3I4v0 3W1v0 3W2v0 3W3v0 3W4v0 3UPDATE1",
+    ],
+    ("zb", 2, 2, 2): [  # flush: every W of batch 1 before UPDATE1, the second step starts over
+        "0F1v0 0F2v0 0I1v0 0W1v0 0I2v0 0W2v0 0UPDATE1 0F3v1 0F4v1 0I3v1 0W3v1 0I4v1 0W4v1 0UPDATE2",
+        "1F1v0 1I1v0 1F2v0 1I2v0 1W1v0 1W2v0 1UPDATE1 1F3v1 1I3v1 1F4v1 1I4v1 1W3v1 1W4v1 1UPDATE2",
     ],
     ("2bw", 2, 2, 3): [  # docs/design.md: F1[0] F2[0] B1[0] F3[0] B2[0] → W1 | F4[0] B3[0] F5[1] B4[0] → W2 | …
         "0F1v0 0F2v0 0B1v0 0F3v0 0B2v0 0UPDATE1 0F4v0 0B3v0 0F5v1 0B4v0 0UPDATE2 0F6v1 0B5v1 0B6v1 0UPDATE3",
@@ -236,8 +250,8 @@ def test_rank_mapping():
 def test_generate_errors():
     with pytest.raises(ScheduleError, match=r"2bw needs at least as many micro-batches as stages \(m >= d\), found m=2 < d=4"):
         generate("2bw", 4, 2, 1)
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb': expected one of gpipe, 1f1b, 2bw"):
-        generate("zb", 2, 2)
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb2': expected one of gpipe, 1f1b, 2bw, zb"):
+        generate("zb2", 2, 2)
     with pytest.raises(ScheduleError, match="recompute needs one bool per stage: expected 3, found 2"):
         generate("1f1b", 3, 3, recompute=[True, False])
 

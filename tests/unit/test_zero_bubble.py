@@ -1,0 +1,315 @@
+"""schedule="zb" (ZB-H1): the split backward (fxpipe/backward.py), its order's time and memory in
+the simulator, the planner's formulas, and what a real run keeps alive. The numerics (zb equals
+plain gradient accumulation) are the zb cases of tests/cases.py, run by tests/unit/test_pipeline.py
+and tests/dist/test_pipeline_dist.py."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import fxpipe
+from fxpipe.backward import backward_input
+from fxpipe.errors import ScheduleError
+from fxpipe.partition import StageModel, pipeline_time
+from fxpipe.schedule import Action, Kind, generate, validate, zb_bounds
+from fxpipe.simulate import Costs, render_svg, simulate
+from tests.cases import CASES, build, compare
+
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+def legend(svg: str) -> set[str]:
+    import xml.etree.ElementTree as ET
+
+    return {t.text for t in ET.fromstring(svg).iter(SVG + "text") if t.get("class") == "legend"}
+
+# ---------------------------------------------------------------------------------------------
+# The split: I then W equals one backward, and W never runs the input-gradient chain again
+
+
+class _Counted(torch.autograd.Function):
+    """Identity whose backward counts its calls: an op of the input-gradient chain."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _Counted.calls += 1
+        return g
+
+
+def _graph(xs, w):
+    h = _Counted.apply(xs[0] @ w["a"]).relu()
+    h = torch.nn.functional.layer_norm(h, (4,), w["ln"][0], w["ln"][1]) @ w["b"] + w["c"][0]
+    return [h.tanh(), (w["c"] * 2).sum().reshape(1)]  # the second output does not depend on x
+
+
+def _weights():
+    g = torch.Generator().manual_seed(0)
+    return {n: torch.randn(*shape, dtype=torch.float64, generator=g, requires_grad=True)
+            for n, shape in (("a", (4, 4)), ("b", (4, 4)), ("c", (2, 4)), ("ln", (2, 4)))}
+
+
+def test_input_then_weight_pass_equals_one_backward_and_w_skips_the_input_chain():
+    w = _weights()
+    x = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True)]
+    outs = _graph(x, w)
+    seeds = [torch.randn_like(o) for o in outs]
+    ref = torch.autograd.grad(outs, x + list(w.values()), seeds)
+    outs = _graph(x, w)
+    _Counted.calls = 0
+    got = backward_input(outs, seeds, x, w)
+    assert not isinstance(got, str), got
+    input_grads, pending = got
+    assert _Counted.calls == 1  # I ran the chain once
+    assert torch.allclose(input_grads[0], ref[0])
+    del outs
+    grads = pending.run()
+    assert _Counted.calls == 1, "W ran an op of the input-gradient chain again"
+    for (name, _), r in zip(w.items(), ref[1:]):
+        assert torch.allclose(grads[name], r), name
+
+
+def test_first_stage_has_no_input_chain_and_w_does_the_whole_backward():
+    w = _weights()
+    outs = [(torch.ones(3, 4, dtype=torch.float64) @ w["a"]).sum()]
+    ref = torch.autograd.grad(outs, [w["a"]])
+    outs = [(torch.ones(3, 4, dtype=torch.float64) @ w["a"]).sum()]
+    input_grads, pending = backward_input(outs, [None], [], w)
+    assert input_grads == [] and torch.allclose(pending.run()["a"], ref[0])
+
+
+def test_an_input_that_does_not_reach_the_outputs_gets_none():
+    w = _weights()
+    x = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    input_grads, pending = backward_input([(x[0] @ w["a"]).sum()], [None], x, w)
+    assert input_grads[1] is None and input_grads[0] is not None and set(pending.run()) == {"a"}
+
+
+def test_a_weight_read_at_two_depths_or_no_weight_cannot_split():
+    w = _weights()
+    x = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True)]
+    reason = backward_input([((x[0] @ w["a"]).relu() @ w["a"]).sum()], [None], x, w)
+    assert isinstance(reason, str) and "read at two depths of the input-gradient chain" in reason
+    assert "no trainable weight" in backward_input([(x[0] * 2).sum()], [None], x, {})
+
+
+class _SharedLayer(nn.Module):
+    """Wide layers, then one small Linear applied at three depths: the planner cuts among the wide
+    ones, so the second stage reads the shared layer at three depths of its input chain."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
+        self.shared = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.wide(x)
+        for _ in range(3):
+            h = torch.tanh(self.shared(h))
+        return self.out(h)
+
+
+def test_a_stage_that_cannot_split_falls_back_to_a_plain_backward_and_says_why():
+    from tests.reference import train_flush
+
+    model = _SharedLayer().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(4)]
+    opt = lambda named: torch.optim.SGD([p for _, p in named], lr=0.1)  # noqa: E731
+    loss_fn = nn.functional.cross_entropy
+    pipe = fxpipe.compile(model, (batches[0][0][:2],), loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2,
+                          schedule="zb", verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = [pipe.step(*b) for b in batches]
+    unsplit = {w.index: w.store.unsplit for w in pipe.workers.values()}
+    said = [str(c.message) for c in caught if "runs unsplit" in str(c.message)]
+    assert unsplit[0] is None and "read at two depths of the input-gradient chain" in unsplit[1]
+    assert len(said) == 1 and said[0].startswith("fxpipe: zb on stage 1: its backward runs unsplit in I (W is empty)")
+    ref_losses, ref = train_flush(_SharedLayer().double(), batches, 4, loss_fn, opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-10)
+    for k, v in ref.state_dict().items():
+        assert torch.allclose(pipe.state_dict()[k], v, rtol=1e-10, atol=1e-12), k
+
+
+# ---------------------------------------------------------------------------------------------
+# The order: shorter than 1f1b, within its in-flight bound
+
+
+@pytest.mark.parametrize("d,m", [(2, 4), (3, 6), (4, 4), (4, 8)])
+@pytest.mark.parametrize("i_cost,w_cost", [(1.0, 1.0), (1.2, 0.8)])
+def test_zb_step_time_is_the_papers_formula_and_beats_1f1b(d, m, i_cost, w_cost):
+    costs = Costs(forward=1.0, backward=i_cost + w_cost, backward_input=i_cost, backward_weight=w_cost)
+    zb = simulate(generate("zb", d, m, 4), costs)
+    flush = simulate(generate("1f1b", d, m, 4), costs)
+    # ZB-H1 (Qi et al. 2024, section 3): m (F + I + W) + (d - 1)(F + I - W), for m >= d
+    assert zb.step_time == pytest.approx(m * 3.0 + (d - 1) * (1.0 + i_cost - w_cost))
+    assert flush.step_time == pytest.approx((m + d - 1) * 3.0)
+    assert zb.step_time < flush.step_time
+    if i_cost == w_cost:
+        assert zb.step_time == pytest.approx(pipeline_time("zb", d, m, 3.0, forward=1.0))
+        assert zb.step_time == pytest.approx(pipeline_time("zb", d, m, 3.0))  # forward = a third
+
+
+def test_default_split_of_a_backward_and_the_first_stage():
+    c = Costs(forward=1.0, backward=[2.0, 3.0])
+    assert (c.per_stage("backward_input", 1), c.per_stage("backward_weight", 1)) == (1.5, 1.5)
+    tl = simulate(generate("zb", 2, 2, 1), c)
+    span = {e.action: e.end - e.start for e in tl.events if e.stream == "compute"}
+    assert span["0I1v0"] == 0 and span["0W1v0"] == 2.0  # the first stage's W is its whole backward
+    assert span["1I1v0"] == 1.5 and span["1W1v0"] == 1.5
+
+
+@pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 2), (5, 3)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_peak_in_flight_is_within_the_bound(d, m, recompute):
+    tl = simulate(generate("zb", d, m, 3, recompute=recompute), Costs())
+    want = {s: zb_bounds(s, d, m, recompute)[0] for s in range(d)}
+    assert tl.peak_in_flight == want
+    assert all(v <= min(d, m) for v in want.values())
+    if not recompute:  # the paper's ZB-H1: the peak of 1f1b's first stage on every stage
+        assert set(want.values()) == {min(d, m)}
+
+
+def test_recomputing_stages_run_r_i_w_together():
+    lists = generate("zb", 3, 6, 2, recompute=[True, True, False])
+    for s in (0, 1):
+        compute = [a for a in lists[s] if a.kind in (Kind.R, Kind.I, Kind.W)]
+        assert all(compute[j].kind is Kind.R and compute[j + 1].kind is Kind.I and compute[j + 2].kind is Kind.W
+                   and compute[j].index == compute[j + 1].index == compute[j + 2].index for j in range(0, len(compute), 3))
+    assert any(a.kind is Kind.W for a in lists[2])  # stage 2 still defers
+
+
+def test_validator_rejects_broken_zb_lists():
+    d, m = 2, 4
+    good = generate("zb", d, m, 1)
+
+    def broken(stage, edit):
+        lists = {s: list(v) for s, v in good.items()}
+        edit(lists[stage])
+        return lists
+
+    def swap(kind_a, kind_b, k):
+        def edit(lst):
+            i = lst.index(next(a for a in lst if a.kind is kind_a and a.index == k))
+            j = lst.index(next(a for a in lst if a.kind is kind_b and a.index == k))
+            lst[i], lst[j] = lst[j], lst[i]
+        return edit
+
+    with pytest.raises(ScheduleError, match="weight pass of micro-batch 1 before its input-gradient pass"):
+        validate(broken(1, swap(Kind.I, Kind.W, 1)), "zb", d, m)
+    with pytest.raises(ScheduleError, match=r"3 micro-batches of activations in flight, expected at most min\(d, m\) = 2"):
+        validate(broken(1, lambda lst: (lst.remove(Action(1, Kind.W, 1, 0)),
+                                        lst.insert(lst.index(Action(1, Kind.UPDATE, 1)), Action(1, Kind.W, 1, 0)))),
+                 "zb", d, m)
+    with pytest.raises(ScheduleError, match="zb has no B actions"):
+        validate(broken(0, lambda lst: lst.__setitem__(lst.index(Action(0, Kind.W, 1, 0)), Action(0, Kind.B, 1, 0))),
+                 "zb", d, m)
+    with pytest.raises(ScheduleError, match=r"1UPDATE1 .*: 2 weight versions alive after it \(W\(0\), W\(1\)\)"):
+        validate(broken(1, lambda lst: (lst.remove(Action(1, Kind.W, 4, 0)), lst.append(Action(1, Kind.W, 4, 0)))),
+                 "zb", d, m)
+    rc = generate("zb", d, m, 1, recompute=True)  # stage 0: ... R3 I3 W3 R4 I4 W4 -> ... R3 I3 R4 I4 W3 W4
+    rc[0] = [a for a in rc[0] if a != Action(0, Kind.W, 3, 0)]
+    rc[0].insert(rc[0].index(Action(0, Kind.W, 4, 0)), Action(0, Kind.W, 3, 0))
+    with pytest.raises(ScheduleError, match="stage 0 recomputes, so W3 must directly follow I3 \\(found 0I4v0"):
+        validate(rc, "zb", d, m, recompute=True)
+
+
+def test_picture_draws_i_and_w_in_their_own_colours():
+    svg = render_svg(simulate(generate("zb", 2, 4, 1), Costs(1.0, 2.0)))
+    assert legend(svg) == {"F forward", "I input-gradient backward", "W weight-gradient backward",
+                           "U optimizer step (not priced: a tick)", "idle (hatched)"}
+    assert "I1v0" in svg and "W1v0" in svg
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner's memory model
+
+
+def test_planner_counts_zb_activations():
+    device = fxpipe.cost.DeviceModel.for_device(torch.device("cpu"))
+    assert StageModel.for_schedule("zb", 4, 8, False, device).inflight == (4, 4, 4, 4)
+    assert StageModel.for_schedule("1f1b", 4, 8, False, device).inflight == (4, 3, 2, 1)
+    rc = StageModel.for_schedule("zb", 4, 8, True, device)
+    assert rc.inflight == (4, 3, 2, 1) and rc.recompute == (True,) * 4
+    assert pipeline_time("zb", 4, 8, 3.0, recompute=True) == pipeline_time("1f1b", 4, 8, 3.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A real run: what each stage keeps alive
+
+
+def _live_microbatches(schedule, recompute=False):
+    """Per rank, the peak number of micro-batches whose autograd-saved tensors are alive, sampled
+    after every action of two steps (saved tensors boxed by a saved_tensors_hooks pack hook)."""
+    case = dataclasses.replace(CASES["gpt2_zb"], schedule=schedule, recompute=recompute, steps=2)
+    model, example, batches, loss_fn, opt = build(case)
+    pipe = fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2,
+                          schedule=schedule, recompute=recompute or None, verbose=False)
+    pipe.step(*batches[0])  # set-up done outside the measurement
+    live: dict = weakref.WeakKeyDictionary()
+    current = [None]
+
+    class Box:
+        def __init__(self, t):
+            self.t = t.detach()  # no grad_fn: a box holding an output would form a cycle with its node
+
+    def pack(t):
+        box = Box(t)
+        live[box] = current[0]
+        return box
+
+    peak = collections.Counter()
+    ctx_peak = collections.Counter()
+    for r, wk in pipe.workers.items():
+        run = wk.run
+
+        def traced(a, run=run, r=r, wk=wk):
+            current[0] = (r, a.index)
+            run(a)
+            held = {mb for (rank, mb) in live.values() if rank == r}
+            peak[r] = max(peak[r], len(held))
+            ctx_peak[r] = max(ctx_peak[r], len(wk.ctx))
+
+        wk.run = traced
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+        pipe.step(*batches[1])
+    left = len(live)
+    return dict(peak), dict(ctx_peak), left
+
+
+def test_a_real_zb_step_keeps_at_most_the_bound_alive():
+    peak, ctx, left = _live_microbatches("zb")
+    assert peak == {0: 2, 1: 2} and ctx == {0: 2, 1: 2}  # min(d, m) = 2 on both stages
+    assert left == 0, "a graph outlived its micro-batch's W"
+    peak, ctx, left = _live_microbatches("1f1b")
+    assert peak == {0: 2, 1: 1} and ctx == {0: 2, 1: 1} and left == 0
+    # recomputation: F keeps no graph; R k, I k, W k adjacent hold one micro-batch's at a time
+    peak, ctx, left = _live_microbatches("zb", recompute=True)
+    assert peak == {0: 1, 1: 1} and left == 0
+
+
+def test_inspect_draws_a_zb_plan(tmp_path):
+    from fxpipe.inspect import inspect_pipeline
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    inspect_pipeline(model, (torch.randn(2, 8),), str(tmp_path), stages=2, microbatches=4, schedule="zb")
+    svg = (tmp_path / "schedule.svg").read_text()
+    assert "zb, 2 stages x 1 replica" in svg
+    assert {"I input-gradient backward", "W weight-gradient backward"} <= legend(svg)
