@@ -137,9 +137,12 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int) -> dict:
     pipe.profile = None
     pipe.flush()
     plan = pipe.plan
-    predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), plan_costs(plan)).step_time
+    costs = plan_costs(plan)
+    predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), costs).step_time
     return {"seconds": seconds, "samples": BATCH * (len(batches) - warmup), "profile": profile.summary(),
-            "predicted": predicted, "split": [sp.first_module for sp in plan.stage_plans]}
+            "predicted": predicted, "stages": [(sp.first_module or "<input>", 1e3 * c.per_stage("forward", i),
+                                                1e3 * c.per_stage("backward", i), 1e3 * c.per_stage("update", i))
+                                               for i, (sp, c) in enumerate((sp, costs) for sp in plan.stage_plans)]}
 
 
 def _pippy(rank: int, name: str, batches, warmup: int) -> dict:
@@ -263,6 +266,8 @@ def report(results: dict[str, list[list[dict]]]) -> None:
             continue
         middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
         print(f"\n{name}: where each rank's step went (ms per step, median round)")
+        print("simulator's costs: " + "; ".join(f"stage {i} from {first}: F {f:.1f}, B {b:.1f}, UPDATE {u:.1f} ms"
+                                                for i, (first, f, b, u) in enumerate(middle[0]["stages"])))
         keys = list(middle[0]["profile"])
         print(tabulate([[f"rank {r}"] + [middle[r]["profile"][k] for k in keys] for r in range(len(middle))],
                        headers=[""] + keys, floatfmt=".1f"))

@@ -119,9 +119,9 @@ class DeviceModel:
         return param_bytes * per_byte
 
     def calibrate(self, gm: fx.GraphModule, example_inputs=None, *, optimizer=None,
-                  torch_device: str | torch.device | None = None, repeats: int = 5) -> "DeviceModel":
+                  torch_device: str | torch.device | None = None, repeats: int = 10) -> "DeviceModel":
         """This model fitted to what this machine does with ``gm`` now: the whole traced graph
-        runs forward and backward on ``example_inputs`` (median of ``repeats`` after a warm-up),
+        runs forward and backward on ``example_inputs`` (median of ``repeats`` after two warm-ups),
         and the roofline's ``peak_flops`` and ``mem_bandwidth`` are scaled by one factor so
         that the analytic forward times of the nodes sum to the measured forward, and
         ``backward_ratio`` is set so their backwards sum to the measured backward. With
@@ -158,7 +158,7 @@ class DeviceModel:
             return t1 - t0, time.perf_counter() - t1
 
         with torch.random.fork_rng(devices=rng_devices(dev)):
-            once()
+            once(), once()  # warm-up: the allocator's pools, lazily built kernels
             samples = [once() for _ in range(repeats)]
         fwd = statistics.median(f for f, _ in samples)
         bwd = statistics.median(b for _, b in samples)
