@@ -313,8 +313,9 @@ def test_rejected_step_leaves_no_state():
                            "microbatches=4, or None for the default (8)"),
     (dict(max_grad_norm=0.0), "fxpipe.compile: max_grad_norm must be a number > 0 (or None for no clipping), found "
                               "0.0; pass e.g. max_grad_norm=1.0, or None to train without clipping"),
-    (dict(schedule="pipedream"), "fxpipe.compile: schedule must be '2bw', '1f1b' or 'gpipe', found 'pipedream'; "
-                                 "'2bw' is PipeDream-2BW (the default), '1f1b' PipeDream-Flush, 'gpipe' GPipe"),
+    (dict(schedule="pipedream"), "fxpipe.compile: schedule must be '2bw', '1f1b', 'gpipe' or 'zb', found 'pipedream'; "
+                                 "'2bw' is PipeDream-2BW (the default), '1f1b' PipeDream-Flush, 'gpipe' GPipe, 'zb' "
+                                 "zero-bubble ZB-H1"),
     (dict(device="tpu"), "fxpipe.compile: device must be 'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of "
                          "those), found 'tpu'; fxpipe computes on the CPU or on CUDA GPUs"),
     (dict(device=torch.device("mps")), "device must be 'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of "
