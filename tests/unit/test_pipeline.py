@@ -250,7 +250,7 @@ def test_data_parallel_ranges_leave_out_tied_weights():
     (dict(stages=2.0), "fxpipe.compile: stages must be an int >= 1 (or None), found 2.0"),
     (dict(max_grad_norm=-1.0), "fxpipe.compile: max_grad_norm must be a number > 0 (or None for no clipping), found -1.0"),
     (dict(kernels="cuda"), "fxpipe.compile: kernels must be 'auto', 'triton', 'torch' or 'off', found 'cuda'"),
-    (dict(cost_mode="fast"), "fxpipe.compile: cost_mode must be 'analytic' or 'measured', found 'fast'"),
+    (dict(cost_mode="fast"), "fxpipe.compile: cost_mode must be 'analytic', 'measured' or 'calibrated', found 'fast'"),
     (dict(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)),
      "fxpipe.compile: optimizer must be a callable taking [(name, parameter), ...]"),
 ])
