@@ -1,7 +1,8 @@
 """The physical limit, and how close each pipeline schedule gets to it, with every millisecond accounted for.
 
-    python benchmarks/limit.py                # about 6 minutes on 2 CPU cores
-    python benchmarks/limit.py --rounds 1     # one round, about 2 minutes
+    python benchmarks/limit.py                # about 12 minutes on 2 CPU cores
+    python benchmarks/limit.py --rounds 1     # one round, about 4 minutes
+    python benchmarks/limit.py --check        # the simulator on configurations it was not calibrated on
 
 The pinned configuration (issue #15): a GPT (vocab 512, d_model 256, 8 layers, 4 heads, sequence
 64, untied embeddings), a global batch of 32 in m = 4 micro-batches of 8, Adam (lr 1e-3), two
@@ -25,7 +26,6 @@ fxpipe schedule it prints the simulator's prediction of the step time (the plan'
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import sys
@@ -110,7 +110,20 @@ def _limit(rank: int, batches, warmup: int) -> dict:
     return {"seconds": seconds, "samples": samples}
 
 
-def _fxpipe(rank: int, schedule: str, batches, warmup: int) -> dict:
+def _gpt2():
+    """Hugging Face GPT-2 of the pinned size (tied embeddings, its own loss from ``labels``)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=LAYERS, n_embd=WIDTH, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ,
+                                      use_cache=False, bos_token_id=0, eos_token_id=0))
+
+
+def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model: str = "gpt",
+            device_model=None) -> dict:
+    """Train with fxpipe on every rank as one pipeline (d = world size). Without ``device_model``
+    the plan is ``cost_mode="calibrated"`` (this model timed on every rank at once); with one,
+    the plan prices this configuration with it (a check of a calibration made elsewhere)."""
     import fxpipe
     from fxpipe.demo import lm_loss
     from fxpipe.inspect import plan_costs
@@ -118,31 +131,44 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int) -> dict:
     from fxpipe.schedule import generate
     from fxpipe.simulate import simulate
 
-    pipe = fxpipe.compile(_model(), (batches[0][0][:MB],), loss_fn=lm_loss, microbatches=M, stages=2,
-                          schedule=schedule, optimizer=_optimizer, verbose=False, cost_mode="calibrated")
-    profile = Profile()
-    pipe.profile = None
-
-    def step(x, y):
-        pipe.step(x, y)
-
+    mb = BATCH // M  # micro-batches of the pinned size; m of them per step
+    if model == "gpt2":
+        batches = [({"input_ids": x[:m * mb], "labels": x[:m * mb]}, None) for x, _ in batches]
+        example, net, loss = {"input_ids": batches[0][0]["input_ids"][:mb], "labels": batches[0][0]["labels"][:mb]}, _gpt2(), None
+    else:
+        batches = [(x.repeat(m // M, 1)[:m * mb] if m > M else x, y.repeat(m // M, 1)[:m * mb] if m > M else y)
+                   for x, y in batches]
+        example, net, loss = (batches[0][0][:mb],), _model(), lm_loss
+    mode = dict(cost_mode="calibrated") if device_model is None else dict(device_model=device_model)
+    pipe = fxpipe.compile(net, example, loss_fn=loss, microbatches=m, stages=dist.get_world_size(),
+                          schedule=schedule, optimizer=_optimizer, verbose=False, **mode)
     for x, y in batches[:warmup]:
-        step(x, y)
+        pipe.step(x, y)
     dist.barrier()
-    pipe.profile = profile
+    profile = pipe.profile = Profile()
     t0 = time.perf_counter()
     for x, y in batches[warmup:]:
-        step(x, y)
+        pipe.step(x, y)
     seconds = time.perf_counter() - t0
     pipe.profile = None
     pipe.flush()
     plan = pipe.plan
     costs = plan_costs(plan)
     predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), costs).step_time
-    return {"seconds": seconds, "samples": BATCH * (len(batches) - warmup), "profile": profile.summary(),
-            "predicted": predicted, "stages": [(sp.first_module or "<input>", 1e3 * c.per_stage("forward", i),
-                                                1e3 * c.per_stage("backward", i), 1e3 * c.per_stage("update", i))
-                                               for i, (sp, c) in enumerate((sp, costs) for sp in plan.stage_plans)]}
+    return {"seconds": seconds, "samples": m * mb * (len(batches) - warmup), "profile": profile.summary(),
+            "predicted": predicted, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
+                                                1e3 * costs.per_stage("backward", i), 1e3 * costs.per_stage("update", i))
+                                               for i, sp in enumerate(plan.stage_plans)]}
+
+
+def _calibrated_on_pinned(batches):
+    """The cost model calibrated on the pinned GPT (every rank at once), for the checks."""
+    import fxpipe
+    from fxpipe.cost import DeviceModel
+
+    example = (batches[0][0][:BATCH // M],)
+    gm = fxpipe.trace(_model(), example)
+    return DeviceModel.cpu().calibrate(gm, example, optimizer=_optimizer, barrier=dist.barrier).measure_p2p()
 
 
 def _pippy(rank: int, name: str, batches, warmup: int) -> dict:
@@ -189,7 +215,11 @@ def _worker(rank: int, world: int, name: str, store: str, out: str, steps: int, 
     else:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         _peak_rss_reset()
-        if name.startswith("fxpipe"):
+        if name.startswith("check"):  # "check <schedule> <model> m=<m>"
+            _, schedule, model, m = name.split()
+            result = _fxpipe(rank, schedule, batches, warmup, m=int(m[2:]), model=model,
+                             device_model=_calibrated_on_pinned(batches))
+        elif name.startswith("fxpipe"):
             result = _fxpipe(rank, name.split()[1], batches, warmup)
         else:
             result = _pippy(rank, name, batches, warmup)
@@ -211,12 +241,33 @@ class _FileBarrier:
             time.sleep(0.01)
 
 
-def run(name: str, steps: int, warmup: int) -> list[dict]:
+def run(name: str, steps: int, warmup: int, world: int = 2) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result")
-        mp.start_processes(_worker, args=(2, name, os.path.join(tmp, "store"), out, steps, warmup), nprocs=2,
+        mp.start_processes(_worker, args=(world, name, os.path.join(tmp, "store"), out, steps, warmup), nprocs=world,
                            start_method="spawn", join=True)
-        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
+        return [torch.load(f"{out}.{r}", weights_only=False) for r in range(world)]
+
+
+#: The simulator's checks on configurations the calibration never ran: the cost model is
+#: calibrated on the pinned GPT (whole model, every rank at once) and prices these with it.
+CHECKS = (("pinned GPT, m = 8", "gpt", 8, 2), ("pinned GPT, d = 4 on 4 ranks", "gpt", 4, 4),
+          ("HF GPT-2 8x256 (tied, its own loss)", "gpt2", 4, 2))
+
+
+def checks(steps: int, warmup: int) -> None:
+    rows = []
+    for label, model, m, world in CHECKS:
+        for schedule in FXPIPE:
+            ranks = run(f"check {schedule} {model} m={m}", steps, warmup, world)
+            measured = max(r["seconds"] for r in ranks) / steps
+            predicted = ranks[0]["predicted"]
+            rows.append([label, schedule, 1e3 * measured, 1e3 * predicted, 100 * (predicted / measured - 1)])
+            print(f"check: {label}, {schedule}: measured {1e3 * measured:.0f} ms/step, simulated "
+                  f"{1e3 * predicted:.0f}", file=sys.stderr)
+    print("\nThe simulator on configurations it was not calibrated on (one run each):\n")
+    print(tabulate(rows, headers=["configuration", "schedule", "ms/step", "simulated ms/step", "sim error %"],
+                   floatfmt=".1f"))
 
 
 def throughput(name: str, ranks: list[dict]) -> float:
@@ -231,7 +282,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", nargs="*", choices=SYSTEMS, default=SYSTEMS, help="run just these systems")
+    ap.add_argument("--check", action="store_true",
+                    help="instead: the simulator on other configurations (m = 8, d = 4 on 4 ranks, HF GPT-2)")
     args = ap.parse_args()
+    if args.check:
+        checks(args.steps, args.warmup)
+        return
     results: dict[str, list[list[dict]]] = {n: [] for n in args.only}
     for r in range(args.rounds):
         for name in args.only:
@@ -247,7 +303,7 @@ def report(results: dict[str, list[list[dict]]]) -> None:
     rows = []
     for name, runs in results.items():
         middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
-        measured_ms = 1e3 * BATCH / rate[name]
+        measured_ms = 1e3 * BATCH / rate[name]  # the median round's rate, per step of BATCH samples
         predicted = middle[0].get("predicted")
         rows.append([
             _LABELS.get(name, name), rate[name], 100 * rate[name] / limit if limit else None,

@@ -119,7 +119,8 @@ class DeviceModel:
         return param_bytes * per_byte
 
     def calibrate(self, gm: fx.GraphModule, example_inputs=None, *, optimizer=None,
-                  torch_device: str | torch.device | None = None, repeats: int = 10) -> "DeviceModel":
+                  torch_device: str | torch.device | None = None, repeats: int = 10,
+                  barrier=None) -> "DeviceModel":
         """This model fitted to what this machine does with ``gm`` now: the whole traced graph
         runs forward and backward on ``example_inputs`` (median of ``repeats`` after two warm-ups),
         and the roofline's ``peak_flops`` and ``mem_bandwidth`` are scaled by one factor so
@@ -128,8 +129,10 @@ class DeviceModel:
         ``optimizer`` (``compile``'s factory) one step over parameters of the model's shapes (up
         to 8M elements) gives ``update_time_per_byte``. The per-node split keeps the roofline's
         proportions: what is calibrated is this machine's speed, not a stage's time, so a plan
-        predicts splits, schedules and micro-batch counts it never ran.
-        ``compile(cost_mode="calibrated")`` calls it on rank 0 before planning."""
+        predicts splits, schedules and micro-batch counts it never ran. ``barrier`` (called
+        before each timed run; e.g. ``torch.distributed.barrier``) lines up the runs of ranks
+        that calibrate together, so each is timed while the others compute too.
+        ``compile(cost_mode="calibrated")`` calls it on every rank at once before planning."""
         dev = torch.device(torch_device) if torch_device is not None else torch.device("cpu")
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         if example_inputs is None:
@@ -149,6 +152,8 @@ class DeviceModel:
 
         def once() -> tuple[float, float]:
             sync()
+            if barrier is not None:
+                barrier()
             t0 = time.perf_counter()
             outs = [o for o in pytree.tree_leaves(gm(*flat)) if isinstance(o, torch.Tensor) and o.requires_grad]
             sync()

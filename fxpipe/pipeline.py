@@ -350,10 +350,9 @@ class Pipeline:
                 # Every rank at once, so the speed measured is a rank's while the others compute
                 # too (on a CPU host they share cores, caches and memory bandwidth); rank 0's
                 # figures go into the plan. Then the roofline, from those figures.
-                if self.distributed:
-                    dist.barrier()
                 device_model = (device_model or DeviceModel.for_device(self.device)).calibrate(
-                    gm, self._example, optimizer=o.optimizer, torch_device=self.device)
+                    gm, self._example, optimizer=o.optimizer, torch_device=self.device,
+                    barrier=dist.barrier if self.distributed else None)
                 cost_mode = "analytic"
             if o.device_model is None and self.distributed and o.cost_mode != "analytic":
                 # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are

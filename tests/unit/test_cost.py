@@ -174,6 +174,9 @@ def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     assert cal.update_time_per_byte is None and cal.update_time(1e6) == pytest.approx(8e6 / cal.mem_bandwidth)
     timed = dev.calibrate(gm, repeats=1, optimizer=lambda named: torch.optim.Adam([p for _, p in named]))
     assert timed.update_time_per_byte > 0 and timed.backward_ratio > 0
+    calls = []  # ranks calibrating together line up every timed run (two warm-ups, then the repeats)
+    dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1))
+    assert len(calls) == 5
 
 
 def test_calibrate_refuses_a_meta_model():
