@@ -133,14 +133,7 @@ class DeviceModel:
         before each timed run; e.g. ``torch.distributed.barrier``) lines up the runs of ranks
         that calibrate together, so each is timed while the others compute too.
         ``compile(cost_mode="calibrated")`` calls it on every rank at once before planning."""
-        dev = torch.device(torch_device) if torch_device is not None else torch.device("cpu")
-        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        if example_inputs is None:
-            flat = _synth_inputs(gm)
-        else:
-            args, kwargs = normalize_inputs(example_inputs)
-            flat = gm.meta["fxpipe"].flatten_inputs(args, kwargs)
-        flat = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat]
+        dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
         params = [p for p in gm.parameters() if p.requires_grad]
         if any(p.is_meta for p in params):
             raise PlanError("calibrate times the model on real tensors, but its parameters are on the meta device; "
@@ -532,6 +525,20 @@ def _bytes_moved(node: fx.Node, ni: NodeInfo) -> tuple[float, float]:
 # measured times
 
 
+def _timing_setup(gm: fx.GraphModule, example_inputs, torch_device):
+    """(device, the graph's flat inputs on it, a sync that waits for the device) for timing
+    ``gm``: the example's inputs, or inputs synthesised from the traced shapes."""
+    dev = torch.device(torch_device) if torch_device is not None else torch.device("cpu")
+    if example_inputs is None:
+        flat = _synth_inputs(gm)
+    else:
+        args, kwargs = normalize_inputs(example_inputs)
+        flat = gm.meta["fxpipe"].flatten_inputs(args, kwargs)
+    flat = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat]
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    return dev, flat, sync
+
+
 def _time_optimizer(factory, params, dev, sync, repeats: int, budget: int = 8 << 20) -> float:
     """Seconds per parameter byte of one step of the optimizer ``factory`` makes, over copies of
     the first parameters (in model order) up to ``budget`` elements, with random gradients."""
@@ -584,14 +591,7 @@ def _measure(gm, example_inputs, torch_device, repeats: int, grad: dict[str, boo
     median discards it. Parameters are used in place (detached aliases, no copies); buffers are
     cloned so in-place updates (BatchNorm statistics) leave the model untouched; the RNG is
     restored."""
-    dev = torch.device(torch_device) if torch_device is not None else torch.device("cpu")
-    if example_inputs is None:
-        flat = _synth_inputs(gm)
-    else:
-        args, kwargs = normalize_inputs(example_inputs)
-        flat = gm.meta["fxpipe"].flatten_inputs(args, kwargs)
-    flat = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat]
-    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
     env: dict[str, Any] = {}
     it = iter(flat)
     params = dict(gm.named_parameters())
