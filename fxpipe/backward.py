@@ -68,37 +68,34 @@ def _children(node) -> list:
     return [c for c, _ in node.next_functions if c is not None]
 
 
+def _fold_below(root, memo: dict, value):
+    """Post-order over the graph below ``root`` (inclusive): ``memo[node] = value(node, [memo of
+    each child])`` for every node not yet in ``memo``; returns ``memo[root]``. Iterative, so a
+    deep graph does not hit Python's recursion limit."""
+    stack = [(root, False)]
+    while stack:
+        node, expanded = stack.pop()
+        if node in memo:
+            continue
+        if expanded:
+            memo[node] = value(node, [memo[c] for c in _children(node)])
+            continue
+        stack.append((node, True))
+        stack.extend((c, False) for c in _children(node) if c not in memo)
+    return memo[root]
+
+
 def _leads_to(roots: Sequence, targets: set) -> set:
     """The nodes below ``roots`` (inclusive) from which some node of ``targets`` is reachable."""
     memo: dict = {}
     for root in roots:
-        stack = [(root, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if node in memo:
-                continue
-            if expanded:
-                memo[node] = node in targets or any(memo[c] for c in _children(node))
-                continue
-            stack.append((node, True))
-            stack.extend((c, False) for c in _children(node) if c not in memo)
+        _fold_below(root, memo, lambda n, below: n in targets or any(below))
     return {n for n, hit in memo.items() if hit}
 
 
 def _weights_below(node, weights: set, memo: dict) -> frozenset:
     """The weight accumulators reachable from ``node`` (an N node: nothing below it is in C)."""
-    stack = [(node, False)]
-    while stack:
-        n, expanded = stack.pop()
-        if n in memo:
-            continue
-        if expanded:
-            own = {n} if n in weights else set()
-            memo[n] = frozenset(own.union(*(memo[c] for c in _children(n))))
-            continue
-        stack.append((n, True))
-        stack.extend((c, False) for c in _children(n) if c not in memo)
-    return memo[node]
+    return _fold_below(node, memo, lambda n, below: frozenset(({n} if n in weights else set()).union(*below)))
 
 
 def _below_in(node, inside: set) -> set:

@@ -255,9 +255,7 @@ class StageWorker:
         ctx = self.ctx.pop(a.index)
         t, roots, seeds, boundary = self._backward_roots(a, ctx)
         self.store.backward(t, a.version, roots, seeds, boundary)
-        # A boundary input that did not influence the outputs still gets a (zero) gradient, so
-        # both sides of the channel always exchange the same tensors.
-        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
+        self._take_input_grads(boundary)
 
     def _do_i(self, a: Action) -> None:
         """zb: the input-gradient half of micro-batch k's backward (what SEND_GRAD k sends). The
@@ -274,15 +272,21 @@ class StageWorker:
             if self.replica == 0:
                 warnings.warn(f"fxpipe: zb on stage {self.index}: its backward runs unsplit in I (W is empty) because "
                               f"{self.store.unsplit}", RuntimeWarning, stacklevel=2)
-        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
-        for x in boundary:
-            x.grad = None
+        self._take_input_grads(boundary)
 
     def _do_w(self, a: Action) -> None:
         """zb: micro-batch k's weight gradients into batch t's accumulator, from what ``I k``
         recorded (no input-gradient op runs again); frees the rest of its graph."""
         ctx = self.ctx.pop(a.index)
         self.store.backward_weight(self._batch(a.index), ctx.pop("pending"))
+
+    def _take_input_grads(self, boundary) -> None:
+        """Keep the boundary inputs' gradients for SEND_GRAD (and clear their ``.grad``). A
+        boundary input that did not influence the outputs still gets a (zero) gradient, so both
+        sides of the channel always exchange the same tensors."""
+        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
+        for x in boundary:
+            x.grad = None
 
     def _backward_roots(self, a: Action, ctx: dict):
         """(batch, roots, seeds, float boundary leaves) of micro-batch k's backward: the scaled

@@ -320,18 +320,15 @@ class _TorchOptim:
     def backward(self, t, leaves, roots, seeds, boundary) -> None:
         if not roots:
             return
-        views = self.store.grad_views_of(t)
         if self.store.master is not None:  # 16-bit gradients, added into the fp32 accumulator
             names = [n for n, leaf in leaves.items() if leaf.requires_grad]
             inputs = [leaves[n] for n in names] + boundary
             grads = torch.autograd.grad(roots, inputs, seeds if seeds[0] is not None else None, allow_unused=True)
-            with torch.no_grad():
-                for n, g in zip(names, grads):
-                    if g is not None:
-                        views[n].add_(g)
+            self.accumulate(t, {n: g for n, g in zip(names, grads) if g is not None})
             for x, g in zip(boundary, grads[len(names):]):
                 x.grad = g
             return
+        views = self.store.grad_views_of(t)
         for name, leaf in leaves.items():
             if leaf.requires_grad:
                 leaf.grad = views[name]
