@@ -82,16 +82,19 @@ def _peak_rss() -> float:
     return float("nan")
 
 
-def _timed(step, batches, warmup: int) -> tuple[float, int]:
-    """(seconds for the steps after ``warmup``, samples in them), all ranks starting together."""
+def _timed(step, batches, warmup: int, start=None, batch: int = BATCH) -> tuple[float, int]:
+    """(seconds for the steps after ``warmup``, samples in them), all ranks starting together;
+    ``start`` runs right before the timed steps."""
     for x, y in batches[:warmup]:
         step(x, y)
     if dist.is_initialized():
         dist.barrier()
+    if start is not None:
+        start()
     t0 = time.perf_counter()
     for x, y in batches[warmup:]:
         step(x, y)
-    return time.perf_counter() - t0, BATCH * (len(batches) - warmup)
+    return time.perf_counter() - t0, batch * (len(batches) - warmup)
 
 
 def _limit(rank: int, batches, warmup: int) -> dict:
@@ -131,31 +134,25 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     from fxpipe.schedule import generate
     from fxpipe.simulate import simulate
 
-    mb = BATCH // M  # micro-batches of the pinned size; m of them per step
+    mb = BATCH // M  # micro-batches of the pinned size; m of them per step (m a multiple of M)
+    batches = [(x.repeat(m // M, 1), y.repeat(m // M, 1)) for x, y in batches]
     if model == "gpt2":
-        batches = [({"input_ids": x[:m * mb], "labels": x[:m * mb]}, None) for x, _ in batches]
+        batches = [({"input_ids": x, "labels": x}, None) for x, _ in batches]
         example, net, loss = {"input_ids": batches[0][0]["input_ids"][:mb], "labels": batches[0][0]["labels"][:mb]}, _gpt2(), None
     else:
-        batches = [(x.repeat(m // M, 1)[:m * mb] if m > M else x, y.repeat(m // M, 1)[:m * mb] if m > M else y)
-                   for x, y in batches]
         example, net, loss = (batches[0][0][:mb],), _model(), lm_loss
     mode = dict(cost_mode="calibrated") if device_model is None else dict(device_model=device_model)
     pipe = fxpipe.compile(net, example, loss_fn=loss, microbatches=m, stages=dist.get_world_size(),
                           schedule=schedule, optimizer=_optimizer, verbose=False, **mode)
-    for x, y in batches[:warmup]:
-        pipe.step(x, y)
-    dist.barrier()
-    profile = pipe.profile = Profile()
-    t0 = time.perf_counter()
-    for x, y in batches[warmup:]:
-        pipe.step(x, y)
-    seconds = time.perf_counter() - t0
+    profile = Profile()
+    seconds, samples = _timed(pipe.step, batches, warmup, start=lambda: setattr(pipe, "profile", profile),
+                              batch=m * mb)
     pipe.profile = None
     pipe.flush()
     plan = pipe.plan
     costs = plan_costs(plan)
     predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), costs).step_time
-    return {"seconds": seconds, "samples": m * mb * (len(batches) - warmup), "profile": profile.summary(),
+    return {"seconds": seconds, "samples": samples, "profile": profile.summary(),
             "predicted": predicted, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
                                                 1e3 * costs.per_stage("backward", i), 1e3 * costs.per_stage("update", i))
                                                for i, sp in enumerate(plan.stage_plans)]}
