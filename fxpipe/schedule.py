@@ -222,6 +222,7 @@ assert set(SPEC) == set(Kind), "every Kind needs its SPEC entry"
 COMPUTE = frozenset({Kind.F, Kind.R, Kind.B, Kind.I, Kind.W})
 GRAD_SOURCES = frozenset({Kind.B, Kind.I})  # what produces the gradient SEND_GRAD k sends
 LAST_BACKWARD = frozenset({Kind.B, Kind.W})  # what ends a micro-batch's backward (frees its activations)
+BACKWARDS = GRAD_SOURCES | LAST_BACKWARD  # a micro-batch's backward, whole or in halves
 SENDS = frozenset(k for k, v in SPEC.items() if v.comm == "send")
 RECVS = frozenset(k for k, v in SPEC.items() if v.comm == "recv")
 P2P = SENDS | RECVS
@@ -966,7 +967,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             ck.fail(s, pos, f"{a.kind}{a.index} appears twice (first at position {done[a.kind, a.index]})", "Drop one")
         done[a.kind, a.index] = pos
         k, t = a.index, a.index
-        if a.kind in (Kind.B, Kind.I, Kind.W) and a.kind not in backward:
+        if a.kind in BACKWARDS and a.kind not in backward:
             ck.fail(s, pos, f"{schedule} has no {a.kind} actions (its backward is {' + '.join(map(str, backward))})",
                     f"Use {' and '.join(f'{s}{b}{k}' for b in backward)} instead")
         if a.kind in COMPUTE or a.kind in P2P:
@@ -1046,7 +1047,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                     f"Run UPDATE{t - 1} first: at most two gradient buffers (accumulator and one in reduction)",
                 )
             if t not in last_b or any(
-                b.kind in (Kind.B, Kind.I, Kind.W) and batch_of(b.index, m) == t for b in lst[pos + 1:]
+                b.kind in BACKWARDS and batch_of(b.index, m) == t for b in lst[pos + 1:]
             ):
                 ck.fail(s, pos, f"reduction of batch {t} issued before the stage's last backward of batch {t}", "Move it after that backward")
             if a.kind is Kind.NORM_START:
@@ -1062,7 +1063,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                 ck.fail(s, pos, f"batch {t} is outside 1..{steps}", "Fix the index")
             if t != newest + 1:
                 ck.fail(s, pos, f"produces W({t}) but the newest version is W({newest})", f"Updates run in order: UPDATE{newest + 1} next")
-            if t not in last_b or any(b.kind in (Kind.B, Kind.I, Kind.W) and batch_of(b.index, m) == t
+            if t not in last_b or any(b.kind in BACKWARDS and batch_of(b.index, m) == t
                                       for b in lst[pos + 1:]):
                 ck.fail(s, pos, f"UPDATE{t} before the stage's last backward of batch {t}", "Move it after that backward")
             for (kind, tb), p in started.items():
@@ -1231,7 +1232,7 @@ def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
             waits.append(key[need, a.index])
         elif need in STARTS:  # a join without its start never becomes ready
             waits.append(str(Action(a.stage, need, a.index)))
-        if a.kind in (Kind.B, Kind.I, Kind.W):
+        if a.kind in BACKWARDS:
             last_b = str(a)
         elif a.kind in SENDS:
             source = Kind.F if a.kind is Kind.SEND_ACT else Kind.I if (Kind.I, a.index) in key else Kind.B
