@@ -61,6 +61,22 @@ class WorkerConfig:
     accumulate: str = "gradients"  # or "optimizer": AdamA, no gradient buffer and no per-step NORM
 
 
+def _squared_norm(grads: Sequence[torch.Tensor], device) -> torch.Tensor:
+    """The squared 2-norm of ``grads`` together, a float64 scalar: one fused pass per dtype
+    (``torch._foreach_norm``, what ``clip_grad_norm_`` runs; 16-bit gradients are normed in
+    float32, float32 and float64 in their own dtype), the per-tensor norms then squared and
+    summed in float64. A NaN or infinity anywhere makes the result NaN or infinite."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g.detach())
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for dt, group in by_dtype.items():
+        wide = None if dt in (torch.float32, torch.float64) else torch.float32
+        norms = torch._foreach_norm(group, 2, dtype=wide)
+        sq += torch.stack(norms).double().pow(2).sum()
+    return sq
+
+
 class StageWorker:
     """Executes one rank's actions for one stage (see module docstring)."""
 
@@ -413,11 +429,9 @@ class StageWorker:
         loss was not finite). One small collective serves clipping and the non-finite check; the
         list waits for batch t's other reductions before this action (the validator checks it)."""
         t = a.index
-        views = self.store.grad_views_of(t)
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for name, g in views.items():
-            if self.cfg.tied_owner.get(name, True):  # a tied weight counts once, on its owner
-                sq += g.detach().double().pow(2).sum()
+        sq = _squared_norm([g for name, g in self.store.grad_views_of(t).items()
+                            if self.cfg.tied_owner.get(name, True)],  # a tied weight counts once, on its owner
+                           self.device)
         if self.is_last:
             sq += self.loss_check.pop(t)
         # one entry per (replica, stage), replica-major whatever the ranks' layout: a replica's
