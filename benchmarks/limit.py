@@ -165,7 +165,8 @@ def _calibrated_on_pinned(batches):
 
     example = (batches[0][0][:BATCH // M],)
     gm = fxpipe.trace(_model(), example)
-    return DeviceModel.cpu().calibrate(gm, example, optimizer=_optimizer, barrier=dist.barrier).measure_p2p()
+    return DeviceModel.cpu().calibrate(gm, example, optimizer=_optimizer, barrier=dist.barrier,
+                                       host_ranks=dist.get_world_size(), alone=dist.get_rank() == 0).measure_p2p()
 
 
 def _pippy(rank: int, name: str, batches, warmup: int) -> dict:

@@ -72,11 +72,15 @@ class DeviceModel:
     #: seconds of one optimizer step per byte of parameters; None: 8 bytes moved per byte over
     #: ``mem_bandwidth`` (an Adam-like step reads and writes weights, gradients and two moments)
     update_time_per_byte: float | None = None
+    #: CPU ranks on one host share its cores: how many of them compute at full speed at once
+    #: (:meth:`calibrate` measures it; the simulator then slows each of k computing ranks to
+    #: ``min(1, host_cores / k)`` of its speed alone). None: every rank has a device of its own.
+    host_cores: float | None = None
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "name" or (f.name == "update_time_per_byte" and v is None):
+            if f.name == "name" or (f.name in ("update_time_per_byte", "host_cores") and v is None):
                 continue
             if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in ("p2p_latency", "op_latency", "update_time_per_byte")):
                 raise PlanError(
@@ -120,7 +124,7 @@ class DeviceModel:
 
     def calibrate(self, gm: fx.GraphModule, example_inputs=None, *, optimizer=None,
                   torch_device: str | torch.device | None = None, repeats: int = 10,
-                  barrier=None) -> "DeviceModel":
+                  barrier=None, host_ranks: int = 1, alone: bool = False) -> "DeviceModel":
         """This model fitted to what this machine does with ``gm`` now: the whole traced graph
         runs forward and backward on ``example_inputs`` (median of ``repeats`` after two warm-ups),
         and the roofline's ``peak_flops`` and ``mem_bandwidth`` are scaled by one factor so
@@ -129,11 +133,18 @@ class DeviceModel:
         ``optimizer`` (``compile``'s factory) one step over parameters of the model's shapes (up
         to 8M elements) gives ``update_time_per_byte``. The per-node split keeps the roofline's
         proportions: what is calibrated is this machine's speed, not a stage's time, so a plan
-        predicts splits, schedules and micro-batch counts it never ran. ``barrier`` (called
-        before each timed run; e.g. ``torch.distributed.barrier``) lines up the runs of ranks
-        that calibrate together, so each is timed while the others compute too.
-        ``compile(cost_mode="calibrated")`` calls it on every rank at once before planning."""
+        predicts splits, schedules and micro-batch counts it never ran.
+
+        Ranks that calibrate together call it at once with the same ``barrier`` (e.g.
+        ``torch.distributed.barrier``), which lines up every timed run, so each is timed while
+        the others compute too. Where ``host_ranks`` > 1 of them share this host's cores (CPU
+        processes), the rank with ``alone=True`` then times the model again while the others
+        wait in ``barrier``: its model holds the speed alone and ``host_cores``, the number of
+        ranks the host runs at full speed at once (``host_ranks`` times alone over together),
+        which the simulator uses to slow ranks that compute at the same time.
+        ``compile(cost_mode="calibrated")`` calls it on every rank, rank 0 timing alone."""
         dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
+        args, kwargs = pytree.tree_unflatten(flat, gm.meta["fxpipe"].in_spec)  # the model's calling convention
         params = [p for p in gm.parameters() if p.requires_grad]
         if any(p.is_meta for p in params):
             raise PlanError("calibrate times the model on real tensors, but its parameters are on the meta device; "
@@ -143,23 +154,37 @@ class DeviceModel:
             raise PlanError(f"calibrate runs the model where its parameters are; found them on {params[0].device}, "
                             f"asked for {dev}: move the model to {dev} first")
 
-        def once() -> tuple[float, float]:
+        def once(line_up) -> tuple[float, float]:
             sync()
-            if barrier is not None:
-                barrier()
+            if line_up is not None:
+                line_up()
             t0 = time.perf_counter()
-            outs = [o for o in pytree.tree_leaves(gm(*flat)) if isinstance(o, torch.Tensor) and o.requires_grad]
+            outs = [o for o in pytree.tree_leaves(gm(*args, **kwargs)) if isinstance(o, torch.Tensor) and o.requires_grad]
             sync()
             t1 = time.perf_counter()
             torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
             sync()
             return t1 - t0, time.perf_counter() - t1
 
+        def medians(samples) -> tuple[float, float]:
+            return statistics.median(f for f, _ in samples), statistics.median(b for _, b in samples)
+
+        update = self.update_time_per_byte
+        cores = None
         with torch.random.fork_rng(devices=rng_devices(dev)):
-            once(), once()  # warm-up: the allocator's pools, lazily built kernels
-            samples = [once() for _ in range(repeats)]
-        fwd = statistics.median(f for f, _ in samples)
-        bwd = statistics.median(b for _, b in samples)
+            once(barrier), once(barrier)  # warm-up: the allocator's pools, lazily built kernels
+            fwd, bwd = medians([once(barrier) for _ in range(repeats)])
+            if optimizer is not None:
+                update = _time_optimizer(optimizer, params, dev, sync, repeats)
+            if host_ranks > 1 and barrier is not None:
+                barrier()  # the others wait here while this rank runs alone
+                if alone:
+                    together = fwd + bwd
+                    fwd, bwd = medians([once(None) for _ in range(repeats)])
+                    cores = min(max(host_ranks * (fwd + bwd) / together, 1.0), float(host_ranks))
+                    if optimizer is not None:
+                        update = _time_optimizer(optimizer, params, dev, sync, repeats)
+                barrier()
 
         costs = annotate(gm, mode="analytic", device=self)
         nodes = [c for c in costs.nodes.values() if c.fwd_time.a or c.fwd_time.c]
@@ -170,11 +195,9 @@ class DeviceModel:
         scale = roof / max(fwd - n * lat, 1e-12)
         grads = [c for c in nodes if c.requires_grad]
         ratio = (bwd - len(grads) * lat) / max(sum(c.fwd_time(batch) - self.op_latency for c in grads) / scale, 1e-12)
-        update = self.update_time_per_byte
-        if optimizer is not None:
-            update = _time_optimizer(optimizer, params, dev, sync, repeats)
         return dataclasses.replace(self, peak_flops=self.peak_flops * scale, mem_bandwidth=self.mem_bandwidth * scale,
-                                   op_latency=lat, backward_ratio=max(ratio, 0.1), update_time_per_byte=update)
+                                   op_latency=lat, backward_ratio=max(ratio, 0.1), update_time_per_byte=update,
+                                   host_cores=cores)
 
     def p2p_time(self, nbytes: float) -> float:
         """Seconds to send one message of ``nbytes`` between adjacent stages."""

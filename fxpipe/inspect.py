@@ -147,6 +147,8 @@ def plan_costs(plan):
         backward=[sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps],
         p2p=max(sp.send_bytes / dev.p2p_bandwidth + dev.p2p_latency for sp in sps),
         update=[dev.update_time(sp.param_bytes) for sp in sps],
+        # replicas run the same timeline on the same host: each one's stages get 1/width of it
+        cores=dev.host_cores / plan.width if dev.host_cores is not None else None,
     )
 
 

@@ -1155,7 +1155,7 @@ def plan(
     tied = set() if best.grad_buffers == 2 else _stages_with_shared_tensors(chain, best.part.bounds)
     sps = tuple(_stage_plan(gm, chain, best.model, s, l, r, extra_grads=s in tied)
                 for s, (l, r) in enumerate(best.part.bounds))
-    return Plan(
+    plan = Plan(
         schedule=schedule,
         stages=best.d,
         width=best.w,
@@ -1180,6 +1180,23 @@ def plan(
         layout=best.layout,
         configurations=_configuration_rows(found.candidates, best, schedule, limit, top) if given_cluster or top else (),
     )
+    if device.host_cores is not None and device.host_cores < best.d * best.w:
+        plan = _on_shared_cores(plan)
+    return plan
+
+
+def _on_shared_cores(plan: Plan) -> Plan:
+    """``plan`` with its step time simulated: its ranks share fewer cores than there are ranks
+    (CPU processes on one host, :attr:`DeviceModel.host_cores`), so a rank computes faster while
+    others wait, which the closed form (:func:`pipeline_time`, a device per rank) leaves out."""
+    from .inspect import plan_costs
+    from .schedule import generate
+    from .simulate import simulate
+
+    lists = generate(plan.schedule, plan.stages, plan.microbatches, 8, width=plan.width, recompute=list(plan.recompute))
+    pipe, ar = simulate(lists, plan_costs(plan)).step_time, plan.allreduce_time
+    step = max(pipe, ar) if plan.schedule == "2bw" else pipe + ar  # as _price prices it
+    return dataclasses.replace(plan, step_time=step, throughput=plan.microbatch_size * plan.microbatches * plan.width / step)
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:

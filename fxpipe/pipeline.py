@@ -20,6 +20,7 @@ import atexit
 import datetime
 import gc
 import os
+import socket
 import time
 import warnings
 from dataclasses import dataclass, replace
@@ -348,11 +349,13 @@ class Pipeline:
             cost_mode = o.cost_mode
             if cost_mode == "calibrated":
                 # Every rank at once, so the speed measured is a rank's while the others compute
-                # too (on a CPU host they share cores, caches and memory bandwidth); rank 0's
-                # figures go into the plan. Then the roofline, from those figures.
+                # too (on a CPU host they share cores, caches and memory bandwidth); then rank 0
+                # alone, which tells how many ranks its host runs at full speed at once. Rank
+                # 0's figures go into the plan. Then the roofline, from those figures.
                 device_model = (device_model or DeviceModel.for_device(self.device)).calibrate(
                     gm, self._example, optimizer=o.optimizer, torch_device=self.device,
-                    barrier=dist.barrier if self.distributed else None)
+                    barrier=dist.barrier if self.distributed else None, host_ranks=self._ranks_sharing_cores(),
+                    alone=self.rank == 0)
                 cost_mode = "analytic"
             if o.device_model is None and self.distributed and o.cost_mode != "analytic":
                 # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are
@@ -616,6 +619,16 @@ class Pipeline:
                 + "; incomplete posts: " + " | ".join(self.hub.engine.blocked())
                 + ". This is a bug in fxpipe's schedule; please report it with the plan."
             )
+
+    def _ranks_sharing_cores(self) -> int:
+        """The world size where every rank is a CPU process on one host, sharing its cores (what
+        the simulator models, :attr:`fxpipe.cost.DeviceModel.host_cores`); otherwise 1: on a GPU
+        each rank has a device of its own, and ranks across hosts are not modelled as sharing."""
+        if not self.distributed or self.device.type != "cpu":
+            return 1
+        hosts: list = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        return self.world_size if len(set(hosts)) == 1 else 1
 
     def _run(self, r: int, wk: StageWorker, lst: list[Action], i: int) -> None:
         a = lst[i]

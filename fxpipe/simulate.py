@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,10 @@ class Costs:
     """Optimizer step of one stage."""
     reduce: float = 0.0
     """One asynchronous reduction (data-parallel all-reduce, tied-weight sum, norm all-reduce)."""
+    cores: float | None = None
+    """The stages share one host's cores (CPU ranks): while k of them compute, each runs at
+    ``min(1, cores / k)`` of its own speed, so the times above are of a stage computing alone.
+    None: every stage has a device of its own."""
 
     def per_stage(self, name: str, stage: int) -> float:
         value = getattr(self, name)
@@ -152,10 +157,11 @@ def _derive(events: list[Event], steps_hint: int | None = None) -> Timeline:
     ranks = sorted({e.rank for e in events})
     busy = sum(e.end - e.start for e in events if e.stream == "compute" and e.kind in _BUSY)
     bubble = 1.0 - busy / (len(ranks) * makespan) if makespan > 0 else 0.0
-    # Steady-state time per batch: the spacing of the first rank's updates.
+    # Steady-state time per batch: the median spacing of the first rank's updates (on shared
+    # cores the steps that fill or drain the pipeline run faster than the steady ones).
     first = ranks[0]
     updates = sorted(e.end for e in events if e.rank == first and e.kind is Kind.UPDATE)
-    step_time = (updates[-1] - updates[0]) / (len(updates) - 1) if len(updates) >= 2 else makespan
+    step_time = statistics.median(b - a for a, b in zip(updates, updates[1:])) if len(updates) >= 2 else makespan
     peak: dict[int, int] = {}
     for r in ranks:
         live = best = 0
@@ -222,24 +228,51 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
             posted.discard(key)
             finish(key, start, start + duration(key[0], streams[key][head[key]].action))
 
+    # Compute on a shared host (``costs.cores``): a stream's compute op holds a share of the
+    # cores from its start until its work (seconds alone) is done; the clock advances from one
+    # start or finish to the next. Everything else runs at once, as without sharing.
+    running: dict[tuple[int, str], list[float]] = {}  # key -> [start, seconds of work left]
+    starting: dict[tuple[int, str], float] = {}  # key -> start of its head op, not reached yet
+    now = 0.0
+
+    def shares(key, a: Action) -> bool:
+        return costs.cores is not None and key[1] == "compute" and duration(key[0], a) > 0
+
     engine = Rendezvous(_groups(actions_by_stage), on_complete=complete, lane=lambda op: op.payload[0])
-    progress = True
-    while progress:
-        progress = False
-        for key in list(streams):
-            while head[key] < len(streams[key]) and key not in posted:
-                t = ready(key)
-                if t is None:
-                    break
-                a = streams[key][head[key]].action
-                progress = True
-                if SPEC[a.kind].comm is None:
-                    finish(key, t, t + duration(key[0], a))
-                    continue
-                op = comm_op(a)
-                op.payload = (key, t)
-                posted.add(key)
-                engine.post(op)  # completes it, and whatever it unblocks, when matched
+    while True:
+        progress = True
+        while progress:
+            progress = False
+            for key in list(streams):
+                while head[key] < len(streams[key]) and key not in posted and key not in running:
+                    t = ready(key)
+                    if t is None:
+                        break
+                    a = streams[key][head[key]].action
+                    if shares(key, a):
+                        starting[key] = t
+                        break
+                    progress = True
+                    if SPEC[a.kind].comm is None:
+                        finish(key, t, t + duration(key[0], a))
+                        continue
+                    op = comm_op(a)
+                    op.payload = (key, t)
+                    posted.add(key)
+                    engine.post(op)  # completes it, and whatever it unblocks, when matched
+        if not running and not starting:
+            break
+        rate = min(1.0, costs.cores / len(running)) if running else 1.0
+        ends = {key: now + left / rate for key, (_, left) in running.items()}
+        t = min([*ends.values(), *starting.values()])
+        for key, work in running.items():
+            work[1] -= (t - now) * rate
+        now = t
+        for key in [k for k, end in ends.items() if end <= now]:
+            start, _ = running.pop(key)
+            finish(key, start, now)
+        for key in [k for k, start in starting.items() if start <= now]:
+            running[key] = [starting.pop(key), duration(key[0], streams[key][head[key]].action)]
     stuck = [(k, streams[k][head[k]].action) for k in streams if head[k] < len(streams[k])]
     if stuck:
         where = "; ".join(f"stage {k[0]} {k[1]} at {a}" for k, a in sorted(stuck))

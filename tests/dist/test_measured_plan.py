@@ -1,5 +1,6 @@
 """Measured costs under torchrun-like ranks: the link figures come from a real ping-pong between
-ranks 0 and 1, rank 0 profiles and plans, and every rank trains on the one broadcast plan."""
+ranks 0 and 1, rank 0 profiles and plans, and every rank trains on the one broadcast plan. A
+calibrated plan on one host also knows how many ranks the host's cores run at once."""
 
 import json
 
@@ -24,7 +25,11 @@ def measured_compile(rank, world):
     pipe = fxpipe.compile(GPT(cfg), (x[:2],), loss_fn=lm_loss, microbatches=4, stages=2, cost_mode="measured",
                           optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False)
     losses = [float(pipe.step(x, y)) for _ in range(2)]  # rank 0: a Loss handle, resolved here
-    return {"plan": pipe.plan.to_json(), "losses": losses}
+    calibrated = fxpipe.compile(GPT(cfg), (x[:2],), loss_fn=lm_loss, microbatches=4, stages=2,
+                                cost_mode="calibrated", optimizer=functools.partial(torch.optim.SGD, lr=0.1),
+                                verbose=False)
+    calibrated.step(x, y)
+    return {"plan": pipe.plan.to_json(), "losses": losses, "calibrated": calibrated.plan.to_json()}
 
 
 def test_measured_mode_measures_links_and_shares_one_plan():
@@ -42,3 +47,8 @@ def test_measured_mode_measures_links_and_shares_one_plan():
     assert link["p2p_latency"] > 0 and link["p2p_bandwidth"] > 0
     assert (link["p2p_latency"], link["p2p_bandwidth"]) != (default.p2p_latency, default.p2p_bandwidth)
     assert results[0]["value"]["losses"] == results[1]["value"]["losses"]  # the loss on every rank
+    calibrated = [json.loads(res["value"]["calibrated"]) for res in results]
+    assert calibrated[0] == calibrated[1]
+    # both ranks run on this host: rank 0 timed the model alone too, and the host's cores (at
+    # least one rank's worth, at most one per rank) went into the plan
+    assert 1.0 <= calibrated[0]["device"]["host_cores"] <= 2.0

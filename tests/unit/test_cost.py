@@ -179,6 +179,56 @@ def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     assert len(calls) == 5
 
 
+def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypatch):
+    """Two ranks on one host: the together runs take 8 s (3 + 5), the rank timing alone 6 s (2 +
+    4), so the host runs 2 * 6 / 8 = 1.5 ranks at full speed at once, and the model holds the
+    speed alone. The other ranks wait in the barrier meanwhile; a rank not timing alone, or a
+    host of one rank, measures no sharing."""
+    import fxpipe.cost as cost
+
+    gm, _ = linear_gm(64)
+    dev = DeviceModel(op_latency=1e-6)
+    calls = []
+
+    def clock(alone_runs):
+        together = [x for _ in range(5) for x in (0.0, 3.0, 8.0)]  # two warm-ups, three repeats
+        return iter(together + [x for _ in range(alone_runs) for x in (0.0, 2.0, 6.0)])
+
+    monkeypatch.setattr(cost.time, "perf_counter", clock(3).__next__)
+    cal = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=True)
+    assert cal.host_cores == pytest.approx(1.5) and len(calls) == 5 + 2
+    nodes = [c for c in annotate(gm, device=cal).nodes.values() if c.fwd_time(64) > 0]
+    assert math.isclose(sum(c.fwd_time(64) for c in nodes), 2.0, rel_tol=1e-9)
+
+    monkeypatch.setattr(cost.time, "perf_counter", clock(0).__next__)
+    calls.clear()
+    other = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=False)
+    assert other.host_cores is None and len(calls) == 5 + 2
+    monkeypatch.setattr(cost.time, "perf_counter", clock(0).__next__)
+    assert dev.calibrate(gm, repeats=3, barrier=lambda: None).host_cores is None
+
+
+def test_calibrate_calls_the_model_as_it_was_traced():
+    """Keyword inputs (a Hugging Face model's ``input_ids=``, ``labels=``) reach the traced
+    graph by name, as ``compile(cost_mode="calibrated")`` passes them."""
+
+    class Keywords(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = nn.Embedding(16, 8), nn.Linear(8, 16)
+
+        def forward(self, input_ids=None, labels=None):
+            logits = self.head(self.emb(input_ids))
+            return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    ids = torch.randint(0, 16, (4, 6))
+    example = {"input_ids": ids, "labels": ids}
+    gm = fxpipe.trace(Keywords(), example)
+    assert DeviceModel().calibrate(gm, example, repeats=1).backward_ratio > 0
+    pipe = fxpipe.compile(Keywords(), example, stages=2, microbatches=2, cost_mode="calibrated", verbose=False)
+    pipe.step({"input_ids": torch.cat([ids, ids]), "labels": torch.cat([ids, ids])})
+
+
 def test_calibrate_refuses_a_meta_model():
     with torch.device("meta"):
         model = nn.Linear(4, 4)

@@ -62,6 +62,33 @@ def test_per_stage_costs():
         simulate(generate("gpipe", 2, 2, 1), Costs(forward=[1.0]))
 
 
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe", "zb"])
+def test_stages_sharing_cores_compute_at_the_hosts_pace(schedule):
+    """CPU ranks on one host (``Costs.cores``): with a core per stage nothing changes; with one
+    core for all, every step takes the whole work of every stage (4 stages x 4 micro-batches x
+    (1 + 2)), bubbles or not; in between, the pace lies between the two."""
+    lists = generate(schedule, 4, 4, 8)
+    own = simulate(lists, Costs(1.0, 2.0))
+    shared = simulate(lists, Costs(1.0, 2.0, cores=4))
+    assert {(e.rank, e.action, round(e.start, 9), round(e.end, 9)) for e in shared.events} == \
+        {(e.rank, e.action, e.start, e.end) for e in own.events}
+    one = simulate(lists, Costs(1.0, 2.0, cores=1)).step_time
+    assert one == pytest.approx(48.0)
+    assert own.step_time < simulate(lists, Costs(1.0, 2.0, cores=2)).step_time < one
+
+
+def test_a_rank_computing_alone_runs_at_full_speed():
+    """gpipe, 2 stages on 1.5 cores (forward 1, backward 2): a pass that runs alone takes its
+    own time; passes of both stages at once run at 0.75 of their speed."""
+    tl = simulate(generate("gpipe", 2, 2, 1), Costs(1.0, 2.0, cores=1.5))
+    span = {e.action: (e.start, e.end) for e in tl.events if e.stream == "compute" and e.end > e.start}
+    assert span["0F1v0"] == (0.0, 1.0)  # alone: stage 1 waits for it
+    assert span["0F2v0"] == span["1F1v0"] == pytest.approx((1.0, 1 + 1 / 0.75))  # together
+    assert span["1B1v0"][1] - span["1B1v0"][0] == pytest.approx(2.0)  # alone again
+    assert span["0B1v0"] == span["1B2v0"] == pytest.approx((span["1B1v0"][1], span["1B1v0"][1] + 2 / 0.75))
+    assert tl.makespan == pytest.approx(10.0)
+
+
 def test_simulator_reports_mismatch():
     lists = {s: list(v) for s, v in generate("gpipe", 2, 2, 1).items()}
     i, j = lists[1].index(Action.parse("1RECV_ACT1")), lists[1].index(Action.parse("1RECV_ACT2"))
