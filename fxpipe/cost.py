@@ -76,13 +76,18 @@ class DeviceModel:
     #: (:meth:`calibrate` measures it; the simulator then slows each of k computing ranks to
     #: ``min(1, host_cores / k)`` of its speed alone). None: every rank has a device of its own.
     host_cores: float | None = None
+    #: seconds per random number an operator draws (dropout's mask, ``bernoulli``, ``rand``):
+    #: a generator's throughput, far below the memory roof on a CPU (about 10 ns per number
+    #: with one thread); :meth:`calibrate` measures it. 0: priced by the roofline alone.
+    random_time_per_element: float = 0.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if f.name == "name" or (f.name in ("update_time_per_byte", "host_cores") and v is None):
                 continue
-            if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in ("p2p_latency", "op_latency", "update_time_per_byte")):
+            if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in (
+                    "p2p_latency", "op_latency", "update_time_per_byte", "random_time_per_element")):
                 raise PlanError(
                     f"DeviceModel.{f.name} must be a positive number, found {v!r}; "
                     f"pass e.g. DeviceModel({f.name}={getattr(DeviceModel, f.name)!r})"
@@ -96,7 +101,7 @@ class DeviceModel:
             mem = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
         except (ValueError, OSError, AttributeError):
             pass
-        return cls(**{"name": "cpu", "memory_bytes": mem, **overrides})
+        return cls(**{"name": "cpu", "memory_bytes": mem, "random_time_per_element": 10e-9, **overrides})
 
     @classmethod
     def gpu(cls, **overrides: Any) -> "DeviceModel":
@@ -176,6 +181,7 @@ class DeviceModel:
             fwd, bwd = medians([once(barrier) for _ in range(repeats)])
             if optimizer is not None:
                 update = _time_optimizer(optimizer, params, dev, sync, repeats)
+            per_random = _time_random(dev, sync, repeats)
             if host_ranks > 1 and barrier is not None:
                 barrier()  # the others wait here while this rank runs alone
                 if alone:
@@ -184,20 +190,25 @@ class DeviceModel:
                     cores = min(max(host_ranks * (fwd + bwd) / together, 1.0), float(host_ranks))
                     if optimizer is not None:
                         update = _time_optimizer(optimizer, params, dev, sync, repeats)
+                    per_random = _time_random(dev, sync, repeats)
                 barrier()
 
-        costs = annotate(gm, mode="analytic", device=self)
+        # The random numbers the graph draws go at the generator's measured pace; the roofline
+        # is fitted to the rest of the forward.
+        roofline = dataclasses.replace(self, random_time_per_element=0.0)
+        costs = annotate(gm, mode="analytic", device=roofline)
+        drawn = sum(_random_elements(node) for node in gm.graph.nodes)
         nodes = [c for c in costs.nodes.values() if c.fwd_time.a or c.fwd_time.c]
         n = len(nodes)
         batch = costs.batch_size
         lat = min(self.op_latency, 0.5 * fwd / max(n, 1))
         roof = sum(c.fwd_time(batch) - self.op_latency for c in nodes)  # time above the fixed cost
-        scale = roof / max(fwd - n * lat, 1e-12)
+        scale = roof / max(fwd - n * lat - drawn * per_random, 1e-12)
         grads = [c for c in nodes if c.requires_grad]
         ratio = (bwd - len(grads) * lat) / max(sum(c.fwd_time(batch) - self.op_latency for c in grads) / scale, 1e-12)
         return dataclasses.replace(self, peak_flops=self.peak_flops * scale, mem_bandwidth=self.mem_bandwidth * scale,
                                    op_latency=lat, backward_ratio=max(ratio, 0.1), update_time_per_byte=update,
-                                   host_cores=cores)
+                                   host_cores=cores, random_time_per_element=per_random)
 
     def p2p_time(self, nbytes: float) -> float:
         """Seconds to send one message of ``nbytes`` between adjacent stages."""
@@ -359,6 +370,7 @@ def annotate(
         else:
             fwd = device.op_latency + max(flops / device.peak_flops, (moved + moved_params) / device.mem_bandwidth)
             bwd = device.op_latency + device.backward_ratio * (fwd - device.op_latency) if grad[node.name] else 0.0
+            fwd += _random_elements(node) * device.random_time_per_element  # a backward draws none
         costs[node.name] = NodeCost(
             flops=Linear.fit(flops, batch, scales=scal),
             out_bytes=Linear.fit(out_b, batch, scales=out_scales),
@@ -464,6 +476,36 @@ def _node_flops(gm: fx.GraphModule, node: fx.Node, cache: dict) -> float:
         return cache[key]
     cache[key] = flops = _fake_flops(gm, node)
     return flops
+
+
+#: Operators that draw one random number per output element (when they draw at all).
+_RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "bernoulli_",
+                         "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "normal", "normal_",
+                         "uniform_", "exponential_"})
+
+
+def _random_elements(node: fx.Node) -> float:
+    """How many random numbers ``node`` draws: one per element of its (first) output for a
+    random operator, none for dropout with p = 0 or in eval mode; scaled dot-product attention
+    with ``dropout_p`` > 0 draws one per attention weight."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return 0.0
+    name = target._overloadpacket.__name__
+    args, kwargs = _meta_args(node)
+    if name == "scaled_dot_product_attention":  # (query, key, value, attn_mask, dropout_p, ...)
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        if not isinstance(p, (int, float)) or p <= 0:
+            return 0.0
+        q, k = args[0], args[1]
+        return float(math.prod(q.shape[:-1]) * k.shape[-2])
+    if name not in _RANDOM_OPS:
+        return 0.0
+    if "dropout" in name and (len(args) > 1 and args[1] == 0 or len(args) > 2 and args[2] is False):
+        return 0.0
+    out = node.meta.get("val")
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return float(out.numel()) if isinstance(out, torch.Tensor) else 0.0
 
 
 def _sdpa_flops(node: fx.Node) -> float:
@@ -586,6 +628,29 @@ def _time_optimizer(factory, params, dev, sync, repeats: int, budget: int = 8 <<
         times.append(time.perf_counter() - t0)
     nbytes = sum(q.numel() * q.element_size() for _, q in copies)
     return statistics.median(times) / nbytes
+
+
+def _time_random(dev, sync, repeats: int, elements: int = 1 << 20) -> float:
+    """Seconds per random number of a dropout mask (the commonest draw in training) on ``dev``,
+    less the roofline-free part: the same elementwise pass without drawing (a multiply by a
+    ready mask)."""
+    x = torch.ones(elements, device=dev)
+    mask = torch.ones(elements, device=dev)
+
+    def timed(fn) -> float:
+        fn()
+        samples = []
+        for _ in range(repeats):
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    drawing = timed(lambda: torch.nn.functional.dropout(x, 0.1, training=True))
+    plain = timed(lambda: x * mask)
+    return max(drawing - plain, 0.0) / elements
 
 
 def _synth_inputs(gm: fx.GraphModule) -> list:

@@ -160,6 +160,7 @@ def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     gm, _ = linear_gm(64)
     clock = iter(x for _ in range(100) for x in (0.0, 3.0, 8.0))  # once(): t0, t1 (fwd 3 s), end (bwd 5 s)
     monkeypatch.setattr(cost.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(cost, "_time_random", lambda *a: 0.0)  # this graph draws no random number
     dev = DeviceModel(op_latency=1e-6)
     cal = dev.calibrate(gm, repeats=3)
     monkeypatch.undo()
@@ -189,6 +190,7 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
     gm, _ = linear_gm(64)
     dev = DeviceModel(op_latency=1e-6)
     calls = []
+    monkeypatch.setattr(cost, "_time_random", lambda *a: 0.0)  # this graph draws no random number
 
     def clock(alone_runs):
         together = [x for _ in range(5) for x in (0.0, 3.0, 8.0)]  # two warm-ups, three repeats
@@ -227,6 +229,26 @@ def test_calibrate_calls_the_model_as_it_was_traced():
     assert DeviceModel().calibrate(gm, example, repeats=1).backward_ratio > 0
     pipe = fxpipe.compile(Keywords(), example, stages=2, microbatches=2, cost_mode="calibrated", verbose=False)
     pipe.step({"input_ids": torch.cat([ids, ids]), "labels": torch.cat([ids, ids])})
+
+
+def test_random_numbers_are_priced_at_the_generators_pace():
+    """Dropout draws one number per element in training (none with p = 0 or in eval mode, nor
+    in its backward); the analytic forward adds them at ``random_time_per_element``, which
+    ``calibrate`` measures and leaves out of the roofline's fit."""
+    from fxpipe.cost import _random_elements
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.1), nn.Linear(16, 16), nn.Dropout(0.0))
+    x = torch.randn(4, 16)
+    gm = fxpipe.trace(model, (x,))
+    drawn = {n.name: _random_elements(n) for n in gm.graph.nodes if _random_elements(n)}
+    assert list(drawn.values()) == [64.0]
+    assert sum(_random_elements(n) for n in fxpipe.trace(model.eval(), (x,)).graph.nodes) == 0
+    (name,) = drawn
+    plain, priced = annotate(gm, device=DeviceModel()), annotate(gm, device=DeviceModel(random_time_per_element=1e-6))
+    assert priced.nodes[name].fwd_time(4) - plain.nodes[name].fwd_time(4) == pytest.approx(64e-6)
+    assert priced.nodes[name].bwd_time(4) == pytest.approx(plain.nodes[name].bwd_time(4))
+    cal = DeviceModel.cpu().calibrate(fxpipe.trace(model.train(), (x,)), (x,), repeats=3)
+    assert 0 < cal.random_time_per_element < 1e-6  # nanoseconds per number on a CPU
 
 
 def test_calibrate_refuses_a_meta_model():
