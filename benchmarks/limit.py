@@ -1,8 +1,8 @@
 """The physical limit, and how close each pipeline schedule gets to it, with every millisecond accounted for.
 
-    python benchmarks/limit.py                # about 12 minutes on 2 CPU cores
-    python benchmarks/limit.py --rounds 1     # one round, about 4 minutes
-    python benchmarks/limit.py --check        # the simulator on configurations it was not calibrated on
+    python benchmarks/limit.py                # about 8 minutes on 2 CPU cores
+    python benchmarks/limit.py --rounds 1     # one round, about 3 minutes
+    python benchmarks/limit.py --check        # the simulator on configurations it was not calibrated on (about 6 minutes)
 
 The pinned configuration (issue #15): a GPT (vocab 512, d_model 256, 8 layers, 4 heads, sequence
 64, untied embeddings), a global batch of 32 in m = 4 micro-batches of 8, Adam (lr 1e-3), two
@@ -125,7 +125,7 @@ def _gpt2():
 def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model: str = "gpt",
             device_model=None) -> dict:
     """Train with fxpipe on every rank as one pipeline (d = world size). Without ``device_model``
-    the plan is ``cost_mode="calibrated"`` (this model timed on every rank at once); with one,
+    the plan is ``cost_mode="calibrated"`` (this model timed on every rank at once, then on rank 0 alone); with one,
     the plan prices this configuration with it (a check of a calibration made elsewhere)."""
     import fxpipe
     from fxpipe.demo import lm_loss
@@ -159,7 +159,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
 
 
 def _calibrated_on_pinned(batches):
-    """The cost model calibrated on the pinned GPT (every rank at once), for the checks."""
+    """The cost model calibrated on the pinned GPT (every rank at once, then rank 0 alone), for the checks."""
     import fxpipe
     from fxpipe.cost import DeviceModel
 
@@ -248,7 +248,7 @@ def run(name: str, steps: int, warmup: int, world: int = 2) -> list[dict]:
 
 
 #: The simulator's checks on configurations the calibration never ran: the cost model is
-#: calibrated on the pinned GPT (whole model, every rank at once) and prices these with it.
+#: calibrated on the pinned GPT (whole model, every rank at once, then rank 0 alone) and prices these with it.
 CHECKS = (("pinned GPT, m = 8", "gpt", 8, 2), ("pinned GPT, d = 4 on 4 ranks", "gpt", 4, 4),
           ("HF GPT-2 8x256 (tied, its own loss)", "gpt2", 4, 2))
 
