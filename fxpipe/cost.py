@@ -80,6 +80,12 @@ class DeviceModel:
     #: a generator's throughput, far below the memory roof on a CPU (about 10 ns per number
     #: with one thread); :meth:`calibrate` measures it. 0: priced by the roofline alone.
     random_time_per_element: float = 0.0
+    #: zb's input-gradient pass (``I``) and weight-gradient pass (``W``), each over a whole
+    #: backward of the same layers. They sum to more than 1 where the split costs extra (on a CPU
+    #: the output gradients I keeps for W push later allocations onto fresh pages);
+    #: :meth:`calibrate` measures them with ``split=True``.
+    backward_input_share: float = 0.5
+    backward_weight_share: float = 0.5
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -87,7 +93,8 @@ class DeviceModel:
             if f.name == "name" or (f.name in ("update_time_per_byte", "host_cores") and v is None):
                 continue
             if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in (
-                    "p2p_latency", "op_latency", "update_time_per_byte", "random_time_per_element")):
+                    "p2p_latency", "op_latency", "update_time_per_byte", "random_time_per_element",
+                    "backward_input_share", "backward_weight_share")):
                 raise PlanError(
                     f"DeviceModel.{f.name} must be a positive number, found {v!r}; "
                     f"pass e.g. DeviceModel({f.name}={getattr(DeviceModel, f.name)!r})"
@@ -129,7 +136,7 @@ class DeviceModel:
 
     def calibrate(self, gm: fx.GraphModule, example_inputs=None, *, optimizer=None,
                   torch_device: str | torch.device | None = None, repeats: int = 10,
-                  barrier=None, host_ranks: int = 1, alone: bool = False) -> "DeviceModel":
+                  barrier=None, host_ranks: int = 1, alone: bool = False, split: bool = False) -> "DeviceModel":
         """This model fitted to what this machine does with ``gm`` now: the whole traced graph
         runs forward and backward on ``example_inputs`` (median of ``repeats`` after two warm-ups),
         and the roofline's ``peak_flops`` and ``mem_bandwidth`` are scaled by one factor so
@@ -146,7 +153,9 @@ class DeviceModel:
         processes), the rank with ``alone=True`` then times the model again while the others
         wait in ``barrier``: its model holds the speed alone and ``host_cores``, the number of
         ranks the host runs at full speed at once (``host_ranks`` times alone over together),
-        which the simulator uses to slow ranks that compute at the same time.
+        which the simulator uses to slow ranks that compute at the same time. ``split`` (the zb
+        schedule) also times zb's input- and weight-gradient passes against a whole backward of
+        the second half of the graph (``backward_input_share``, ``backward_weight_share``).
         ``compile(cost_mode="calibrated")`` calls it on every rank, rank 0 timing alone."""
         dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
         args, kwargs = pytree.tree_unflatten(flat, gm.meta["fxpipe"].in_spec)  # the model's calling convention
@@ -182,6 +191,8 @@ class DeviceModel:
             if optimizer is not None:
                 update = _time_optimizer(optimizer, params, dev, sync, repeats)
             per_random = _time_random(dev, sync, repeats)
+            shares = _time_split(gm, flat, sync, repeats) if split else (self.backward_input_share,
+                                                                          self.backward_weight_share)
             if host_ranks > 1 and barrier is not None:
                 barrier()  # the others wait here while this rank runs alone
                 if alone:
@@ -191,6 +202,8 @@ class DeviceModel:
                     if optimizer is not None:
                         update = _time_optimizer(optimizer, params, dev, sync, repeats)
                     per_random = _time_random(dev, sync, repeats)
+                    if split:
+                        shares = _time_split(gm, flat, sync, repeats)
                 barrier()
 
         # The random numbers the graph draws go at the generator's measured pace; the roofline
@@ -208,7 +221,8 @@ class DeviceModel:
         ratio = (bwd - len(grads) * lat) / max(sum(c.fwd_time(batch) - self.op_latency for c in grads) / scale, 1e-12)
         return dataclasses.replace(self, peak_flops=self.peak_flops * scale, mem_bandwidth=self.mem_bandwidth * scale,
                                    op_latency=lat, backward_ratio=max(ratio, 0.1), update_time_per_byte=update,
-                                   host_cores=cores, random_time_per_element=per_random)
+                                   host_cores=cores, random_time_per_element=per_random,
+                                   backward_input_share=shares[0], backward_weight_share=shares[1])
 
     def p2p_time(self, nbytes: float) -> float:
         """Seconds to send one message of ``nbytes`` between adjacent stages."""
@@ -651,6 +665,63 @@ def _time_random(dev, sync, repeats: int, elements: int = 1 << 20) -> float:
     drawing = timed(lambda: torch.nn.functional.dropout(x, 0.1, training=True))
     plain = timed(lambda: x * mask)
     return max(drawing - plain, 0.0) / elements
+
+
+def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[float, float]:
+    """zb's ``I`` and ``W`` (:mod:`fxpipe.backward`) over a whole backward, timed alternately on
+    the graph's second half: at its middle floating-point node the forward detaches every live
+    value into a boundary input, as a cut into two stages would. (1, 0) where the graph cannot
+    be split (the runtime then runs the whole backward in ``I``)."""
+    from .backward import backward_input
+
+    floats = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
+              and n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 2]
+    weights = {name: p for name, p in gm.named_parameters() if p.requires_grad}
+    if not floats or not weights:
+        return 0.5, 0.5
+    cut = floats[len(floats) // 2]
+
+    class Cut(fx.Interpreter):
+        def run_node(self, n):
+            out = super().run_node(n)
+            if n is cut:
+                self.boundary = []
+                for node, v in self.env.items():  # the values still live here (the interpreter frees the rest)
+                    if node.op.startswith("call") and isinstance(v, torch.Tensor) and v.requires_grad:
+                        self.env[node] = v.detach().requires_grad_()
+                        self.boundary.append(self.env[node])
+                out = out.detach().requires_grad_()
+                self.boundary.append(out)
+            return out
+
+    def once(split: bool) -> tuple[float, float] | None:
+        run = Cut(gm)
+        roots = [o for o in pytree.tree_leaves(run.run(*flat)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        seeds = [torch.ones_like(r) for r in roots]
+        sync()
+        t0 = time.perf_counter()
+        if not split:
+            torch.autograd.grad(roots, [*run.boundary, *weights.values()], seeds, allow_unused=True)
+            sync()
+            return time.perf_counter() - t0, 0.0
+        got = backward_input(roots, seeds, run.boundary, weights)
+        if isinstance(got, str):
+            return None
+        sync()
+        t1 = time.perf_counter()
+        got[1].run()
+        sync()
+        return t1 - t0, time.perf_counter() - t1
+
+    if once(True) is None:
+        return 1.0, 0.0
+    once(False)
+    whole, parts = [], []
+    for _ in range(repeats):
+        whole.append(once(False)[0])
+        parts.append(once(True))
+    b = max(statistics.median(whole), 1e-12)
+    return statistics.median(i for i, _ in parts) / b, statistics.median(w for _, w in parts) / b
 
 
 def _synth_inputs(gm: fx.GraphModule) -> list:

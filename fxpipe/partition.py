@@ -1180,15 +1180,18 @@ def plan(
         layout=best.layout,
         configurations=_configuration_rows(found.candidates, best, schedule, limit, top) if given_cluster or top else (),
     )
-    if device.host_cores is not None and device.host_cores < best.d * best.w:
-        plan = _on_shared_cores(plan)
+    shared = device.host_cores is not None and device.host_cores < best.d * best.w
+    split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
+    if shared or split:
+        plan = _simulated(plan)
     return plan
 
 
-def _on_shared_cores(plan: Plan) -> Plan:
-    """``plan`` with its step time simulated: its ranks share fewer cores than there are ranks
-    (CPU processes on one host, :attr:`DeviceModel.host_cores`), so a rank computes faster while
-    others wait, which the closed form (:func:`pipeline_time`, a device per rank) leaves out."""
+def _simulated(plan: Plan) -> Plan:
+    """``plan`` with its step time simulated where the closed form (:func:`pipeline_time`: a
+    device per rank, zb's I and W halves of a backward) does not hold: ranks that share fewer
+    cores than there are ranks (CPU processes on one host, :attr:`DeviceModel.host_cores`)
+    compute faster while others wait, and a calibrated zb split can cost more than a backward."""
     from .inspect import plan_costs
     from .schedule import generate
     from .simulate import simulate

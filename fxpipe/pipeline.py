@@ -355,7 +355,7 @@ class Pipeline:
                 device_model = (device_model or DeviceModel.for_device(self.device)).calibrate(
                     gm, self._example, optimizer=o.optimizer, torch_device=self.device,
                     barrier=dist.barrier if self.distributed else None, host_ranks=self._ranks_sharing_cores(),
-                    alone=self.rank == 0)
+                    alone=self.rank == 0, split=o.schedule == "zb")
                 cost_mode = "analytic"
             if o.device_model is None and self.distributed and o.cost_mode != "analytic":
                 # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are

@@ -75,7 +75,7 @@ class Costs:
     backward_weight: float | Sequence[float] | None = None
     """zb's ``W``: the weight-gradient half; None = ``backward`` minus ``backward_input``. On the
     first stage, which sends no gradient, the runtime runs the whole backward in ``W``: there
-    ``I`` costs 0 and ``W`` the sum of both."""
+    ``I`` costs 0 and ``W`` costs ``backward``."""
     recompute: float | Sequence[float] | None = None
     """Recomputed forward before a backward; None = the forward time again."""
     p2p: float = 0.0
@@ -209,8 +209,7 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
     def duration(s: int, a: Action) -> float:
         name = SPEC[a.kind].cost
         if s == 0 and a.kind in (Kind.I, Kind.W):  # the first stage's W is its whole backward
-            both = costs.per_stage("backward_input", s) + costs.per_stage("backward_weight", s)
-            return 0.0 if a.kind is Kind.I else both
+            return 0.0 if a.kind is Kind.I else costs.per_stage("backward", s)
         return 0.0 if name is None else costs.per_stage(name, s)
 
     def finish(key, start: float, end: float) -> None:

@@ -173,6 +173,44 @@ def test_default_split_of_a_backward_and_the_first_stage():
     span = {e.action: e.end - e.start for e in tl.events if e.stream == "compute"}
     assert span["0I1v0"] == 0 and span["0W1v0"] == 2.0  # the first stage's W is its whole backward
     assert span["1I1v0"] == 1.5 and span["1W1v0"] == 1.5
+    # a calibrated split that costs more than a backward: the first stage runs a plain backward
+    dear = Costs(forward=1.0, backward=[2.0, 3.0], backward_input=[1.4, 2.1], backward_weight=[1.0, 1.5])
+    span = {e.action: e.end - e.start for e in simulate(generate("zb", 2, 2, 1), dear).events}
+    assert span["0W1v0"] == 2.0 and (span["1I1v0"], span["1W1v0"]) == pytest.approx((2.1, 1.5))
+
+
+def test_calibration_times_the_split_against_a_whole_backward():
+    """``calibrate(split=True)`` cuts the graph in the middle (every live value becomes a boundary
+    input) and times I and W against a whole backward of the second half; a graph that cannot be
+    split gives (1, 0), the runtime's fallback. A zb plan with a calibrated split takes its step
+    time from the simulator with those costs."""
+    from fxpipe.cost import DeviceModel, _time_split, _timing_setup
+    from fxpipe.inspect import plan_costs
+    from fxpipe.partition import plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    x = torch.randn(16, 64)
+    gm = fxpipe.trace(model, (x,))
+    i, w = _time_split(gm, _timing_setup(gm, (x,), None)[1], lambda: None, 3)
+    assert i > 0 and w > 0  # split (the fallback is (1, 0)); on so small a model the graph walk dominates
+
+    class Twice(nn.Module):  # the second half applies one layer at two depths
+        def __init__(self):
+            super().__init__()
+            self.first, self.shared = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.shared(torch.tanh(self.shared(self.first(x))))
+
+    twice = fxpipe.trace(Twice(), (torch.randn(4, 8),))
+    assert _time_split(twice, _timing_setup(twice, (torch.randn(4, 8),), None)[1], lambda: None, 1) == (1.0, 0.0)
+
+    dev = DeviceModel(backward_input_share=0.7, backward_weight_share=0.5)
+    p = plan(model, (x[:4],), stages=2, microbatches=4, schedule="zb", device=dev, world_size=2)
+    costs = plan_costs(p)
+    assert costs.per_stage("backward_input", 1) == pytest.approx(0.7 * costs.per_stage("backward", 1))
+    assert p.step_time == pytest.approx(simulate(generate("zb", 2, 4, 8), costs).step_time)
 
 
 @pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 2), (5, 3)])
