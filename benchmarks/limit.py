@@ -166,7 +166,8 @@ def _calibrated_on_pinned(batches):
     example = (batches[0][0][:BATCH // M],)
     gm = fxpipe.trace(_model(), example)
     return DeviceModel.cpu().calibrate(gm, example, optimizer=_optimizer, barrier=dist.barrier,
-                                       host_ranks=dist.get_world_size(), alone=dist.get_rank() == 0).measure_p2p()
+                                       host_ranks=dist.get_world_size(), alone=dist.get_rank() == 0,
+                                       split=True).measure_p2p()
 
 
 def _pippy(rank: int, name: str, batches, warmup: int) -> dict:
