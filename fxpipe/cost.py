@@ -143,7 +143,9 @@ class DeviceModel:
         that the analytic forward times of the nodes sum to the measured forward, and
         ``backward_ratio`` is set so their backwards sum to the measured backward. With
         ``optimizer`` (``compile``'s factory) one step over parameters of the model's shapes (up
-        to 8M elements) gives ``update_time_per_byte``. The per-node split keeps the roofline's
+        to 8M elements) gives ``update_time_per_byte``; a dropout mask gives
+        ``random_time_per_element``, and the graph's random numbers at that pace are left out
+        of the roofline's fit. The per-node split keeps the roofline's
         proportions: what is calibrated is this machine's speed, not a stage's time, so a plan
         predicts splits, schedules and micro-batch counts it never ran.
 
