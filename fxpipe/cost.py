@@ -25,6 +25,7 @@ global_batch=N, cost_mode="measured")``) it measures the model traced at a secon
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import operator
@@ -187,7 +188,10 @@ class DeviceModel:
 
         update = self.update_time_per_byte
         cores = None
-        with torch.random.fork_rng(devices=rng_devices(dev)):
+        # The timed forwards update buffers in place (BatchNorm's running statistics): they are
+        # put back afterwards, so calibrating leaves the model as it found it.
+        buffers = [(b, b.detach().clone()) for b in gm.buffers()]
+        with torch.random.fork_rng(devices=rng_devices(dev)), _restored(buffers):
             once(barrier), once(barrier)  # warm-up: the allocator's pools, lazily built kernels
             fwd, bwd = medians([once(barrier) for _ in range(repeats)])
             if optimizer is not None:
@@ -667,6 +671,17 @@ def _time_random(dev, sync, repeats: int, elements: int = 1 << 20) -> float:
     drawing = timed(lambda: torch.nn.functional.dropout(x, 0.1, training=True))
     plain = timed(lambda: x * mask)
     return max(drawing - plain, 0.0) / elements
+
+
+@contextlib.contextmanager
+def _restored(buffers: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Copy each saved value back into its buffer on the way out."""
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buf, saved in buffers:
+                buf.copy_(saved)
 
 
 def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[float, float]:
