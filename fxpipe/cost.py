@@ -186,30 +186,31 @@ class DeviceModel:
         def medians(samples) -> tuple[float, float]:
             return statistics.median(f for f, _ in samples), statistics.median(b for _, b in samples)
 
-        update = self.update_time_per_byte
+        def rest() -> tuple[float | None, float, tuple[float, float]]:
+            """The optimizer step, the random numbers and (``split``) zb's split."""
+            update = _time_optimizer(optimizer, params, dev, sync, repeats) if optimizer is not None \
+                else self.update_time_per_byte
+            shares = _time_split(gm, flat, sync, repeats) if split else (self.backward_input_share,
+                                                                          self.backward_weight_share)
+            return update, _time_random(dev, sync, repeats), shares
+
         cores = None
+        shared = host_ranks > 1 and barrier is not None
         # The timed forwards update buffers in place (BatchNorm's running statistics): they are
         # put back afterwards, so calibrating leaves the model as it found it.
         buffers = [(b, b.detach().clone()) for b in gm.buffers()]
         with torch.random.fork_rng(devices=rng_devices(dev)), _restored(buffers):
             once(barrier), once(barrier)  # warm-up: the allocator's pools, lazily built kernels
             fwd, bwd = medians([once(barrier) for _ in range(repeats)])
-            if optimizer is not None:
-                update = _time_optimizer(optimizer, params, dev, sync, repeats)
-            per_random = _time_random(dev, sync, repeats)
-            shares = _time_split(gm, flat, sync, repeats) if split else (self.backward_input_share,
-                                                                          self.backward_weight_share)
-            if host_ranks > 1 and barrier is not None:
+            if not (shared and alone):  # a rank timing alone times the rest alone, below
+                update, per_random, shares = rest()
+            if shared:
                 barrier()  # the others wait here while this rank runs alone
                 if alone:
                     together = fwd + bwd
                     fwd, bwd = medians([once(None) for _ in range(repeats)])
                     cores = min(max(host_ranks * (fwd + bwd) / together, 1.0), float(host_ranks))
-                    if optimizer is not None:
-                        update = _time_optimizer(optimizer, params, dev, sync, repeats)
-                    per_random = _time_random(dev, sync, repeats)
-                    if split:
-                        shares = _time_split(gm, flat, sync, repeats)
+                    update, per_random, shares = rest()
                 barrier()
 
         # The random numbers the graph draws go at the generator's measured pace; the roofline
@@ -512,6 +513,8 @@ def _random_elements(node: fx.Node) -> float:
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
         return 0.0
     name = target._overloadpacket.__name__
+    if name != "scaled_dot_product_attention" and name not in _RANDOM_OPS:
+        return 0.0
     args, kwargs = _meta_args(node)
     if name == "scaled_dot_product_attention":  # (query, key, value, attn_mask, dropout_p, ...)
         p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
@@ -519,8 +522,6 @@ def _random_elements(node: fx.Node) -> float:
             return 0.0
         q, k = args[0], args[1]
         return float(math.prod(q.shape[:-1]) * k.shape[-2])
-    if name not in _RANDOM_OPS:
-        return 0.0
     if "dropout" in name and (len(args) > 1 and args[1] == 0 or len(args) > 2 and args[2] is False):
         return 0.0
     out = node.meta.get("val")
@@ -638,16 +639,21 @@ def _time_optimizer(factory, params, dev, sync, repeats: int, budget: int = 8 <<
     if not copies:
         return 0.0
     opt = factory(copies)
-    opt.step()  # lazily built state
-    times = []
+    nbytes = sum(q.numel() * q.element_size() for _, q in copies)
+    return _median_seconds(opt.step, sync, repeats) / nbytes  # the warm-up call builds its state
+
+
+def _median_seconds(fn, sync, repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``fn`` on the device, after one untimed call."""
+    fn()
+    samples = []
     for _ in range(repeats):
         sync()
         t0 = time.perf_counter()
-        opt.step()
+        fn()
         sync()
-        times.append(time.perf_counter() - t0)
-    nbytes = sum(q.numel() * q.element_size() for _, q in copies)
-    return statistics.median(times) / nbytes
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
 
 
 def _time_random(dev, sync, repeats: int, elements: int = 1 << 20) -> float:
@@ -656,20 +662,8 @@ def _time_random(dev, sync, repeats: int, elements: int = 1 << 20) -> float:
     ready mask)."""
     x = torch.ones(elements, device=dev)
     mask = torch.ones(elements, device=dev)
-
-    def timed(fn) -> float:
-        fn()
-        samples = []
-        for _ in range(repeats):
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-
-    drawing = timed(lambda: torch.nn.functional.dropout(x, 0.1, training=True))
-    plain = timed(lambda: x * mask)
+    drawing = _median_seconds(lambda: torch.nn.functional.dropout(x, 0.1, training=True), sync, repeats)
+    plain = _median_seconds(lambda: x * mask, sync, repeats)
     return max(drawing - plain, 0.0) / elements
 
 

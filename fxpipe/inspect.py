@@ -142,13 +142,12 @@ def plan_costs(plan):
     if not sps:
         return None
     dev = plan.device
+    backward = [sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps]
     return Costs(
         forward=[sp.forward_time for sp in sps],
-        backward=[sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps],
-        backward_input=[dev.backward_input_share * (sp.backward_time - (sp.forward_time if sp.recompute else 0.0))
-                        for sp in sps],
-        backward_weight=[dev.backward_weight_share * (sp.backward_time - (sp.forward_time if sp.recompute else 0.0))
-                         for sp in sps],
+        backward=backward,
+        backward_input=[dev.backward_input_share * b for b in backward],
+        backward_weight=[dev.backward_weight_share * b for b in backward],
         p2p=max(sp.send_bytes / dev.p2p_bandwidth + dev.p2p_latency for sp in sps),
         update=[dev.update_time(sp.param_bytes) for sp in sps],
         # replicas run the same timeline on the same host: each one's stages get 1/width of it
