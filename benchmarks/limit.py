@@ -153,7 +153,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     costs = plan_costs(plan)
     predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), costs).step_time
     return {"seconds": seconds, "samples": samples, "profile": profile.summary(),
-            "predicted": predicted, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
+            "predicted": predicted, "cores": costs.cores, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
                                                 1e3 * costs.per_stage("backward", i), 1e3 * costs.per_stage("update", i))
                                                for i, sp in enumerate(plan.stage_plans)]}
 

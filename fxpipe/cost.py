@@ -155,7 +155,8 @@ class DeviceModel:
         the others compute too. Where ``host_ranks`` > 1 of them share this host's cores (CPU
         processes), the rank with ``alone=True`` then times the model again while the others
         wait in ``barrier``: its model holds the speed alone and ``host_cores``, the number of
-        ranks the host runs at full speed at once (``host_ranks`` times alone over together),
+        ranks the host runs at full speed at once (``host_ranks`` times alone over the together
+        runs' span, barrier to barrier, which ends when the slowest rank is done),
         which the simulator uses to slow ranks that compute at the same time. ``split`` (the zb
         schedule) also times zb's input- and weight-gradient passes against a whole backward of
         the second half of the graph (``backward_input_share``, ``backward_weight_share``).
@@ -171,7 +172,8 @@ class DeviceModel:
             raise PlanError(f"calibrate runs the model where its parameters are; found them on {params[0].device}, "
                             f"asked for {dev}: move the model to {dev} first")
 
-        def once(line_up) -> tuple[float, float]:
+        def once(line_up) -> tuple[float, float, float]:
+            """One forward and backward: when it started, its forward and backward seconds."""
             sync()
             if line_up is not None:
                 line_up()
@@ -181,10 +183,10 @@ class DeviceModel:
             t1 = time.perf_counter()
             torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
             sync()
-            return t1 - t0, time.perf_counter() - t1
+            return t0, t1 - t0, time.perf_counter() - t1
 
-        def medians(samples) -> tuple[float, float]:
-            return statistics.median(f for f, _ in samples), statistics.median(b for _, b in samples)
+        def medians(runs) -> tuple[float, float]:
+            return statistics.median(f for _, f, _ in runs), statistics.median(b for _, _, b in runs)
 
         def rest() -> tuple[float | None, float, tuple[float, float]]:
             """The optimizer step, the random numbers and (``split``) zb's split."""
@@ -201,13 +203,20 @@ class DeviceModel:
         buffers = [(b, b.detach().clone()) for b in gm.buffers()]
         with torch.random.fork_rng(devices=rng_devices(dev)), _restored(buffers):
             once(barrier), once(barrier)  # warm-up: the allocator's pools, lazily built kernels
-            fwd, bwd = medians([once(barrier) for _ in range(repeats)])
-            if not (shared and alone):  # a rank timing alone times the rest alone, below
+            runs = [once(barrier) for _ in range(repeats)]
+            fwd, bwd = medians(runs)
+            if not shared:
                 update, per_random, shares = rest()
-            if shared:
+            else:
+                barrier()  # every rank has finished its last run
+                ends = [t0 for t0, _, _ in runs[1:]] + [time.perf_counter()]
+                if not alone:  # a rank timing alone times the rest alone, below
+                    update, per_random, shares = rest()
                 barrier()  # the others wait here while this rank runs alone
                 if alone:
-                    together = fwd + bwd
+                    # A lined-up run lasts, barrier to barrier, until the slowest rank is done: the
+                    # host's pace with every rank computing, however its scheduler shared the cores.
+                    together = statistics.median(end - t0 for end, (t0, _, _) in zip(ends, runs))
                     fwd, bwd = medians([once(None) for _ in range(repeats)])
                     cores = min(max(host_ranks * (fwd + bwd) / together, 1.0), float(host_ranks))
                     update, per_random, shares = rest()

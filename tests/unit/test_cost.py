@@ -181,10 +181,11 @@ def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
 
 
 def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypatch):
-    """Two ranks on one host: the together runs take 8 s (3 + 5), the rank timing alone 6 s (2 +
-    4), so the host runs 2 * 6 / 8 = 1.5 ranks at full speed at once, and the model holds the
-    speed alone. The other ranks wait in the barrier meanwhile; a rank not timing alone, or a
-    host of one rank, measures no sharing."""
+    """Two ranks on one host: a lined-up run takes this rank 8 s (3 + 5) but lasts 10 s barrier
+    to barrier (the slower rank's time), the rank timing alone takes 6 s (2 + 4), so the host runs
+    2 * 6 / 10 = 1.2 ranks at full speed at once, and the model holds the speed alone. The other
+    ranks wait in the barrier meanwhile; a rank not timing alone, or a host of one rank, measures
+    no sharing."""
     import fxpipe.cost as cost
 
     gm, _ = linear_gm(64)
@@ -193,19 +194,20 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
     monkeypatch.setattr(cost, "_time_random", lambda *a: 0.0)  # this graph draws no random number
 
     def clock(alone_runs):
-        together = [x for _ in range(5) for x in (0.0, 3.0, 8.0)]  # two warm-ups, three repeats
-        return iter(together + [x for _ in range(alone_runs) for x in (0.0, 2.0, 6.0)])
+        together = [x + 10.0 * i for i in range(5) for x in (0.0, 3.0, 8.0)]  # two warm-ups, three repeats
+        closed = [50.0]  # the barrier after the last repeat: every rank done
+        return iter(together + closed + [x for _ in range(alone_runs) for x in (0.0, 2.0, 6.0)])
 
     monkeypatch.setattr(cost.time, "perf_counter", clock(3).__next__)
     cal = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=True)
-    assert cal.host_cores == pytest.approx(1.5) and len(calls) == 5 + 2
+    assert cal.host_cores == pytest.approx(1.2) and len(calls) == 5 + 3
     nodes = [c for c in annotate(gm, device=cal).nodes.values() if c.fwd_time(64) > 0]
     assert math.isclose(sum(c.fwd_time(64) for c in nodes), 2.0, rel_tol=1e-9)
 
     monkeypatch.setattr(cost.time, "perf_counter", clock(0).__next__)
     calls.clear()
     other = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=False)
-    assert other.host_cores is None and len(calls) == 5 + 2
+    assert other.host_cores is None and len(calls) == 5 + 3
     monkeypatch.setattr(cost.time, "perf_counter", clock(0).__next__)
     assert dev.calibrate(gm, repeats=3, barrier=lambda: None).host_cores is None
 
