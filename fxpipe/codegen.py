@@ -81,6 +81,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from .device import follow_device
 from .errors import FxpipeError, PlanError
 from .precision import AUTOCAST_META
 from .trace import TensorSpec, TraceInfo
@@ -709,14 +710,8 @@ def _build_stage(
 
     if built:
         _fill(source, dest, origin, f"stage {s}")
-    move = device.type != "meta" and device != src_device
     for r in nodes:
-        new = g.node_copy(r, env.__getitem__)
-        if move:  # device constants baked in at trace time (arange(..., device=cpu)) follow the stage
-            swap = lambda x: device if isinstance(x, torch.device) and x == src_device else x  # noqa: E731
-            new.args = fx.node.map_aggregate(new.args, swap)
-            new.kwargs = fx.node.map_aggregate(new.kwargs, swap)
-        env[r] = new
+        env[r] = g.node_copy(r, env.__getitem__)
     outs = tuple(outs)
     g.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outs))
     try:
@@ -724,6 +719,8 @@ def _build_stage(
         module = fx.GraphModule(root, g, class_name=f"Stage{s}")
     except Exception as e:
         raise FxpipeError(f"codegen could not build stage {s} of {d}: {e}") from e
+    if device.type != "meta" and device != src_device:  # device constants baked in at trace time follow the stage
+        follow_device(module, src_device, device)
 
     names = tuple(o.name if isinstance(o, fx.Node) else repr(o) for o in outs)
     return Stage(

@@ -578,7 +578,7 @@ def _fake_flops(gm: fx.GraphModule, node: fx.Node) -> float:
         v = a.meta.get("val")
         if isinstance(v, torch.Tensor):
             with mode:
-                return torch.empty(tuple(v.shape), dtype=v.dtype)
+                return torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
         if a.op == "get_attr":
             return getattr(gm, a.target, None)
         return v

@@ -27,9 +27,10 @@ import os
 from typing import Any
 
 import torch
+import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["choose", "backend_for", "to_device", "rng_devices", "seed", "check_backend"]
+__all__ = ["choose", "backend_for", "to_device", "follow_device", "rng_devices", "seed", "check_backend"]
 
 
 def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.device:
@@ -83,6 +84,25 @@ def to_device(tree: Any, device: torch.device) -> Any:
     return pytree.tree_map(
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x, tree
     )
+
+
+def follow_device(gm: fx.GraphModule, src: torch.device, dst: torch.device) -> None:
+    """Point what tracing on ``src`` baked into ``gm`` at ``dst``, in place: device arguments
+    (``arange(..., device=cpu)``, export's ``x.to(cpu)`` and its device assertions) and the device
+    type of an ``autocast`` region, in ``gm``'s graph and in the graphs of the higher-order ops it
+    calls (a ``torch.no_grad()`` or ``torch.autocast`` block of the model's code is such a
+    subgraph: Llama's rotary embedding runs in one). Where the model's code read the device of a
+    value (``x.device``), this is what it computes on ``dst``."""
+    swap = lambda x: dst if isinstance(x, torch.device) and x == src else x  # noqa: E731
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            n.args = fx.node.map_aggregate(n.args, swap)
+            n.kwargs = fx.node.map_aggregate(n.kwargs, swap)
+            if n.target is torch.ops.higher_order.wrap_with_autocast and n.args and n.args[0] == src.type:
+                n.args = (dst.type, *n.args[1:])
+        sub.recompile()
 
 
 def rng_devices(device: torch.device) -> list[torch.device]:

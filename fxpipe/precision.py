@@ -29,11 +29,13 @@ overflow injected once skips exactly one step.
 from __future__ import annotations
 
 import contextlib
+import copy
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from .device import follow_device
 from .errors import ConfigError
 from .trace import TensorSpec
 
@@ -119,12 +121,15 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
     dtype. The plan is made before: node names, and so the plan's assignment, are unchanged."""
     if not precision.mixed:
         return
-    for n in list(gm.graph.nodes):
-        if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
-            n.kwargs = {**n.kwargs, "dtype": None}  # still checks device and layout
-        elif _device_move(n):
-            _follow_input_dtype(n)
-    gm.recompile()
+    for sub in gm.modules():  # the graph, and its higher-order ops' subgraphs
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for n in list(sub.graph.nodes):
+            if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
+                n.kwargs = {**n.kwargs, "dtype": None}  # still checks device and layout
+            elif _device_move(n):
+                _follow_input_dtype(n)
+        sub.recompile()
     _annotate(gm, precision, device)
 
 
@@ -183,9 +188,16 @@ def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) ->
 
         def call_function(self, target, args, kwargs):
             # device constants baked in at trace time follow the stage, as codegen moves them
-            swap = lambda x: device if isinstance(x, torch.device) and x == src else x  # noqa: E731
-            return super().call_function(target, fx.node.map_aggregate(args, swap),
-                                         fx.node.map_aggregate(kwargs, swap))
+            def swap(x):
+                if isinstance(x, fx.GraphModule):  # a higher-order op's subgraph
+                    x = copy.deepcopy(x)
+                    follow_device(x, src, device)
+                return device if isinstance(x, torch.device) and x == src else x
+
+            args, kwargs = fx.node.map_aggregate(args, swap), fx.node.map_aggregate(kwargs, swap)
+            if target is torch.ops.higher_order.wrap_with_autocast and args[0] == src.type:
+                args = (device.type, *args[1:])  # the region's device type
+            return super().call_function(target, args, kwargs)
 
         def run_node(self, n: fx.Node):
             out = super().run_node(n)

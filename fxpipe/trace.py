@@ -415,11 +415,27 @@ def _dedup_parameters(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[s
     return {k: tuple(v) for k, v in aliases.items() if v}
 
 
+def _grad_mode_region(enable: bool, body: fx.GraphModule, *args):
+    """What export's ``torch.ops.higher_order.wrap_with_set_grad_enabled`` does (a ``torch.no_grad()``
+    block of the model's code, as a subgraph), but grad mode is restored when the body raises:
+    torch's op leaves it switched off, so one failed call (a fake-tensor pass that gives up, a
+    stage that raises) would silently disable autograd for everything after it."""
+    with torch.set_grad_enabled(enable):
+        return body(*args)
+
+
 def _clean(gm: fx.GraphModule) -> None:
     g = gm.graph
     for node in list(g.nodes):
         if node.op == "call_module" and str(node.target) == "_guards_fn":
             g.erase_node(node)
+    for sub in gm.modules():  # the graph and its subgraphs (a no_grad block may hold another)
+        if isinstance(sub, fx.GraphModule):
+            for node in sub.graph.nodes:
+                if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+                    node.target = _grad_mode_region
+            if sub is not gm:
+                sub.recompile()
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     for node in list(g.nodes):

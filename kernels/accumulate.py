@@ -64,11 +64,11 @@ def accumulate(acc: torch.Tensor, grad: torch.Tensor, scale: float | torch.Tenso
     """Fused ``acc (+)= scale * grad`` over 1-D contiguous buffers of equal length; returns ``acc``."""
     scale = check_accumulate_args(acc, grad, scale)
     n = grad.numel()
-    BLOCK, num_warps = launch_config(_accumulate_kernel, "accumulate", grad.device, block)
+    BLOCK, options = launch_config(_accumulate_kernel, "accumulate", grad.device, block)
     if n == 0:
         return acc
     in_memory = isinstance(scale, torch.Tensor)
     _accumulate_kernel[(triton.cdiv(n, BLOCK),)](
         acc, grad, scale if in_memory else grad, n, 0.0 if in_memory else scale,
-        OVERWRITE=bool(overwrite), SCALE_IN_MEMORY=in_memory, BLOCK=BLOCK, num_warps=num_warps)
+        OVERWRITE=bool(overwrite), SCALE_IN_MEMORY=in_memory, BLOCK=BLOCK, **options)
     return acc

@@ -92,7 +92,7 @@ def adama_accumulate(spec: OptimizerSpec, grad: torch.Tensor, state: dict[str, t
     """Fold ``scale * grad`` into ``state["exp_avg"]``/``state["exp_avg_sq"]`` in place (one launch)."""
     scale = check_adama_accumulate_args(spec, grad, state, scale)
     n = grad.numel()
-    BLOCK, num_warps = launch_config(_adama_accumulate_kernel, "adama_accumulate", grad.device, block)
+    BLOCK, options = launch_config(_adama_accumulate_kernel, "adama_accumulate", grad.device, block)
     if n == 0:
         return
     b1, b2 = spec.betas
@@ -100,7 +100,7 @@ def adama_accumulate(spec: OptimizerSpec, grad: torch.Tensor, state: dict[str, t
     _adama_accumulate_kernel[(triton.cdiv(n, BLOCK),)](
         grad, state["exp_avg"], state["exp_avg_sq"], scale if in_memory else grad, n,
         0.0 if in_memory else scale, b1, b2, 1.0 - b1, 1.0 - b2,
-        FIRST=bool(first), SCALE_IN_MEMORY=in_memory, BLOCK=BLOCK, num_warps=num_warps)
+        FIRST=bool(first), SCALE_IN_MEMORY=in_memory, BLOCK=BLOCK, **options)
 
 
 def adama_update(spec: OptimizerSpec, step: int, weights: torch.Tensor, out: torch.Tensor,
@@ -109,7 +109,7 @@ def adama_update(spec: OptimizerSpec, step: int, weights: torch.Tensor, out: tor
     """AdamA's step ``step`` (1-based) from the folded moments into ``out``; returns ``out``."""
     lr = check_adama_update_args(spec, step, weights, out, state, lr)
     n = weights.numel()
-    BLOCK, num_warps = launch_config(_adama_update_kernel, "adama_update", weights.device, block)
+    BLOCK, options = launch_config(_adama_update_kernel, "adama_update", weights.device, block)
     if n == 0:
         return out
     step_size, bias_correction2_sqrt = adam_scalars(spec, step, lr)
@@ -117,5 +117,5 @@ def adama_update(spec: OptimizerSpec, step: int, weights: torch.Tensor, out: tor
     _adama_update_kernel[(triton.cdiv(n, BLOCK),)](
         weights, out, state["exp_avg"], state["exp_avg_sq"], n,
         1.0 - lr * spec.weight_decay, step_size, bias_correction2_sqrt, spec.eps,
-        HAS_DECAY=has_decay, BLOCK=BLOCK, num_warps=num_warps)
+        HAS_DECAY=has_decay, BLOCK=BLOCK, **options)
     return out

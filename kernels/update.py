@@ -125,7 +125,7 @@ def update(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights: torch.Te
     """
     clip, lr = check_update_args(spec, step, grad, weights, out, state, clip, lr, copy=copy)
     n = grad.numel()
-    BLOCK, num_warps = launch_config(_update_kernel, "update", grad.device, block)
+    BLOCK, options = launch_config(_update_kernel, "update", grad.device, block)
     if n == 0:
         return out
     b1, b2 = spec.betas
@@ -141,5 +141,5 @@ def update(spec: OptimizerSpec, step: int, grad: torch.Tensor, weights: torch.Te
         b2, 1.0 - b1, 1.0 - b2, spec.eps, step_size, bias_correction2_sqrt,
         OPTIMIZER=_OPTIMIZER_CODES[spec.kind], CLIP=clip_mode, HAS_WEIGHT_DECAY=spec.weight_decay != 0,
         HAS_MOMENTUM=spec.momentum != 0, NESTEROV=spec.nesterov, FIRST_STEP=step == 1,
-        LERP_FROM_END=(1.0 - b1) >= 0.5, HAS_COPY=copy is not None, BLOCK=BLOCK, num_warps=num_warps)
+        LERP_FROM_END=(1.0 - b1) >= 0.5, HAS_COPY=copy is not None, BLOCK=BLOCK, **options)
     return out

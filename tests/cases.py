@@ -277,10 +277,12 @@ def build_mixed(model: str, steps: int = MIXED_STEPS, microbatches: int = 4, mb:
 
 
 def relative_update_error(initial: dict, final: dict, reference: dict) -> float:
-    """||dW - dW_ref|| / ||dW_ref|| over all parameters, dW = final - initial (float64)."""
+    """||dW - dW_ref|| / ||dW_ref|| over all parameters, dW = final - initial (float64, on the
+    CPU: ``Pipeline.state_dict`` gives CPU tensors, a reference trained on a GPU has its own)."""
     num = den = 0.0
     for n, w0 in initial.items():
-        d_ref = reference[n].detach().double() - w0.double()
-        num += float((final[n].detach().double() - w0.double() - d_ref).pow(2).sum())
+        w0 = w0.detach().cpu().double()
+        d_ref = reference[n].detach().cpu().double() - w0
+        num += float((final[n].detach().cpu().double() - w0 - d_ref).pow(2).sum())
         den += float(d_ref.pow(2).sum())
     return (num / den) ** 0.5

@@ -516,3 +516,43 @@ def test_stage_code_names_inputs_outputs_parameters(tmp_path):
     paths = codegen.write_stage_code(staged, tmp_path / "stages")
     assert [p.name for p in paths] == ["stage_0.py", "stage_1.py", "stage_2.py"]
     assert paths[1].read_text() == staged.stages[1].code
+
+
+def test_device_constants_follow_the_stage_into_higher_order_subgraphs():
+    """Export records a ``torch.no_grad()`` or ``torch.autocast`` block as a higher-order op over a
+    subgraph (Llama's rotary embedding is one): the devices tracing on the CPU baked in there, and
+    an autocast region's device type read from ``x.device``, follow the stage's device too, or a
+    CUDA stage fails export's device assertion. Rewriting needs no GPU: it only edits the graphs."""
+    from fxpipe.device import follow_device
+
+    class Blocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.autocast(x.device.type, enabled=False):
+                y = self.lin(x.float()) * torch.arange(4, device=x.device)
+            with torch.no_grad():
+                z = torch.ones(4, device=x.device)
+            return (y + z).sum()
+
+    gm = fxpipe.trace(Blocks(), (torch.randn(2, 4),))
+    cuda = torch.device("cuda")
+    moved = copy.deepcopy(gm)
+    follow_device(moved, torch.device("cpu"), cuda)
+
+    def constants(m):
+        found = []
+        for sub in m.modules():
+            if isinstance(sub, torch.fx.GraphModule):
+                for n in sub.graph.nodes:
+                    found += [x for x in pytree.tree_leaves((n.args, n.kwargs)) if isinstance(x, torch.device)]
+                    if n.target is torch.ops.higher_order.wrap_with_autocast:
+                        found.append(n.args[0])
+        return found
+
+    before, after = constants(gm), constants(moved)
+    assert len(after) == len(before) >= 4  # the assertion, arange, ones and the autocast region
+    assert set(before) == {torch.device("cpu"), "cpu"} and set(after) == {cuda, "cuda"}
+    assert "device = device(type='cuda')" in moved.submod_3.code  # the no_grad block's ones(...)

@@ -228,3 +228,28 @@ def test_getitem_users_of_tuples_survive_cleanup():
     gm = fxpipe.trace(model, inputs)
     split = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.split.Tensor)
     assert {u.target for u in split.users} == {operator.getitem}
+
+
+def test_a_no_grad_block_that_raises_leaves_autograd_on():
+    """Export records ``with torch.no_grad():`` as a higher-order op that switches grad mode off
+    and, if its body raises, never back on. fxpipe's graphs run such blocks so that grad mode is
+    restored: a pass that gives up on a node (the cost model's fake-tensor FLOP count does) or a
+    stage that raises must not disable autograd for the rest of the program."""
+
+    class NoGradFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+
+        def forward(self, ids):
+            with torch.no_grad():
+                scale = self.emb(ids).abs().mean()
+            return (self.emb(ids) * scale).sum()
+
+    gm = fxpipe.trace(NoGradFirst(), (torch.tensor([1, 2]),))
+    assert gm.meta["fxpipe"].path == "export"
+    assert gm(torch.tensor([3, 4])).requires_grad and torch.is_grad_enabled()
+    with pytest.raises(IndexError):
+        gm(torch.tensor([3, 40]))  # the block's lookup fails: no such token
+    assert torch.is_grad_enabled()
+    assert gm(torch.tensor([3, 4])).requires_grad
