@@ -14,7 +14,8 @@ import torch
 import fxpipe
 from tests.cases import CASES, build, compare
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU, and a run of tests/gpu on its own (pytest tests/gpu)")
 
 
 @pytest.mark.parametrize("name", ["2bw_adamw_clip", "2bw_sgd", "1f1b_adamw", "gpt2_2bw", "llama_2bw_adamw"])

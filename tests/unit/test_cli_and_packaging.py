@@ -2,6 +2,7 @@
 
 import os
 import re
+import site
 import subprocess
 import sys
 import textwrap
@@ -57,6 +58,10 @@ def test_kernels_import_as_fxpipe_kernels_from_an_install(tmp_path, editable):
     # venv would seed (whose setuptools cannot build a wheel without network access).
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
                    check=True, timeout=120)
+    if sys.prefix != sys.base_prefix:  # this interpreter is a venv itself: its packages (torch) are not
+        # the system's, so name them to the new one, after its own (where fxpipe is installed)
+        own = next((venv / "lib").glob("python*/site-packages"))
+        (own / "_parent_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     py = str(venv / "bin" / "python")
     target = ["-e", REPO] if editable else [REPO]
     r = subprocess.run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", *target],
