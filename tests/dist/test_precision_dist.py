@@ -89,11 +89,13 @@ def _check(results, cases):
         for rank, r in enumerate(results):
             got = r["value"][key]
             # what crosses is what the policy gave each boundary value; the activations (the
-            # largest tensors) in the compute dtype: half the p2p bytes. (Llama's rotary cos/sin,
-            # cast to the dtype its embeddings had when traced, cross in fp32.)
+            # largest tensors) in the compute dtype: half the p2p bytes. Some values cross in
+            # fp32 as the policy says: Llama's rotary cos/sin (cast to the dtype its embeddings
+            # had when traced) and, in transformers 5.17's Llama graph (torch 2.11), one fp32
+            # value as large as the activations, beside them.
             assert {d for d, _ in got["sent"]} <= set(got["specs"]), (key, rank, got["sent"], got["specs"])
             largest = max(n for _, n in got["sent"])
-            assert {d for d, n in got["sent"] if n == largest} == {str(DTYPES[precision])}, (key, rank, got["sent"])
+            assert str(DTYPES[precision]) in {d for d, n in got["sent"] if n == largest}, (key, rank, got["sent"])
             assert got["skipped"] == skipped == ([BAD] if poisoned else []), (key, rank)
             error = relative_update_error(initial, got["state"], ref)
             assert error <= 0.05, (key, rank, error)
