@@ -28,7 +28,7 @@ def measured_compile(rank, world):
     calibrated = fxpipe.compile(GPT(cfg), (x[:2],), loss_fn=lm_loss, microbatches=4, stages=2,
                                 cost_mode="calibrated", optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                                 verbose=False)
-    calibrated.step(x, y)
+    float(calibrated.step(x, y))  # every rank waits for the step's loss
     return {"plan": pipe.plan.to_json(), "losses": losses, "calibrated": calibrated.plan.to_json()}
 
 
