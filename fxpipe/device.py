@@ -30,7 +30,9 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-__all__ = ["choose", "backend_for", "to_device", "follow_device", "rng_devices", "seed", "check_backend"]
+from .trace import graph_modules
+
+__all__ = ["choose", "backend_for", "to_device", "follow_device", "follow_call", "rng_devices", "seed", "check_backend"]
 
 
 def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.device:
@@ -87,22 +89,26 @@ def to_device(tree: Any, device: torch.device) -> Any:
 
 
 def follow_device(gm: fx.GraphModule, src: torch.device, dst: torch.device) -> None:
-    """Point what tracing on ``src`` baked into ``gm`` at ``dst``, in place: device arguments
-    (``arange(..., device=cpu)``, export's ``x.to(cpu)`` and its device assertions) and the device
-    type of an ``autocast`` region, in ``gm``'s graph and in the graphs of the higher-order ops it
-    calls (a ``torch.no_grad()`` or ``torch.autocast`` block of the model's code is such a
-    subgraph: Llama's rotary embedding runs in one). Where the model's code read the device of a
-    value (``x.device``), this is what it computes on ``dst``."""
-    swap = lambda x: dst if isinstance(x, torch.device) and x == src else x  # noqa: E731
-    for sub in gm.modules():
-        if not isinstance(sub, fx.GraphModule):
-            continue
+    """Point what tracing on ``src`` baked into ``gm`` at ``dst``, in place (:func:`follow_call`
+    on every call), in ``gm``'s graph and in the graphs of the higher-order ops it calls (a
+    ``torch.no_grad()`` or ``torch.autocast`` block of the model's code is such a subgraph:
+    Llama's rotary embedding runs in one)."""
+    for sub in graph_modules(gm):
         for n in sub.graph.nodes:
-            n.args = fx.node.map_aggregate(n.args, swap)
-            n.kwargs = fx.node.map_aggregate(n.kwargs, swap)
-            if n.target is torch.ops.higher_order.wrap_with_autocast and n.args and n.args[0] == src.type:
-                n.args = (dst.type, *n.args[1:])
+            n.args, n.kwargs = follow_call(n.target, n.args, n.kwargs, src, dst)
         sub.recompile()
+
+
+def follow_call(target, args: tuple, kwargs: dict, src: torch.device, dst: torch.device) -> tuple[tuple, dict]:
+    """A call's arguments with what tracing on ``src`` baked in pointed at ``dst``: device
+    arguments (``arange(..., device=cpu)``, export's ``x.to(cpu)`` and its device assertions) and
+    the device type of an ``autocast`` region. Where the model's code read the device of a value
+    (``x.device``), this is what it computes on ``dst``."""
+    swap = lambda x: dst if isinstance(x, torch.device) and x == src else x  # noqa: E731
+    args, kwargs = fx.node.map_aggregate(args, swap), fx.node.map_aggregate(kwargs, swap)
+    if target is torch.ops.higher_order.wrap_with_autocast and args and args[0] == src.type:
+        args = (dst.type, *args[1:])
+    return args, kwargs
 
 
 def rng_devices(device: torch.device) -> list[torch.device]:

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .device import follow_device
+from .device import follow_call, follow_device
 from .errors import ConfigError
-from .trace import TensorSpec
+from .trace import TensorSpec, graph_modules
 
 __all__ = ["Precision", "LossScaler", "compute_dtype", "prepare", "PRECISIONS", "AUTOCAST_META"]
 
@@ -121,9 +121,7 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
     dtype. The plan is made before: node names, and so the plan's assignment, are unchanged."""
     if not precision.mixed:
         return
-    for sub in gm.modules():  # the graph, and its higher-order ops' subgraphs
-        if not isinstance(sub, fx.GraphModule):
-            continue
+    for sub in graph_modules(gm):
         for n in list(sub.graph.nodes):
             if n.op == "call_function" and n.target is torch.ops.aten._assert_tensor_metadata.default:
                 n.kwargs = {**n.kwargs, "dtype": None}  # still checks device and layout
@@ -188,15 +186,14 @@ def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) ->
 
         def call_function(self, target, args, kwargs):
             # device constants baked in at trace time follow the stage, as codegen moves them
-            def swap(x):
-                if isinstance(x, fx.GraphModule):  # a higher-order op's subgraph
+            def followed(x):  # a higher-order op's subgraph: a copy that follows the stage too
+                if isinstance(x, fx.GraphModule):
                     x = copy.deepcopy(x)
                     follow_device(x, src, device)
-                return device if isinstance(x, torch.device) and x == src else x
+                return x
 
-            args, kwargs = fx.node.map_aggregate(args, swap), fx.node.map_aggregate(kwargs, swap)
-            if target is torch.ops.higher_order.wrap_with_autocast and args[0] == src.type:
-                args = (device.type, *args[1:])  # the region's device type
+            args, kwargs = follow_call(target, fx.node.map_aggregate(args, followed),
+                                       fx.node.map_aggregate(kwargs, followed), src, device)
             return super().call_function(target, args, kwargs)
 
         def run_node(self, n: fx.Node):

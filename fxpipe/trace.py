@@ -415,6 +415,12 @@ def _dedup_parameters(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[s
     return {k: tuple(v) for k, v in aliases.items() if v}
 
 
+def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
+    """``gm`` and the subgraphs of the higher-order ops it calls, however deep (export records a
+    ``torch.no_grad()`` or ``torch.autocast`` block of the model's code as one)."""
+    return [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+
+
 def _grad_mode_region(enable: bool, body: fx.GraphModule, *args):
     """What export's ``torch.ops.higher_order.wrap_with_set_grad_enabled`` does (a ``torch.no_grad()``
     block of the model's code, as a subgraph), but grad mode is restored when the body raises:
@@ -429,13 +435,12 @@ def _clean(gm: fx.GraphModule) -> None:
     for node in list(g.nodes):
         if node.op == "call_module" and str(node.target) == "_guards_fn":
             g.erase_node(node)
-    for sub in gm.modules():  # the graph and its subgraphs (a no_grad block may hold another)
-        if isinstance(sub, fx.GraphModule):
-            for node in sub.graph.nodes:
-                if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
-                    node.target = _grad_mode_region
-            if sub is not gm:
-                sub.recompile()
+    for sub in graph_modules(gm):
+        for node in sub.graph.nodes:
+            if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+                node.target = _grad_mode_region
+        if sub is not gm:
+            sub.recompile()
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     for node in list(g.nodes):
