@@ -2,7 +2,8 @@
 
 Every device-specific decision of the runtime is made here, so the rest of fxpipe reads the same
 on both: which device a rank uses, which process-group backend goes with it, how a batch gets
-there, which RNGs a forked random stream must cover, and where collective tensors live.
+there, which RNGs a forked random stream must cover, where collective tensors live, and how the
+device arguments a trace on one device baked into a graph follow a stage to another.
 
 On CUDA the stream scheduling of :func:`fxpipe.schedule.lower_to_streams` is carried out by
 ``torch.distributed``'s NCCL process group itself, which needs no code here: every point-to-point
