@@ -23,6 +23,7 @@ import os
 import socket
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
@@ -304,6 +305,7 @@ class Pipeline:
         self.skipped_steps: list[int] = []  # nonfinite="skip": batches whose update was dropped
         self._loss_sums: dict = {}  # AdamA: batch -> (all-reduced loss sum, handle), read a step later
         self._stopped: Exception | None = None  # nonfinite="raise" stopped the pipeline
+        self._broken = False  # an action raised: what this rank has in flight may never be matched
         self._saving = None  # (directory, future) of the checkpoint being written, if any
         self._checkpoint_group = None  # the gloo group checkpoint writers coordinate over
         self._saving_registered = False
@@ -314,6 +316,8 @@ class Pipeline:
         self._t0 = time.perf_counter()
         self.profile = None  # a fxpipe.profile.Profile: where each later step's time goes
         self.workers: dict[int, StageWorker] = {}  # this process's ranks (set up with the plan)
+        if self.distributed:  # runs before the group's teardown that _init_distributed registered
+            atexit.register(_drain_at_exit, weakref.ref(self))
         if example_inputs is not None:
             self._setup(*normalize_inputs(example_inputs))
 
@@ -598,8 +602,12 @@ class Pipeline:
         lists = {r: segment(self.topology.locate(r)[0]) for r in self.workers}
         if self.distributed:
             (r, wk), = self.workers.items()
-            for i in range(len(lists[r])):
-                self._run(r, wk, lists[r], i)
+            try:
+                for i in range(len(lists[r])):
+                    self._run(r, wk, lists[r], i)
+            except BaseException:
+                self._broken = True
+                raise
             return
         pos = dict.fromkeys(lists, 0)
         progress = True
@@ -666,7 +674,9 @@ class Pipeline:
 
     def flush(self) -> None:
         """Finish every micro-batch given so far and apply its update (2bw drains its pipeline;
-        the next step fills it again, with the same weight-version rule)."""
+        the next step fills it again, with the same weight-version rule), and wait for every send
+        and loss all-reduce this rank has in flight: after it, this rank's part is done, so a
+        group the script created may be destroyed."""
         if not self._setup_done or self.epoch_start == self.t:
             return
         t = self.t
@@ -995,6 +1005,8 @@ class Loss:
     loss; waiting there would add a fill bubble to every step. The value arrives through the
     ``LOSS t`` all-reduce every rank posts where its step ends; ``float(loss)``, ``loss.item()``
     or ``loss.wait()`` (a 0-dim float64 tensor) wait for it, which never needs a later step.
+    ``flush()`` waits for every one posted so far, as does the end of the process when fxpipe
+    created the process group (``_drain_at_exit``).
     """
 
     def __init__(self, total: torch.Tensor, handle, count: int):
@@ -1061,6 +1073,24 @@ def _known_device(device) -> bool:
         return torch.device(device).type in ("cpu", "cuda")
     except (RuntimeError, ValueError, TypeError):
         return False
+
+
+def _drain_at_exit(ref: "weakref.ref[Pipeline]") -> None:
+    """At interpreter exit, wait for what this rank still has in flight: its last segment's sends
+    and, off the last stage, its last LOSS all-reduce, which a peer may still be running towards
+    (under 2bw the first stage's last ``step`` returns well before the last stage's). A rank that
+    tore its group down first would leave that peer waiting forever. Skipped when the group is
+    gone already (a user-created group destroyed by the script: ``flush()`` first, README) and
+    after a failed action, whose peers may never post the other halves."""
+    pipe = ref()
+    if pipe is None or pipe._broken or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        for wk in pipe.workers.values():
+            wk.drain()
+    except Exception as e:  # a peer that died: say so, and go on to tear down
+        warnings.warn(f"fxpipe: at exit, rank {pipe.rank} could not finish its in-flight communication: {e}",
+                      RuntimeWarning, stacklevel=1)
 
 
 def _destroy_process_group() -> None:

@@ -160,6 +160,68 @@ def test_a_rank_that_raises_makes_its_peer_raise_not_hang():
     assert re.search(r"rank 0 (waited \d+ s for|waited for) 0RECV_GRAD3 from rank 1", seen["message"]), seen["message"]
 
 
+# --------------------------------------------------------------------------- the end of a script
+
+# A torchrun-style script (fxpipe.compile creates the group, and destroys it at exit) that ends
+# right after its last 2bw step, without flush(). The last stage's loss function sleeps in the
+# last step, so rank 0 is at its exit long before rank 1 posts that step's LOSS all-reduce and
+# receives the last step's activations: rank 0 must finish those before it tears the group down.
+# FAIL=1: rank 1's loss function raises in step 2 instead; both ranks must still exit.
+_SCRIPT = """
+import os, time, torch, torch.nn as nn, torch.nn.functional as F, fxpipe
+torch.manual_seed(0)
+torch.set_num_threads(1)
+last, fail = [False], os.environ["FAIL"] == "1"
+def loss_fn(out, y):
+    if last[0] and fail:
+        raise ValueError("a bug in the user's loss")
+    if last[0]:
+        time.sleep(2)
+    return F.mse_loss(out, y)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+x, y = torch.randn(16, 8), torch.randn(16, 8)
+pipe = fxpipe.compile(model, x[:8], loss_fn=loss_fn, schedule="2bw", stages=2, microbatches=2, verbose=False,
+                      timeout=5)
+for t in range(1, 4):
+    last[0] = t == (2 if fail else 3)
+    loss = pipe.step(x, y)
+print("rank", os.environ["RANK"], "ends with", type(loss).__name__, flush=True)
+"""
+
+
+def _run_script(fail: bool) -> list[subprocess.CompletedProcess]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "FAIL": "1" if fail else "0"}
+        procs.append(subprocess.Popen([sys.executable, "-c", _SCRIPT], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, out) for p, out in zip(procs, outs)]
+
+
+def test_a_script_that_ends_without_flush_exits_on_every_rank():
+    ranks = _run_script(fail=False)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.stdout[-2000:] for r in ranks)
+    assert "rank 0 ends with Loss" in ranks[0].stdout and "rank 1 ends with float" in ranks[1].stdout
+
+
+@pytest.mark.slow
+def test_a_script_whose_rank_raises_exits_on_every_rank():
+    rank0, rank1 = _run_script(fail=True)
+    assert rank1.returncode != 0 and "a bug in the user's loss" in rank1.stdout, rank1.stdout[-2000:]
+    assert rank0.returncode != 0 and "PeerError" in rank0.stdout, rank0.stdout[-2000:]
+
+
 # ---------------------------------------------------------------------------- kill and restart
 
 
