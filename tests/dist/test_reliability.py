@@ -166,7 +166,8 @@ def test_a_rank_that_raises_makes_its_peer_raise_not_hang():
 # right after its last 2bw step, without flush(). The last stage's loss function sleeps in the
 # last step, so rank 0 is at its exit long before rank 1 posts that step's LOSS all-reduce and
 # receives the last step's activations: rank 0 must finish those before it tears the group down.
-# FAIL=1: rank 1's loss function raises in step 2 instead; both ranks must still exit.
+# FAIL=1: rank 1's loss function raises in step 2 instead; both ranks must still exit, neither
+# waiting at exit for communication the other will never finish.
 _SCRIPT = """
 import os, time, torch, torch.nn as nn, torch.nn.functional as F, fxpipe
 torch.manual_seed(0)
@@ -220,6 +221,7 @@ def test_a_script_whose_rank_raises_exits_on_every_rank():
     rank0, rank1 = _run_script(fail=True)
     assert rank1.returncode != 0 and "a bug in the user's loss" in rank1.stdout, rank1.stdout[-2000:]
     assert rank0.returncode != 0 and "PeerError" in rank0.stdout, rank0.stdout[-2000:]
+    assert "could not finish its in-flight communication" not in rank0.stdout + rank1.stdout
 
 
 # ---------------------------------------------------------------------------- kill and restart
