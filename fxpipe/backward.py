@@ -19,6 +19,20 @@ weights, so the engine runs each anchor for its weight outputs only (``mm``'s ``
 ``layer_norm``'s weight and bias) and the N nodes below it, never the chain between anchors.
 Anchors that reach a common weight run in one call (a *group*); groups share no node.
 
+What ``I`` leaves alive. Autograd frees a node's saved tensors when the node runs without
+``retain_graph``; ``I`` must retain the graph for ``W``, so on its own every tensor the forward
+saved would stay alive until ``W k``, including those only the input chain reads (attention
+probabilities, a GELU's input), which no node of ``W`` reads again. A forward run under
+:meth:`SavedTensors.hooks` keeps what autograd saves in a :class:`SavedTensors`; ``I`` notes the
+tensors that non-anchor nodes of the chain read, and frees them when it is done, as a plain
+backward would have. What a micro-batch holds from ``I`` to ``W`` is then what the anchors and
+the nodes below them saved, and the gradients recorded at the anchors; ``W`` frees those group by
+group. For the pinned GPT of ``benchmarks/limit.py`` this cuts the last stage's peak of saved
+tensors under zb from 83.7 to 67.7 MiB (1f1b: 48.6; ZB-H1 holds two micro-batches there, 1f1b
+one). Export traces ``torch.func`` transforms into plain operators; a stage that still disables
+saved-tensor hooks at run time (an opaque leaf module of the ``symbolic_trace`` path running
+``torch.func``, say) makes torch raise under zb: use 1f1b for it.
+
 Where that would count a gradient twice or run the chain again — a weight read at two depths of
 the input-gradient chain (one anchor of its group lies below another in C: a layer applied
 twice) — :func:`backward_input` returns the reason instead, and the caller runs the plain
@@ -28,13 +42,77 @@ way: there is nothing to defer.
 
 from __future__ import annotations
 
+import contextlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["PendingWeights", "backward_input"]
+__all__ = ["PendingWeights", "SavedTensors", "backward_input"]
+
+
+# the saved-tensor hooks in force (pack, unpack) or None; torch's own AOT autograd reads them so
+_hooks_in_force = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+
+
+class SavedTensors:
+    """What autograd saves during one micro-batch's forward, held by key so that ``I`` can free
+    what only the input-gradient chain reads (module docstring). Saved-tensor hooks already in
+    force when the forward starts (``torch.autograd.graph.save_on_cpu``, say) still apply: ours
+    wrap them. The autograd graph holds this object through its unpack hook, so it lives exactly
+    as long as the graph."""
+
+    def __init__(self) -> None:
+        self._values: dict[int, object] = {}
+        self._outer = None
+        self._reads: set[int] | None = None  # within freeing_reads: the keys read, an anchor's during I aside
+        self._in_anchor = False
+
+    def hooks(self):
+        """The context to run the forward under."""
+        if _hooks_in_force is None:  # a torch that cannot say which hooks are in force: stay out of their way
+            return contextlib.nullcontext()
+        self._outer = _hooks_in_force(False)
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> int:
+        key = len(self._values)  # packing is over before I frees any
+        # detached: a saved output would otherwise hold its own node through this object (a cycle
+        # the graph would never be freed from); an outer hook gets the tensor as autograd gave it
+        self._values[key] = tensor.detach() if self._outer is None else self._outer[0](tensor)
+        return key
+
+    def _unpack(self, key: int):
+        if key not in self._values:
+            raise RuntimeError(f"fxpipe internal error: autograd read saved tensor {key} of a zb micro-batch after "
+                               f"fxpipe freed it, expecting the node that read it never to run again; please report "
+                               f"this with the model")
+        if self._reads is not None and not self._in_anchor:
+            self._reads.add(key)
+        value = self._values[key]
+        return value if self._outer is None else self._outer[1](value)
+
+    @contextlib.contextmanager
+    def freeing_reads(self):
+        """Around one ``autograd.grad`` call whose nodes never run again: free, when it returns,
+        the tensors it read, except what an anchor read during ``I`` (:meth:`anchor_runs`
+        brackets those). Autograd itself frees a node's saved tensors right after the node
+        runs; this frees them per call."""
+        self._reads = set()
+        try:
+            yield
+            for key in self._reads:
+                del self._values[key]
+        finally:
+            self._reads, self._in_anchor = None, False
+
+    def anchor_runs(self, running: bool) -> None:
+        self._in_anchor = running
+
+    def __len__(self) -> int:
+        return len(self._values)
 
 
 @dataclass
@@ -50,16 +128,21 @@ class PendingWeights:
     and the weights (name, leaf) to differentiate."""
 
     calls: list[tuple[list[GradientEdge], list[torch.Tensor], list[tuple[str, torch.Tensor]]]]
+    saved: SavedTensors | None = None
 
     def run(self) -> dict[str, torch.Tensor]:
         """The weight gradients of the micro-batch (name -> gradient; unreached weights absent).
-        Frees the graph as it goes: each group's nodes run once."""
+        Frees the graph as it goes: each group's nodes run once, and what a group's call read
+        (its recorded gradients, the tensors its nodes saved) is freed when the call returns."""
         out: dict[str, torch.Tensor] = {}
-        calls, self.calls = self.calls, []
-        for edges, grads, weights in calls:
+        calls, self.calls = deque(self.calls), []
+        while calls:
+            edges, grads, weights = calls.popleft()
             if not edges:
                 continue
-            got = torch.autograd.grad(edges, [w for _, w in weights], grads, allow_unused=True)
+            with self.saved.freeing_reads() if self.saved is not None else contextlib.nullcontext():
+                got = torch.autograd.grad(edges, [w for _, w in weights], grads, allow_unused=True)
+            del edges, grads
             out.update((name, g) for (name, _), g in zip(weights, got) if g is not None)
         return out
 
@@ -111,14 +194,15 @@ def _below_in(node, inside: set) -> set:
 
 
 def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None],
-                   boundary: Sequence[torch.Tensor], weights: dict[str, torch.Tensor]
-                   ) -> tuple[list[torch.Tensor | None], PendingWeights] | str:
+                   boundary: Sequence[torch.Tensor], weights: dict[str, torch.Tensor],
+                   saved: SavedTensors | None = None) -> tuple[list[torch.Tensor | None], PendingWeights] | str:
     """Run the input-gradient half of a backward: the gradients of ``boundary`` (None where an
     input does not influence the roots), and the :class:`PendingWeights` of ``weights`` (name ->
     leaf requiring grad). ``seeds``: the gradient of each root (None: a scalar root, seed 1).
     Returns the reason instead, running nothing, where the split would run part of the input
     chain again or has nothing to defer (module docstring): the caller then runs the plain
-    backward."""
+    backward. ``saved``: where the forward kept what autograd saved (:class:`SavedTensors`); the
+    tensors only the input chain read are freed at the end."""
     if not weights:
         return "it has no trainable weight, so there is no weight pass to defer"
     seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]
@@ -172,16 +256,25 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
     # I: the input gradients, recording what flows into each anchor.
     recorded: dict = {}
     hooks = []
+
+    def enter(grads, a):
+        recorded[a] = grads
+        if saved is not None:
+            saved.anchor_runs(True)
+
     for g in groups.values():
         for a in g.anchors:
-            hooks.append(a.register_prehook(lambda grads, a=a: recorded.__setitem__(a, grads)))
+            hooks.append(a.register_prehook(lambda grads, a=a: enter(grads, a)))
+            if saved is not None:
+                hooks.append(a.register_hook(lambda grad_inputs, grad_outputs: saved.anchor_runs(False)))
     try:
         used = [i for i, e in enumerate(root_edges) if e.node in chain]
-        if inputs and used:
-            got = torch.autograd.grad([roots[i] for i in used], inputs, [seeds[i] for i in used],
-                                      retain_graph=True, allow_unused=True)
-        else:
-            got = [None] * len(inputs)
+        with saved.freeing_reads() if saved is not None else contextlib.nullcontext():
+            if inputs and used:
+                got = torch.autograd.grad([roots[i] for i in used], inputs, [seeds[i] for i in used],
+                                          retain_graph=True, allow_unused=True)
+            else:
+                got = [None] * len(inputs)
     finally:
         for h in hooks:
             h.remove()
@@ -200,4 +293,4 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
             edges.append(root_edges[i])
             grads.append(seeds[i])
         calls.append((edges, grads, [(acc[w], weights[acc[w]]) for w in sorted(g.weights, key=lambda w: acc[w])]))
-    return input_grads, PendingWeights(calls)
+    return input_grads, PendingWeights(calls, saved)

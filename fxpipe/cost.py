@@ -692,7 +692,7 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
     the graph's second half: at its middle floating-point node the forward detaches every live
     value into a boundary input, as a cut into two stages would. (1, 0) where the graph cannot
     be split (the runtime then runs the whole backward in ``I``)."""
-    from .backward import backward_input
+    from .backward import SavedTensors, backward_input
 
     floats = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
               and n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 2]
@@ -716,7 +716,10 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
 
     def once(split: bool) -> tuple[float, float] | None:
         run = Cut(gm)
-        roots = [o for o in pytree.tree_leaves(run.run(*flat)) if isinstance(o, torch.Tensor) and o.requires_grad]
+        saved = SavedTensors() if split else None  # as the runtime runs a zb forward
+        with saved.hooks() if split else contextlib.nullcontext():
+            outs = run.run(*flat)
+        roots = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
         seeds = [torch.ones_like(r) for r in roots]
         sync()
         t0 = time.perf_counter()
@@ -724,7 +727,7 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
             torch.autograd.grad(roots, [*run.boundary, *weights.values()], seeds, allow_unused=True)
             sync()
             return time.perf_counter() - t0, 0.0
-        got = backward_input(roots, seeds, run.boundary, weights)
+        got = backward_input(roots, seeds, run.boundary, weights, saved)
         if isinstance(got, str):
             return None
         sync()

@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.func import functional_call
 
+from .backward import SavedTensors
 from .comm import Comm, Handle
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision
@@ -239,7 +240,13 @@ class StageWorker:
         del self.inputs[k]
         recompute = self.cfg.recompute
         buffers = {n: b.clone() for n, b in self.buffers.items()} if recompute else None
-        with torch.no_grad() if recompute else contextlib.nullcontext():
+        # zb with a split backward (not recomputing, an input chain to split off, the graph
+        # splittable): what autograd saves is kept where I k can free what only the input chain
+        # reads (fxpipe.backward), instead of holding all of it until W k
+        split = self.cfg.schedule == "zb" and not recompute and any(self.float_in) and self.store.unsplit is None
+        saved = SavedTensors() if split else None
+        with (torch.no_grad() if recompute else contextlib.nullcontext(),
+              saved.hooks() if saved is not None else contextlib.nullcontext()):
             outputs = self._run_module(k, a.version, args)
             loss = self._loss(k, outputs, last_use=not recompute) if self.is_last else None
         if recompute:
@@ -247,7 +254,7 @@ class StageWorker:
             # from the buffer values this forward saw (saved before it ran: it may update them).
             ctx = {"args": [x.detach() for x in args], "outputs": outputs, "buffers": buffers}
         else:
-            ctx = {"boundary": boundary, "outputs": outputs, "loss": loss}
+            ctx = {"boundary": boundary, "outputs": outputs, "loss": loss, "saved": saved}
         if loss is not None:
             self.losses[k] = loss.detach()  # a tensor: reading it here would wait for the device
         self.ctx[k] = ctx
@@ -281,8 +288,9 @@ class StageWorker:
         (``store.unsplit`` says why) this is the whole backward and ``W k`` does nothing."""
         ctx = self.ctx[a.index]
         t, roots, seeds, boundary = self._backward_roots(a, ctx)
+        saved = ctx.get("saved")
         ctx.clear()
-        ctx["pending"] = self.store.backward_input(t, a.version, roots, seeds, boundary)
+        ctx["pending"] = self.store.backward_input(t, a.version, roots, seeds, boundary, saved)
         if self.store.unsplit is not None and not self._warned_unsplit:
             self._warned_unsplit = True
             if self.replica == 0:

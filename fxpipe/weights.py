@@ -172,14 +172,15 @@ class WeightStore:
         t's accumulator, boundary inputs get their ``.grad``."""
         self.strategy.backward(t, self.compute(version), roots, seeds, boundary)
 
-    def backward_input(self, t: int, version: int, roots, seeds, boundary: Sequence[torch.Tensor]):
+    def backward_input(self, t: int, version: int, roots, seeds, boundary: Sequence[torch.Tensor], saved=None):
         """zb's ``I``: the boundary inputs get their ``.grad``; returns what :meth:`backward_weight`
         needs for the weight gradients (:mod:`fxpipe.backward`). Where the graph cannot be split
         (:func:`fxpipe.backward.backward_input` says why, kept in :attr:`unsplit`) this runs the
-        whole backward, as :meth:`backward`, and returns None."""
+        whole backward, as :meth:`backward`, and returns None. ``saved``: the forward's
+        :class:`fxpipe.backward.SavedTensors`, if it ran under their hooks."""
         leaves = self.compute(version)
         trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
-        got = backward_input(roots, seeds, boundary, trainable) if roots else ([None] * len(boundary), None)
+        got = backward_input(roots, seeds, boundary, trainable, saved) if roots else ([None] * len(boundary), None)
         if isinstance(got, str):
             self.unsplit = got
             self.strategy.backward(t, leaves, roots, seeds, boundary)

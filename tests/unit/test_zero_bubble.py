@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.backward import backward_input
+from fxpipe.backward import SavedTensors, backward_input
 from fxpipe.errors import ScheduleError
 from fxpipe.partition import StageModel, pipeline_time
 from fxpipe.schedule import Action, Kind, generate, validate, zb_bounds
@@ -79,6 +79,56 @@ def test_input_then_weight_pass_equals_one_backward_and_w_skips_the_input_chain(
     assert _Counted.calls == 1, "W ran an op of the input-gradient chain again"
     for (name, _), r in zip(w.items(), ref[1:]):
         assert torch.allclose(grads[name], r), name
+
+
+def test_i_frees_what_only_the_input_chain_saved_and_outer_hooks_still_apply():
+    """x -> Linear -> GELU -> Linear: after I, GELU's saved input (read only by the input chain) is
+    gone, while what W reads (each Linear's input) stays; the weight gradients equal a plain
+    backward's, and a saved-tensor hook the caller had in force still packs and unpacks."""
+    g = torch.Generator().manual_seed(0)
+    w = {n: torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)
+         for n, s in (("fc", (8, 4)), ("out", (4, 8)))}
+    x = torch.randn(3, 4, dtype=torch.float64, generator=g, requires_grad=True)
+
+    def forward():
+        h = x @ w["fc"].T
+        return (torch.nn.functional.gelu(h) @ w["out"].T).tanh().sum(), h  # tanh saves its output
+
+    ref = torch.autograd.grad(forward()[0], [x, *w.values()])
+    outer = collections.Counter()
+
+    def pack(t):
+        outer["pack"] += 1
+        return ("boxed", t)
+
+    def unpack(box):
+        outer["unpack"] += 1
+        return box[1]
+
+    saved = SavedTensors()
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), saved.hooks():
+        loss, h = forward()
+    h = weakref.ref(h)  # the GELU's input: only GeluBackward saved it
+    before = len(saved)
+    input_grads, pending = backward_input([loss], [None], [x], w, saved)
+    del loss
+    assert h() is None, "I kept a tensor only the input chain reads"
+    assert 0 < len(saved) < before
+    grads = pending.run()
+    assert len(saved) == 0, "W's calls left what they read alive"
+    assert torch.allclose(input_grads[0], ref[0])
+    for name, r in zip(w, ref[1:]):
+        assert torch.allclose(grads[name], r), name
+    assert outer["pack"] == before and outer["unpack"] > 0
+    # without outer hooks: nothing the graph saved outlives it (a saved output must not hold its node)
+    saved = SavedTensors()
+    with saved.hooks():
+        loss, _ = forward()
+    _, pending = backward_input([loss], [None], [x], w, saved)
+    saved, loss = weakref.ref(saved), None
+    pending.run()
+    del pending
+    assert saved() is None, "the saved tensors kept their graph alive"
 
 
 def test_first_stage_has_no_input_chain_and_w_does_the_whole_backward():
@@ -312,33 +362,48 @@ def _live_microbatches(schedule, recompute=False):
         live[box] = current[0]
         return box
 
+    acting = [None]
+    reads: dict = collections.defaultdict(set)  # (rank, kind, micro-batch index) -> ids of the boxes read there
+    kept: dict = {}  # (rank, micro-batch index) -> ids of its boxes alive after its I or B
+
+    def unpack(box):
+        reads[acting[0]].add(id(box))
+        return box.t
+
     peak = collections.Counter()
     ctx_peak = collections.Counter()
     for r, wk in pipe.workers.items():
         run = wk.run
 
         def traced(a, run=run, r=r, wk=wk):
-            current[0] = (r, a.index)
+            current[0], acting[0] = (r, a.index), (r, a.kind, a.index)
             run(a)
             held = {mb for (rank, mb) in live.values() if rank == r}
             peak[r] = max(peak[r], len(held))
             ctx_peak[r] = max(ctx_peak[r], len(wk.ctx))
+            if a.kind in (Kind.I, Kind.B):
+                kept[r, a.index] = {id(b) for b, owner in live.items() if owner == (r, a.index)}
 
         wk.run = traced
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         pipe.step(*batches[1])
     left = len(live)
-    return dict(peak), dict(ctx_peak), left
+    return dict(peak), dict(ctx_peak), left, (kept, reads)
 
 
 def test_a_real_zb_step_keeps_at_most_the_bound_alive():
-    peak, ctx, left = _live_microbatches("zb")
+    peak, ctx, left, detail = _live_microbatches("zb")
     assert peak == {0: 2, 1: 2} and ctx == {0: 2, 1: 2}  # min(d, m) = 2 on both stages
     assert left == 0, "a graph outlived its micro-batch's W"
-    peak, ctx, left = _live_microbatches("1f1b")
+    # what a micro-batch keeps from I to W is only what W reads: I freed what only its input chain saved
+    kept, reads = detail
+    assert len(kept) == 8
+    for (r, k), ids in kept.items():
+        assert ids and ids <= reads[r, Kind.W, k], (r, k, len(ids - reads[r, Kind.W, k]))
+    peak, ctx, left, _ = _live_microbatches("1f1b")
     assert peak == {0: 2, 1: 1} and ctx == {0: 2, 1: 1} and left == 0
     # recomputation: F keeps no graph; R k, I k, W k adjacent hold one micro-batch's at a time
-    peak, ctx, left = _live_microbatches("zb", recompute=True)
+    peak, ctx, left, _ = _live_microbatches("zb", recompute=True)
     assert peak == {0: 1, 1: 1} and left == 0
 
 
