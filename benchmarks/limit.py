@@ -3,6 +3,7 @@
     python benchmarks/limit.py                # about 8 minutes on 2 CPU cores
     python benchmarks/limit.py --rounds 1     # one round, about 3 minutes
     python benchmarks/limit.py --check        # the simulator on configurations it was not calibrated on (about 6 minutes)
+    python benchmarks/limit.py --saved        # per stage, the peak of autograd-saved tensors under 1f1b and zb
 
 The pinned configuration (issue #15): a GPT (vocab 512, d_model 256, 8 layers, 4 heads, sequence
 64, untied embeddings), a global batch of 32 in m = 4 micro-batches of 8, Adam (lr 1e-3), two
@@ -269,6 +270,49 @@ def checks(steps: int, warmup: int) -> None:
                    floatfmt=".1f"))
 
 
+def saved_peaks() -> None:
+    """Per stage, the peak of autograd-saved tensors alive (MiB, each storage counted once) over one
+    step of the pinned configuration, in one process: 1f1b against zb. Sampled after every action
+    through a saved-tensor hook of the caller's, which fxpipe's own (zb) wraps."""
+    import collections
+    import weakref
+
+    import fxpipe
+    from fxpipe.demo import lm_loss
+
+    (x, y), = _data(1)
+    rows = []
+    for schedule in ("1f1b", "zb"):
+        torch.manual_seed(0)
+        pipe = fxpipe.compile(_model(), (x[:MB],), loss_fn=lm_loss, optimizer=_optimizer, microbatches=M, stages=2,
+                              schedule=schedule, verbose=False)
+        pipe.step(x, y)  # set-up outside the measurement
+        live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        stage = [None]
+        peak = collections.Counter()
+
+        class Box:
+            def __init__(self, t):
+                self.t = t.detach()
+
+        def pack(t):
+            box = Box(t)
+            live[box] = (stage[0], t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+            return box
+
+        for r, worker in pipe.workers.items():
+            def traced(a, run=worker.run, r=r):
+                stage[0] = r
+                run(a)
+                mine = {ptr: n for owner, ptr, n in live.values() if owner == r}
+                peak[r] = max(peak[r], sum(mine.values()))
+            worker.run = traced
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
+            pipe.step(x, y)
+        rows.append([schedule] + [peak[r] / 2**20 for r in sorted(pipe.workers)])
+    print(tabulate(rows, headers=["schedule", "stage 0 MiB", "stage 1 MiB"], floatfmt=".1f"))
+
+
 def throughput(name: str, ranks: list[dict]) -> float:
     if name == "limit":  # two independent trainers: their rates add up
         return sum(r["samples"] / r["seconds"] for r in ranks)
@@ -283,7 +327,12 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", choices=SYSTEMS, default=SYSTEMS, help="run just these systems")
     ap.add_argument("--check", action="store_true",
                     help="instead: the simulator on other configurations (m = 8, d = 4 on 4 ranks, HF GPT-2)")
+    ap.add_argument("--saved", action="store_true",
+                    help="instead: per stage, the peak of autograd-saved tensors under 1f1b and zb (one process, seconds)")
     args = ap.parse_args()
+    if args.saved:
+        saved_peaks()
+        return
     if args.check:
         checks(args.steps, args.warmup)
         return
