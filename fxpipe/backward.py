@@ -43,6 +43,7 @@ way: there is nothing to defer.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -68,7 +69,9 @@ class SavedTensors:
         self._values: dict[int, object] = {}
         self._outer = None
         self._reads: set[int] | None = None  # within freeing_reads: the keys read, an anchor's during I aside
-        self._in_anchor = False
+        # whether an anchor is running, per thread: autograd runs a CUDA graph's nodes on its device
+        # thread and any CPU nodes on the caller's, possibly at the same time
+        self._anchor = threading.local()
 
     def hooks(self):
         """The context to run the forward under."""
@@ -89,7 +92,7 @@ class SavedTensors:
             raise RuntimeError(f"fxpipe internal error: autograd read saved tensor {key} of a zb micro-batch after "
                                f"fxpipe freed it, expecting the node that read it never to run again; please report "
                                f"this with the model")
-        if self._reads is not None and not self._in_anchor:
+        if self._reads is not None and not getattr(self._anchor, "running", False):
             self._reads.add(key)
         value = self._values[key]
         return value if self._outer is None else self._outer[1](value)
@@ -106,10 +109,11 @@ class SavedTensors:
             for key in self._reads:
                 del self._values[key]
         finally:
-            self._reads, self._in_anchor = None, False
+            self._reads = None
 
     def anchor_runs(self, running: bool) -> None:
-        self._in_anchor = running
+        """An anchor's pre-hook (True) and post-hook (False), on the thread that runs it."""
+        self._anchor.running = running
 
     def __len__(self) -> int:
         return len(self._values)
