@@ -272,8 +272,9 @@ def checks(steps: int, warmup: int) -> None:
 
 def saved_peaks() -> None:
     """Per stage, the peak of autograd-saved tensors alive (MiB, each storage counted once) over one
-    step of the pinned configuration, in one process: 1f1b against zb. Sampled after every action
-    through a saved-tensor hook of the caller's, which fxpipe's own (zb) wraps."""
+    step of the pinned configuration, in one process: 1f1b against zb, beside the activations the
+    planner priced the stage at. Sampled after every action through a saved-tensor hook of the
+    caller's, which fxpipe's own (zb) wraps."""
     import collections
     import weakref
 
@@ -309,8 +310,10 @@ def saved_peaks() -> None:
             worker.run = traced
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):
             pipe.step(x, y)
-        rows.append([schedule] + [peak[r] / 2**20 for r in sorted(pipe.workers)])
-    print(tabulate(rows, headers=["schedule", "stage 0 MiB", "stage 1 MiB"], floatfmt=".1f"))
+        priced = [sp.memory_activations / 2**20 for sp in pipe.plan.stage_plans]
+        rows.append([schedule] + [x for r in sorted(pipe.workers) for x in (peak[r] / 2**20, priced[r])])
+    print(tabulate(rows, headers=["schedule", "stage 0 MiB", "planner's price", "stage 1 MiB", "planner's price"],
+                   floatfmt=".1f"))
 
 
 def throughput(name: str, ranks: list[dict]) -> float:

@@ -17,14 +17,18 @@ optimum of::
     M_s(l, r) = sum of the distinct parameters/buffers the stage reads, each costing
                 versions*bytes + grad accumulator(s) + optimizer state (parameters) or bytes (buffers)
               + k_s * A(l, r) + j_s * I(l) + I(l)                             # stash, receive buffer
+              + e_s * W(l, r)                                                 # zb's deferred W
 
 with ``A(l, r)`` the bytes of every output of the stage's nodes (what autograd may save; it
 includes the values the stage sends, whose storage the gradient received for them takes over
 once sent, as Megatron-LM's ``deallocate_output_tensor`` does), ``I(l)`` the bytes crossing its
-input cut, and ``k_s, j_s`` from the schedule (docs/design.md; PipeDream-2BW §3): ``n_s = d - s``
-micro-batches in flight under 1f1b/2bw, ``m`` under gpipe, ``min(d, m)`` under zb (its deferred
-weight passes; ``d - s`` on a stage that recomputes, which defers none); ``k_s = n_s, j_s = 0``
-without recomputation, ``k_s = 1, j_s = n_s`` with it.
+input cut, ``W(l, r)`` the activation inputs of its nodes that read a trainable parameter (what a
+micro-batch keeps between zb's ``I`` and ``W``, :func:`_weight_reads`), and ``k_s, j_s, e_s`` from
+the schedule (docs/design.md; PipeDream-2BW §3): ``n_s = d - s`` micro-batches in flight under
+1f1b/2bw and zb (``min(d - s, m)``), ``m`` under gpipe; ``k_s = n_s, j_s = 0`` without
+recomputation, ``k_s = 1, j_s = n_s`` with it; ``e_s = min(d, m) - min(d - s, m)`` under zb (the
+weight passes ZB-H1 defers past their ``I``, :func:`fxpipe.schedule.zb_bounds`), 0 on a stage that
+recomputes (it defers none) and under the other schedules.
 
 Algorithm: binary search on the bottleneck ``T`` with an exact O(n log n · d) feasibility test.
 Both constraints split into a part in ``l`` and a part in ``r``: ``T_s = X_s(l) + Y_s(r)`` and
@@ -67,6 +71,7 @@ from .errors import PlanError
 from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint
+from .schedule import zb_bounds
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
            "placement", "stage_links", "reduction_time", "BlockCosting", "Capacity", "capacity"]
@@ -83,7 +88,9 @@ class Chain:
     ``cross[c]``/``cross_grad[c]`` are the activation/gradient bytes crossing cut ``c`` (between
     positions ``c`` and ``c + 1``; ``n - 1`` cuts); ``valid[c]`` whether the cut is allowed.
     ``tensor_cost[p]`` is the memory a stage pays for holding parameter/buffer ``p``;
-    ``tensor_readers[p]`` the sorted positions of the nodes that read it.
+    ``tensor_readers[p]`` the sorted positions of the nodes that read it. ``weight_reads[i]`` is
+    what zb's weight pass keeps of a micro-batch between its ``I`` and its ``W``, charged at
+    position ``i`` (:func:`_weight_reads`; zeros when not given).
     """
 
     fwd: np.ndarray
@@ -101,10 +108,12 @@ class Chain:
     tensor_grad_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     tensor_optim_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     tensor_names: tuple[str, ...] = ()
+    weight_reads: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def __post_init__(self) -> None:
         f = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
         self.fwd, self.bwd, self.act = f(self.fwd), f(self.bwd), f(self.act)
+        self.weight_reads = f(self.weight_reads) if len(self.weight_reads) else np.zeros(len(self.fwd))
         self.cross, self.cross_grad = f(self.cross), f(self.cross_grad)
         self.valid = np.asarray(self.valid, dtype=bool)
         self.tensor_cost = f(self.tensor_cost)
@@ -115,7 +124,8 @@ class Chain:
         n = len(self.fwd)
         if n == 0:
             raise PlanError("the graph has no compute nodes; expected at least one operator to place on a stage")
-        for name, arr, size in (("bwd", self.bwd, n), ("act", self.act, n), ("cross", self.cross, n - 1),
+        for name, arr, size in (("bwd", self.bwd, n), ("act", self.act, n), ("weight_reads", self.weight_reads, n),
+                                ("cross", self.cross, n - 1),
                                 ("cross_grad", self.cross_grad, n - 1), ("valid", self.valid, n - 1)):
             if len(arr) != size:
                 raise PlanError(f"Chain.{name} has {len(arr)} entries, expected {size} for {n} nodes")
@@ -134,7 +144,9 @@ class StageModel:
     """How a schedule turns a run of nodes into a stage's time and memory."""
 
     stages: int
-    inflight: tuple[int, ...]  #: micro-batches stashed per stage (d - s under 1f1b/2bw, m under gpipe, zb: min(d, m))
+    #: micro-batches whose whole activations a stage holds at once (d - s under 1f1b/2bw, m under
+    #: gpipe, min(d - s, m) under zb)
+    inflight: tuple[int, ...]
     recompute: tuple[bool, ...]
     p2p_latency: float = 0.0
     p2p_bandwidth: float = math.inf
@@ -145,6 +157,15 @@ class StageModel:
     #: sends overlap compute (a cluster's ``overlap_p2p``): a stage takes the larger of its compute
     #: and each of its cuts' link time per micro-batch; otherwise their sum
     overlap: bool = False
+    #: zb: micro-batches past their ``I`` whose ``W`` is deferred, holding only what ``W`` reads
+    #: (:func:`fxpipe.schedule.zb_bounds`); empty: none
+    deferred: tuple[int, ...] = ()
+
+    def held(self, s: int) -> tuple[int, int, int]:
+        """``(k, j, e)`` of stage ``s`` in the memory formula: micro-batches holding whole
+        activations, stashed inputs (recomputation) and deferred weight passes."""
+        e = self.deferred[s] if s < len(self.deferred) else 0
+        return (1, self.inflight[s], e) if self.recompute[s] else (self.inflight[s], 0, e)
 
     def link(self, boundary: int) -> tuple[float, float]:
         """``(latency, bandwidth)`` between stage ``boundary`` and ``boundary + 1``."""
@@ -156,19 +177,20 @@ class StageModel:
     def for_schedule(cls, schedule: str, stages: int, microbatches: int, recompute: bool | Sequence[bool],
                      device: DeviceModel, memory_limit: float | None = None,
                      links: Sequence[tuple[float, float]] = (), overlap: bool = False) -> "StageModel":
-        d = stages
-        inflight = tuple(microbatches if schedule == "gpipe" else d - s for s in range(d))
-        if schedule == "zb":  # ZB-H1: min(d, m) on every stage (W deferred), d - s where it recomputes
-            inflight = tuple(min(d, microbatches) for _ in range(d))
+        d, m, zb = stages, microbatches, schedule == "zb"
+        # ZB-H1 holds min(d, m) micro-batches between F and W on every stage, min(d - s, m) of
+        # them before their I (1f1b's count, whole activations), the rest deferred past it
+        alive = [zb_bounds(s, d, m)[0] if zb else m if schedule == "gpipe" else d - s for s in range(d)]
         if isinstance(recompute, bool):
-            # With one micro-batch in flight (the last stage under 1f1b/2bw) recomputation
-            # saves nothing and costs a forward: it stays off there.
-            recompute = tuple(recompute and inflight[s] > 1 for s in range(d))
-        if schedule == "zb":  # a recomputing stage runs R k, I k, W k together: 1f1b's count
-            inflight = tuple(min(d - s, microbatches) if rc else n for s, (n, rc) in enumerate(zip(inflight, recompute)))
-        return cls(d, inflight, tuple(bool(x) for x in recompute), device.p2p_latency, device.p2p_bandwidth,
+            # With one micro-batch alive (the last stage under 1f1b/2bw) recomputation saves
+            # nothing and costs a forward: it stays off there.
+            recompute = tuple(recompute and alive[s] > 1 for s in range(d))
+        recompute = tuple(bool(x) for x in recompute)
+        deferred = tuple(zb_bounds(s, d, m, recompute[s])[1] if zb else 0 for s in range(d))
+        inflight = tuple(zb_bounds(s, d, m, recompute[s])[0] - deferred[s] if zb else alive[s] for s in range(d))
+        return cls(d, inflight, recompute, device.p2p_latency, device.p2p_bandwidth,
                    device.memory_bytes if memory_limit is None else float(memory_limit),
-                   tuple((float(a), float(b)) for a, b in links), bool(overlap))
+                   tuple((float(a), float(b)) for a, b in links), bool(overlap), deferred)
 
 
 @dataclass(frozen=True)
@@ -235,10 +257,11 @@ def _held(chain: Chain, l: int, r: int) -> list[int]:
 
 def stage_memory(chain: Chain, model: StageModel, s: int, l: int, r: int) -> float:
     """Bytes stage ``s`` needs holding positions ``l..r`` (the formula in the module docstring)."""
-    k, j = (1, model.inflight[s]) if model.recompute[s] else (model.inflight[s], 0)
+    k, j, e = model.held(s)
     inp = float(chain.cross[l - 1]) if l > 0 else 0.0
     weights = float(sum(chain.tensor_cost[p] for p in _held(chain, l, r)))
-    return weights + k * float(chain.act[l : r + 1].sum()) + (j + 1) * inp
+    return (weights + k * float(chain.act[l : r + 1].sum()) + e * float(chain.weight_reads[l : r + 1].sum())
+            + (j + 1) * inp)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +304,7 @@ class _Solver:
         idx = np.arange(n)
         if math.isinf(limit):
             return np.full(n, n - 1)
-        k, j = (1, model.inflight[s]) if model.recompute[s] else (model.inflight[s], 0)
+        k, j, e = model.held(s)
         single = np.zeros(n)
         multi = []
         for p, rd in enumerate(chain.tensor_readers):
@@ -289,11 +312,11 @@ class _Solver:
                 single[rd[0]] += chain.tensor_cost[p]
             elif len(rd) > 1:
                 multi.append(p)
-        Pa = np.concatenate([[0.0], np.cumsum(chain.act)])
+        Pa = np.concatenate([[0.0], np.cumsum(k * chain.act + e * chain.weight_reads)])
         Pw = np.concatenate([[0.0], np.cumsum(single)])
         inp = np.concatenate([[0.0], chain.cross])
-        U = -k * Pa[:n] - Pw[:n] + (j + 1) * inp
-        V = k * Pa[1:] + Pw[1:]
+        U = -Pa[:n] - Pw[:n] + (j + 1) * inp
+        V = Pa[1:] + Pw[1:]
         # A tensor read at several positions costs once if any reader is in [l, r]: a step at
         # its first reader >= l. Sort those steps per l and search V between them.
         if multi:
@@ -436,7 +459,7 @@ def min_memory(chain: Chain, model: StageModel) -> float:
     d = model.stages
     lo = 0.0
     hi = max(stage_memory(chain, model, s, 0, chain.n - 1) for s in range(d))
-    hi += max((model.inflight[s] + 1) for s in range(d)) * float(chain.cross.max(initial=0.0))
+    hi += max((sum(model.held(s)) + 1) for s in range(d)) * float(chain.cross.max(initial=0.0))
     hi = max(hi, 1.0)
 
     def ok(limit: float) -> bool:
@@ -488,6 +511,7 @@ class _Parts:
     fwd: np.ndarray
     bwd: np.ndarray
     act: np.ndarray
+    weight_reads: np.ndarray
     lo: np.ndarray
     hi: np.ndarray
     size: np.ndarray
@@ -547,8 +571,8 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
         elif t in buffers:
             tensors.append((t, float(buffers[t].numel() * buffers[t].element_size()), 0.0, 0.0, 0.0, sorted(set(rd))))
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
-    return _Parts([nd.name for nd in compute], fwd, bwd, act, i64(lo), i64(hi), np.asarray(size, dtype=np.float64),
-                  np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
+    return _Parts([nd.name for nd in compute], fwd, bwd, act, _weight_reads(gm, compute, act), i64(lo), i64(hi),
+                  np.asarray(size, dtype=np.float64), np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
 
 
 def _assemble(parts: _Parts) -> Chain:
@@ -570,7 +594,30 @@ def _assemble(parts: _Parts) -> Chain:
     t = parts.tensors
     col = lambda k: np.array([x[k] for x in t], dtype=np.float64)  # noqa: E731
     return Chain(parts.fwd, parts.bwd, parts.act, cross, cross_grad, valid, col(1), tuple(x[5] for x in t),
-                 tuple(parts.names), col(2), col(3), col(4), tuple(x[0] for x in t))
+                 tuple(parts.names), col(2), col(3), col(4), tuple(x[0] for x in t), parts.weight_reads)
+
+
+def _weight_reads(gm: fx.GraphModule, compute: list[fx.Node], act: np.ndarray) -> np.ndarray:
+    """Per compute node, the bytes zb's weight pass keeps of a micro-batch from its ``I`` to its
+    ``W`` (:mod:`fxpipe.backward`): ``I`` frees what only the input-gradient chain saved, so what
+    stays is what the nodes reading a trainable parameter saved: their activation inputs (``x`` of
+    ``x @ W.T``, a norm's input). Each value counts once, at its first such reader; a view counts
+    as the value it views. A node's other saved tensors (a norm's mean and rstd) are small beside
+    these and not counted; inputs of the graph are the stage's input buffer, counted apart."""
+    params = dict(gm.named_parameters())
+    pos = {nd.name: i for i, nd in enumerate(compute)}
+    out = np.zeros(len(compute))
+    seen: set[str] = set()
+    for i, nd in enumerate(compute):
+        if not any(t in params and params[t].requires_grad for t in nd.meta["fxpipe"].params):
+            continue
+        for u in nd.all_input_nodes:
+            while isinstance(u.target, torch._ops.OpOverload) and u.target.is_view and isinstance(u.args[0], fx.Node):
+                u = u.args[0]
+            if u.name in pos and u.name not in seen:
+                seen.add(u.name)
+                out[i] += act[pos[u.name]]
+    return out
 
 
 def _float32_output(nd: fx.Node) -> bool:
@@ -1269,9 +1316,9 @@ def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: 
     if extra_grads:  # a tied weight's stage: a second gradient buffer (see _stages_with_shared_tensors)
         weights += grads
         grads *= 2
-    k, j = (1, model.inflight[s]) if rc else (model.inflight[s], 0)
+    k, j, e = model.held(s)
     inp = float(chain.cross[l - 1]) if l > 0 else 0.0
-    acts = k * float(chain.act[l : r + 1].sum()) + j * inp
+    acts = k * float(chain.act[l : r + 1].sum()) + e * float(chain.weight_reads[l : r + 1].sum()) + j * inp
     return StagePlan(
         index=s, nodes=r - l + 1, first_node=first, last_node=last,
         first_module=module_path(nodes[first]) if first in nodes else "",
@@ -1463,7 +1510,7 @@ class BlockCosting:
             tensors.append((order, (name, cost, pb, g, o, sorted(set(np.concatenate(pos).tolist())))))
         # the whole trace's order: by first reader, then as that node lists them
         tensors = [t for _, t in sorted(tensors, key=lambda e: (e[1][5][0], e[0]))]
-        parts = _Parts(names, p.fwd[idx], p.bwd[idx], p.act[idx],
+        parts = _Parts(names, p.fwd[idx], p.bwd[idx], p.act[idx], p.weight_reads[idx],
                        np.concatenate(lo_out).astype(np.int64) if lo_out else np.zeros(0, dtype=np.int64),
                        np.concatenate(hi_out).astype(np.int64) if hi_out else np.zeros(0, dtype=np.int64),
                        p.size[sel_a], p.grad[sel_a], p.bad[sel_a], tensors)

@@ -903,8 +903,8 @@ def validate(
     :func:`version_of`
     (so the same on every stage); SEND after the F/B that produced its tensor and each RECV
     before its consumer; at most ``d - i`` micro-batches in flight on stage i (1f1b, 2bw) or
-    ``m`` (gpipe), or ``min(d, m)`` between F and W (zb; ``min(d - i, m)`` where the stage
-    recomputes, see :func:`zb_bounds`); at most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in
+    ``m`` (gpipe), or ``min(d, m)`` between F and W (zb, of which at most ``min(d - i, m)``
+    before their I; ``min(d - i, m)`` where the stage recomputes, see :func:`zb_bounds`); at most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in
     its window (after the last B of batch t, before the first B of batch t+1 and the first F of
     batch t+2 for 2bw, t+1 otherwise); each reduction started after the last B of batch t and
     waited for before UPDATE t; the reductions that ``width``/``tied``/``clip`` require (when
@@ -946,6 +946,8 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
     zb = schedule == "zb"
     rc = recompute is not None and recompute[s]
     limit = m if schedule == "gpipe" else zb_bounds(s, d, m, rc)[0] if zb else d - s
+    whole = limit - zb_bounds(s, d, m, rc)[1] if zb else limit  # zb: between F and I (whole activations)
+    before_i: set[int] = set()
     backward = (Kind.I, Kind.W) if zb else (Kind.B,)  # what each micro-batch's backward is here
     reduced = {a.index for a in lst if a.kind in STARTS}  # batches whose gradient is reduced
     max_versions = 2 if schedule == "2bw" else 1
@@ -999,6 +1001,14 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                     f"on stage {s} of {d}{', recomputing' if rc and zb else ''})",
                     "Run a backward before this forward" + (" (a W frees its micro-batch)" if zb else ""),
                 )
+            before_i.add(k)
+            if len(before_i) > whole:
+                ck.fail(
+                    s, pos, f"{len(before_i)} micro-batches between their F and their I, expected at most "
+                    f"min(d - s, m) = {whole} (zb on stage {s} of {d}: only a micro-batch past its I may wait "
+                    f"for its W, holding just what W reads; the planner prices the stage so)",
+                    "Run an I before this forward",
+                )
         elif a.kind is Kind.R:
             if (Kind.F, k) not in done:
                 ck.fail(s, pos, f"recompute of micro-batch {k} before its forward", f"Move it after {s}F{k}")
@@ -1012,6 +1022,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             if s < d - 1 and (Kind.RECV_GRAD, k) not in done:
                 ck.fail(s, pos, f"no RECV_GRAD{k} posted before the backward that consumes it", f"Insert {s}RECV_GRAD{k} before it")
             first_b.setdefault(t, pos)
+            before_i.discard(k)
             if a.kind is Kind.B:
                 last_b[t] = pos
                 in_flight.pop(k, None)

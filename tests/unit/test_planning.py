@@ -156,7 +156,7 @@ def _check_blocks(blocks, layers, variants):
     for kw in variants:
         whole = chain_from_graph(gm, costs, 2, **kw)
         part = blocks.chain(2, layers=layers, **kw)
-        for f in ("fwd", "bwd", "act", "cross", "cross_grad", "valid", "tensor_cost", "tensor_param_bytes"):
+        for f in ("fwd", "bwd", "act", "weight_reads", "cross", "cross_grad", "valid", "tensor_cost", "tensor_param_bytes"):
             assert np.allclose(getattr(part, f), getattr(whole, f), rtol=1e-12, atol=0), f
         assert part.tensor_names == whole.tensor_names
         assert [r.tolist() for r in part.tensor_readers] == [r.tolist() for r in whole.tensor_readers]

@@ -17,7 +17,8 @@ from torch import nn
 import fxpipe
 from fxpipe.backward import SavedTensors, backward_input
 from fxpipe.errors import ScheduleError
-from fxpipe.partition import StageModel, pipeline_time
+from fxpipe.cost import annotate
+from fxpipe.partition import StageModel, chain_from_graph, pipeline_time, stage_memory
 from fxpipe.schedule import Action, Kind, generate, validate, zb_bounds
 from fxpipe.simulate import Costs, render_svg, simulate
 from tests.cases import CASES, build, compare
@@ -305,6 +306,16 @@ def test_validator_rejects_broken_zb_lists():
         validate(broken(1, lambda lst: (lst.remove(Action(1, Kind.W, 1, 0)),
                                         lst.insert(lst.index(Action(1, Kind.UPDATE, 1)), Action(1, Kind.W, 1, 0)))),
                  "zb", d, m)
+    def late_i1(lst):  # stage 1: F1 F2 I1 (and its send), the last stage holding two whole micro-batches
+        moved = [a for a in lst if a.index == 1 and a.kind in (Kind.I, Kind.SEND_GRAD)]
+        for a in moved:
+            lst.remove(a)
+        at = lst.index(Action(1, Kind.F, 2, 0)) + 1
+        lst[at:at] = moved
+
+    with pytest.raises(ScheduleError, match=r"1F2v0 .*2 micro-batches between their F and their I, expected at most "
+                                            r"min\(d - s, m\) = 1 \(zb on stage 1 of 2"):
+        validate(broken(1, late_i1), "zb", d, m)
     with pytest.raises(ScheduleError, match="zb has no B actions"):
         validate(broken(0, lambda lst: lst.__setitem__(lst.index(Action(0, Kind.W, 1, 0)), Action(0, Kind.B, 1, 0))),
                  "zb", d, m)
@@ -331,11 +342,46 @@ def test_picture_draws_i_and_w_in_their_own_colours():
 
 def test_planner_counts_zb_activations():
     device = fxpipe.cost.DeviceModel.for_device(torch.device("cpu"))
-    assert StageModel.for_schedule("zb", 4, 8, False, device).inflight == (4, 4, 4, 4)
+    zb = StageModel.for_schedule("zb", 4, 8, False, device)  # 1f1b's whole micro-batches, the rest deferred
+    assert zb.inflight == (4, 3, 2, 1) and zb.deferred == (0, 1, 2, 3)
+    assert [sum(zb.held(s)) for s in range(4)] == [4] * 4
+    assert StageModel.for_schedule("zb", 4, 2, False, device).deferred == (0, 0, 0, 1)
     assert StageModel.for_schedule("1f1b", 4, 8, False, device).inflight == (4, 3, 2, 1)
     rc = StageModel.for_schedule("zb", 4, 8, True, device)
-    assert rc.inflight == (4, 3, 2, 1) and rc.recompute == (True,) * 4
+    assert rc.inflight == (4, 3, 2, 1) and rc.recompute == (True,) * 4 and rc.deferred == (0,) * 4
     assert pipeline_time("zb", 4, 8, 3.0, recompute=True) == pipeline_time("1f1b", 4, 8, 3.0)
+
+
+def test_planner_prices_a_deferred_w_at_the_inputs_its_weights_read():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(16, 32), nn.Linear(32, 8), nn.Linear(32, 8)
+            self.frozen = nn.Linear(8, 8).requires_grad_(False)
+
+        def forward(self, x):
+            h = torch.nn.functional.gelu(self.a(x))  # GELU's input: only the input chain reads it
+            y = self.b(h.view(2, 2, 32)).view(4, 8) + self.c(h)  # h read by two weights (one through a view): once
+            return self.frozen(torch.tanh(y))  # a frozen weight has no W
+
+    gm = fxpipe.trace(Net(), (torch.randn(4, 16),))
+    costs = annotate(gm)
+    chain = chain_from_graph(gm, costs, 4, schedule="zb")
+    reader = {t: name for name, nd in zip(chain.names, (n for n in gm.graph.nodes if n.name in chain.names))
+              for t in nd.meta["fxpipe"].params}
+    reads = dict(zip(chain.names, chain.weight_reads))
+    gelu = next(n.name for n in gm.graph.nodes if "gelu" in str(n.target))
+    h = 4 * 32 * 4  # bytes of h at micro-batch size 4
+    assert chain.act[chain.names.index(gelu)] == h
+    assert reads[reader["a.weight"]] == 0  # x is the graph's input: the stage's input buffer
+    assert reads[reader["b.weight"]] + reads[reader["c.weight"]] == h
+    assert reads[reader["frozen.weight"]] == 0 and sum(reads.values()) == h
+    # the last of 2 stages holds one micro-batch whole and defers one W: 1f1b's price plus h
+    device = costs.device
+    zb, flush = (StageModel.for_schedule(s, 2, 4, False, device) for s in ("zb", "1f1b"))
+    n = chain.n
+    assert stage_memory(chain, zb, 1, 0, n - 1) == stage_memory(chain, flush, 1, 0, n - 1) + h
+    assert stage_memory(chain, zb, 0, 0, n - 1) == stage_memory(chain, flush, 0, 0, n - 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,6 +411,7 @@ def _live_microbatches(schedule, recompute=False):
     acting = [None]
     reads: dict = collections.defaultdict(set)  # (rank, kind, micro-batch index) -> ids of the boxes read there
     kept: dict = {}  # (rank, micro-batch index) -> ids of its boxes alive after its I or B
+    kept_bytes: dict = {}  # the same: the bytes of their storages other than weights, each once
 
     def unpack(box):
         reads[acting[0]].add(id(box))
@@ -383,12 +430,16 @@ def _live_microbatches(schedule, recompute=False):
             ctx_peak[r] = max(ctx_peak[r], len(wk.ctx))
             if a.kind in (Kind.I, Kind.B):
                 kept[r, a.index] = {id(b) for b, owner in live.items() if owner == (r, a.index)}
+                weights = {t.untyped_storage().data_ptr() for v in wk.store.leaves for t in v.values()}
+                storages = {b.t.untyped_storage().data_ptr(): b.t.untyped_storage().nbytes()
+                            for b, owner in live.items() if owner == (r, a.index)}
+                kept_bytes[r, a.index] = sum(n for ptr, n in storages.items() if ptr not in weights)
 
         wk.run = traced
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         pipe.step(*batches[1])
     left = len(live)
-    return dict(peak), dict(ctx_peak), left, (kept, reads)
+    return dict(peak), dict(ctx_peak), left, (kept, reads, kept_bytes, pipe)
 
 
 def test_a_real_zb_step_keeps_at_most_the_bound_alive():
@@ -396,10 +447,16 @@ def test_a_real_zb_step_keeps_at_most_the_bound_alive():
     assert peak == {0: 2, 1: 2} and ctx == {0: 2, 1: 2}  # min(d, m) = 2 on both stages
     assert left == 0, "a graph outlived its micro-batch's W"
     # what a micro-batch keeps from I to W is only what W reads: I freed what only its input chain saved
-    kept, reads = detail
+    kept, reads, kept_bytes, pipe = detail
     assert len(kept) == 8
     for (r, k), ids in kept.items():
         assert ids and ids <= reads[r, Kind.W, k], (r, k, len(ids - reads[r, Kind.W, k]))
+    # the planner prices a deferred micro-batch on the last stage at what its W reads: within 5%
+    gm = pipe.staged_graph
+    chain = chain_from_graph(gm, annotate(gm), pipe.plan.microbatch_size, schedule="zb")
+    priced = sum(w for name, w in zip(chain.names, chain.weight_reads) if pipe.plan.assignment[name] == 1)
+    for k in range(5, 9):
+        assert priced == pytest.approx(kept_bytes[1, k], rel=0.05), (k, priced, kept_bytes[1, k])
     peak, ctx, left, _ = _live_microbatches("1f1b")
     assert peak == {0: 2, 1: 1} and ctx == {0: 2, 1: 1} and left == 0
     # recomputation: F keeps no graph; R k, I k, W k adjacent hold one micro-batch's at a time
