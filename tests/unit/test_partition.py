@@ -33,7 +33,8 @@ def random_chain(rng: random.Random, n: int, *, skips: int = 0, invalid: float =
     valid = [rng.random() >= invalid for _ in range(n - 1)]
     readers = [sorted(rng.sample(range(n), rng.choice([1, 1, 2, 3]))) for _ in range(tensors)]
     cost = [float(rng.randint(10, 200)) for _ in range(tensors)]
-    return Chain(fwd, bwd, act, cross, cross * 0.5, valid, cost, tuple(readers))
+    weight_reads = [float(rng.randint(0, int(a))) for a in act]  # what a deferred zb W keeps, <= act
+    return Chain(fwd, bwd, act, cross, cross * 0.5, valid, cost, tuple(readers), weight_reads=weight_reads)
 
 
 def brute_force(chain: Chain, model: StageModel):
@@ -71,7 +72,9 @@ def test_exact_against_brute_force(seed):
     inflight = tuple(d - s for s in range(d))
     lat, bw = rng.choice([(0.0, math.inf), (0.05, 20.0)])
     overlap = seed % 2 == 1  # odd seeds: sends overlap compute (a cluster's GPUs), stage time = max
-    unlimited = StageModel(d, inflight, recompute, lat, bw, overlap=overlap)
+    # seeds divisible by 3: zb's deferred weight passes on the stages that do not recompute
+    deferred = tuple(0 if rc or seed % 3 else s for s, rc in enumerate(recompute))
+    unlimited = StageModel(d, inflight, recompute, lat, bw, overlap=overlap, deferred=deferred)
     # a memory limit that binds: between the smallest feasible and the unconstrained optimum's needs
     if sum(chain.valid) < d - 1:
         with pytest.raises(PlanError, match="allows only"):
@@ -79,7 +82,7 @@ def test_exact_against_brute_force(seed):
         return
     lo = min_memory(chain, unlimited)
     limit = rng.choice([math.inf, lo * rng.uniform(1.0, 1.5)])
-    model = StageModel(d, inflight, recompute, lat, bw, limit, overlap=overlap)
+    model = StageModel(d, inflight, recompute, lat, bw, limit, overlap=overlap, deferred=deferred)
     expect = brute_force(chain, model)
     part = partition_chain(chain, model)
     check_partition(chain, model, part)
