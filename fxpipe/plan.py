@@ -50,7 +50,7 @@ class StagePlan:
     comm_time: float  #: send/recv of activations and gradients across its input and output cuts
     memory: float  #: total = weights + activations + optimizer + grads + receive buffers
     memory_weights: float  #: parameter and buffer copies (2 versions of parameters under 2bw)
-    memory_activations: float  #: stashed activations of the in-flight micro-batches
+    memory_activations: float  #: stashed activations of the in-flight micro-batches (zb: and what deferred W passes keep)
     memory_optimizer: float  #: optimizer state (AdamW: 2 fp32 moments per parameter)
     memory_grads: float  #: gradient accumulators (two copies of the parameters when reductions overlap: w > 1 or clipping)
     memory_buffers: float  #: receive buffer for the activations crossing its input cut
