@@ -24,8 +24,9 @@ What ``I`` leaves alive. Autograd frees a node's saved tensors when the node run
 saved would stay alive until ``W k``, including those only the input chain reads (attention
 probabilities, a GELU's input), which no node of ``W`` reads again. A forward run under
 :meth:`SavedTensors.hooks` keeps what autograd saves in a :class:`SavedTensors`; ``I`` notes the
-tensors that non-anchor nodes of the chain read, and frees them when it is done, as a plain
-backward would have. What a micro-batch holds from ``I`` to ``W`` is then what the anchors and
+tensors that non-anchor nodes of the chain read, and frees them node by node, as a plain backward
+would have: a node's once the next node on its thread has read (``torch._C._current_autograd_node``
+tells them apart; a thread runs one node at a time), the last when ``I`` returns. What a micro-batch holds from ``I`` to ``W`` is then what the anchors and
 the nodes below them saved, and the gradients recorded at the anchors; ``W`` frees those group by
 group. For the pinned GPT of ``benchmarks/limit.py`` this cuts the last stage's peak of saved
 tensors under zb from 83.7 to 67.7 MiB (1f1b: 48.6; ZB-H1 holds two micro-batches there, 1f1b
@@ -56,6 +57,9 @@ __all__ = ["PendingWeights", "SavedTensors", "backward_input"]
 
 # the saved-tensor hooks in force (pack, unpack) or None; torch's own AOT autograd reads them so
 _hooks_in_force = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+# the autograd node running on this thread (None outside the engine); without it, what a call read
+# is freed when the call returns instead of node by node
+_running_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 class SavedTensors:
@@ -69,9 +73,11 @@ class SavedTensors:
         self._values: dict[int, object] = {}
         self._outer = None
         self._reads: set[int] | None = None  # within freeing_reads: the keys read, an anchor's during I aside
-        # whether an anchor is running, per thread: autograd runs a CUDA graph's nodes on its device
-        # thread and any CPU nodes on the caller's, possibly at the same time
+        # per thread: whether an anchor is running, and (within freeing_reads) the node that read
+        # last with the keys it read; autograd runs a CUDA graph's nodes on its device thread and
+        # any CPU nodes on the caller's, possibly at the same time
         self._anchor = threading.local()
+        self._last: dict[int, tuple[object, list[int]]] = {}
 
     def hooks(self):
         """The context to run the forward under."""
@@ -92,24 +98,42 @@ class SavedTensors:
             raise RuntimeError(f"fxpipe internal error: autograd read saved tensor {key} of a zb micro-batch after "
                                f"fxpipe freed it, expecting the node that read it never to run again; please report "
                                f"this with the model")
+        value = self._values[key]
         if self._reads is not None and not getattr(self._anchor, "running", False):
             self._reads.add(key)
-        value = self._values[key]
+            node = _running_node()
+            if node is not None:
+                self._reading(node).append(key)
         return value if self._outer is None else self._outer[1](value)
+
+    def _reading(self, node) -> list[int]:
+        """The keys ``node`` has read on this thread. When another node read last here, that one
+        has returned (a thread runs one node at a time, and a node runs once per call), so what
+        it read is freed now, as a plain backward frees a node's saved tensors when the node
+        returns; the rest of the call's reads are freed when it returns."""
+        thread = threading.get_ident()
+        last = self._last.get(thread)
+        if last is None or last[0] is not node:
+            for k in last[1] if last is not None else ():
+                self._values.pop(k, None)
+            last = self._last[thread] = (node, [])
+        return last[1]
 
     @contextlib.contextmanager
     def freeing_reads(self):
-        """Around one ``autograd.grad`` call whose nodes never run again: free, when it returns,
-        the tensors it read, except what an anchor read during ``I`` (:meth:`anchor_runs`
-        brackets those). Autograd itself frees a node's saved tensors right after the node
-        runs; this frees them per call."""
+        """Around one ``autograd.grad`` call whose nodes never run again: free the tensors it
+        reads, except what an anchor reads during ``I`` (:meth:`anchor_runs` brackets those),
+        each node's once another node has read on its thread (:meth:`_reading`), and whatever
+        is left when the call returns. Autograd itself frees a node's saved tensors right after
+        the node runs; this frees them at most one node later."""
         self._reads = set()
         try:
             yield
             for key in self._reads:
-                del self._values[key]
+                self._values.pop(key, None)
         finally:
             self._reads = None
+            self._last.clear()  # the call has returned: no node of it runs on any thread
 
     def anchor_runs(self, running: bool) -> None:
         """An anchor's pre-hook (True) and post-hook (False), on the thread that runs it."""

@@ -83,8 +83,9 @@ def test_input_then_weight_pass_equals_one_backward_and_w_skips_the_input_chain(
 
 
 def test_i_frees_what_only_the_input_chain_saved_and_outer_hooks_still_apply():
-    """x -> Linear -> GELU -> Linear: after I, GELU's saved input (read only by the input chain) is
-    gone, while what W reads (each Linear's input) stays; the weight gradients equal a plain
+    """x -> Linear -> GELU -> Linear -> tanh: during I, each tensor only the input chain reads is
+    freed once the next node has read (tanh's output before the first Linear runs); after I,
+    GELU's saved input is gone too, while what W reads (each Linear's input) stays; the weight gradients equal a plain
     backward's, and a saved-tensor hook the caller had in force still packs and unpacks."""
     g = torch.Generator().manual_seed(0)
     w = {n: torch.randn(*s, dtype=torch.float64, generator=g, requires_grad=True)
@@ -109,10 +110,14 @@ def test_i_frees_what_only_the_input_chain_saved_and_outer_hooks_still_apply():
     saved = SavedTensors()
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack), saved.hooks():
         loss, h = forward()
-    h = weakref.ref(h)  # the GELU's input: only GeluBackward saved it
+    h, fc = weakref.ref(h), h.grad_fn  # the GELU's input: only GeluBackward saved it
     before = len(saved)
+    at_fc = []  # node by node, as a plain backward: tanh's output is gone once GeluBackward has read
+    hook = fc.register_prehook(lambda grads: at_fc.append(len(saved)))
     input_grads, pending = backward_input([loss], [None], [x], w, saved)
-    del loss
+    hook.remove()
+    del loss, fc
+    assert at_fc == [before - 1], (at_fc, before)
     assert h() is None, "I kept a tensor only the input chain reads"
     assert 0 < len(saved) < before
     grads = pending.run()
