@@ -25,10 +25,11 @@ saved would stay alive until ``W k``, including those only the input chain reads
 probabilities, a GELU's input), which no node of ``W`` reads again. A forward run under
 :meth:`SavedTensors.hooks` keeps what autograd saves in a :class:`SavedTensors`; ``I`` notes the
 tensors that non-anchor nodes of the chain read, and frees them node by node, as a plain backward
-would have: a node's once the next node on its thread has read (``torch._C._current_autograd_node``
-tells them apart; a thread runs one node at a time), the last when ``I`` returns. What a micro-batch holds from ``I`` to ``W`` is then what the anchors and
-the nodes below them saved, and the gradients recorded at the anchors; ``W`` frees those group by
-group. For the pinned GPT of ``benchmarks/limit.py`` this cuts the last stage's peak of saved
+would have: a node's once the next node on its thread has read
+(``torch._C._current_autograd_node`` tells them apart; a thread runs one node at a time), the
+last when ``I`` returns. What a micro-batch holds from ``I`` to ``W`` is then what the anchors
+and the nodes below them saved, and the gradients recorded at the anchors; ``W`` frees those
+group by group. For the pinned GPT of ``benchmarks/limit.py`` this cuts the last stage's peak of saved
 tensors under zb from 83.7 to 67.7 MiB (1f1b: 48.6; ZB-H1 holds two micro-batches there, 1f1b
 one). Export traces ``torch.func`` transforms into plain operators; a stage that still disables
 saved-tensor hooks at run time (an opaque leaf module of the ``symbolic_trace`` path running
@@ -230,7 +231,7 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
     Returns the reason instead, running nothing, where the split would run part of the input
     chain again or has nothing to defer (module docstring): the caller then runs the plain
     backward. ``saved``: where the forward kept what autograd saved (:class:`SavedTensors`); the
-    tensors only the input chain read are freed at the end."""
+    tensors only the input chain reads are freed as it runs (:meth:`SavedTensors.freeing_reads`)."""
     if not weights:
         return "it has no trainable weight, so there is no weight pass to defer"
     seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]

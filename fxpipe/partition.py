@@ -186,8 +186,8 @@ class StageModel:
             # nothing and costs a forward: it stays off there.
             recompute = tuple(recompute and alive[s] > 1 for s in range(d))
         recompute = tuple(bool(x) for x in recompute)
-        deferred = tuple(zb_bounds(s, d, m, recompute[s])[1] if zb else 0 for s in range(d))
-        inflight = tuple(zb_bounds(s, d, m, recompute[s])[0] - deferred[s] if zb else alive[s] for s in range(d))
+        held = [zb_bounds(s, d, m, recompute[s]) if zb else (alive[s], 0) for s in range(d)]  # (alive, deferred)
+        inflight, deferred = tuple(n - e for n, e in held), tuple(e for _, e in held)
         return cls(d, inflight, recompute, device.p2p_latency, device.p2p_bandwidth,
                    device.memory_bytes if memory_limit is None else float(memory_limit),
                    tuple((float(a), float(b)) for a, b in links), bool(overlap), deferred)
@@ -571,7 +571,7 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
         elif t in buffers:
             tensors.append((t, float(buffers[t].numel() * buffers[t].element_size()), 0.0, 0.0, 0.0, sorted(set(rd))))
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
-    return _Parts([nd.name for nd in compute], fwd, bwd, act, _weight_reads(gm, compute, act), i64(lo), i64(hi),
+    return _Parts([nd.name for nd in compute], fwd, bwd, act, _weight_reads(compute, pos, act, params), i64(lo), i64(hi),
                   np.asarray(size, dtype=np.float64), np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
 
 
@@ -597,15 +597,15 @@ def _assemble(parts: _Parts) -> Chain:
                  tuple(parts.names), col(2), col(3), col(4), tuple(x[0] for x in t), parts.weight_reads)
 
 
-def _weight_reads(gm: fx.GraphModule, compute: list[fx.Node], act: np.ndarray) -> np.ndarray:
+def _weight_reads(compute: list[fx.Node], pos: dict[str, int], act: np.ndarray,
+                  params: dict[str, torch.Tensor]) -> np.ndarray:
     """Per compute node, the bytes zb's weight pass keeps of a micro-batch from its ``I`` to its
     ``W`` (:mod:`fxpipe.backward`): ``I`` frees what only the input-gradient chain saved, so what
     stays is what the nodes reading a trainable parameter saved: their activation inputs (``x`` of
     ``x @ W.T``, a norm's input). Each value counts once, at its first such reader; a view counts
     as the value it views. A node's other saved tensors (a norm's mean and rstd) are small beside
-    these and not counted; inputs of the graph are the stage's input buffer, counted apart."""
-    params = dict(gm.named_parameters())
-    pos = {nd.name: i for i, nd in enumerate(compute)}
+    these and not counted; inputs of the graph are the stage's input buffer, counted apart.
+    ``pos``: each compute node's position; ``params``: the graph's parameters by name."""
     out = np.zeros(len(compute))
     seen: set[str] = set()
     for i, nd in enumerate(compute):

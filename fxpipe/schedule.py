@@ -904,9 +904,10 @@ def validate(
     (so the same on every stage); SEND after the F/B that produced its tensor and each RECV
     before its consumer; at most ``d - i`` micro-batches in flight on stage i (1f1b, 2bw) or
     ``m`` (gpipe), or ``min(d, m)`` between F and W (zb, of which at most ``min(d - i, m)``
-    before their I; ``min(d - i, m)`` where the stage recomputes, see :func:`zb_bounds`); at most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in
-    its window (after the last B of batch t, before the first B of batch t+1 and the first F of
-    batch t+2 for 2bw, t+1 otherwise); each reduction started after the last B of batch t and
+    before their I; ``min(d - i, m)`` where the stage recomputes, see :func:`zb_bounds`); at
+    most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in its window (after
+    the last B of batch t, before the first B of batch t+1 and the first F of batch t+2 for 2bw,
+    t+1 otherwise); each reduction started after the last B of batch t and
     waited for before UPDATE t; the reductions that ``width``/``tied``/``clip`` require (when
     those are given). Then it replays all stages together with blocking semantics (module
     docstring) and reports mismatched p2p orders and deadlocks. ``steps`` defaults to what the
@@ -945,8 +946,9 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
     started: dict[tuple[Kind, int], int] = {}
     zb = schedule == "zb"
     rc = recompute is not None and recompute[s]
-    limit = m if schedule == "gpipe" else zb_bounds(s, d, m, rc)[0] if zb else d - s
-    whole = limit - zb_bounds(s, d, m, rc)[1] if zb else limit  # zb: between F and I (whole activations)
+    # micro-batches between F and W (B), and how many of them may have run their I (zb's deferred W)
+    limit, deferred = zb_bounds(s, d, m, rc) if zb else (m if schedule == "gpipe" else d - s, 0)
+    whole = limit - deferred  # between F and I: whole activations
     before_i: set[int] = set()
     backward = (Kind.I, Kind.W) if zb else (Kind.B,)  # what each micro-batch's backward is here
     reduced = {a.index for a in lst if a.kind in STARTS}  # batches whose gradient is reduced
