@@ -1230,23 +1230,76 @@ def plan(
     shared = device.host_cores is not None and device.host_cores < best.d * best.w
     split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
     if shared or split:
-        plan = _simulated(plan)
+        plan = _simulated_cuts(plan, gm, best, cluster, limit)
     return plan
 
 
-def _simulated(plan: Plan) -> Plan:
-    """``plan`` with its step time simulated where the closed form (:func:`pipeline_time`: a
-    device per rank, zb's I and W halves of a backward) does not hold: ranks that share fewer
-    cores than there are ranks (CPU processes on one host, :attr:`DeviceModel.host_cores`)
-    compute faster while others wait, and a calibrated zb split can cost more than a backward."""
+# how far _simulated_cuts moves a cut: by at most this share of the compute of the smaller of
+# its two stages; and the least share of the step a move must save
+_REACH, _GAIN = 0.25, 1e-3
+
+
+def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: Cluster, limit: float) -> Plan:
+    """``plan`` with its cuts moved to lower its simulated step time, and that time, where the
+    closed form (:func:`pipeline_time`: a device per rank, zb's I and W halves of a backward)
+    does not hold: ranks that share fewer cores than there are ranks (CPU processes on one host,
+    :attr:`DeviceModel.host_cores`) compute faster while others wait, and a calibrated zb split
+    can cost more than a backward. There the exact solver's balanced stages need not give the
+    shortest step: zb's first stage runs its whole backward as ``W`` and pays no split, so it
+    should take more of the graph than the others.
+
+    Coordinate descent from the solver's cuts: each cut in turn goes to the allowed position,
+    among those moving at most ``_REACH`` of the compute of the smaller of its two stages, with
+    the lowest simulated step (all-reduce included, as :func:`_price` adds it) and every stage
+    within ``limit``, if that saves at least ``_GAIN`` of the step; rounds go on until no cut
+    moves (at most 8). Deterministic: every rank that plans gets the same cuts."""
     from .inspect import plan_costs
     from .schedule import generate
     from .simulate import simulate
 
-    lists = generate(plan.schedule, plan.stages, plan.microbatches, 8, width=plan.width, recompute=list(plan.recompute))
-    pipe, ar = simulate(lists, plan_costs(plan)).step_time, plan.allreduce_time
-    step = max(pipe, ar) if plan.schedule == "2bw" else pipe + ar  # as _price prices it
-    return dataclasses.replace(plan, step_time=step, throughput=plan.microbatch_size * plan.microbatches * plan.width / step)
+    chain, model, d = best.chain, best.model, plan.stages
+    lists = generate(plan.schedule, d, plan.microbatches, 8, width=plan.width, recompute=list(plan.recompute))
+    stage_plans: dict[tuple, StagePlan] = {}
+
+    def priced(cuts: tuple[int, ...]) -> tuple[float, Plan] | None:
+        bounds = tuple(zip((0,) + tuple(c + 1 for c in cuts), cuts + (chain.n - 1,)))
+        tied = set() if best.grad_buffers == 2 else _stages_with_shared_tensors(chain, bounds)
+        sps = []
+        for s, (l, r) in enumerate(bounds):
+            key = (s, l, r, s in tied)
+            if key not in stage_plans:
+                stage_plans[key] = _stage_plan(gm, chain, model, s, l, r, extra_grads=s in tied)
+            sps.append(stage_plans[key])
+        if any(sp.memory > limit * (1 + 1e-9) for sp in sps):
+            return None
+        ar = reduction_time(cluster, chain, bounds, plan.width, plan.layout)
+        moved = dataclasses.replace(plan, stage_plans=tuple(sps), allreduce_time=ar,
+                                    assignment_pairs=_assignment(gm, bounds), bottleneck=max(sp.time for sp in sps))
+        pipe = simulate(lists, plan_costs(moved)).step_time
+        step = max(pipe, ar) if plan.schedule == "2bw" else pipe + ar  # as _price prices it
+        return step, dataclasses.replace(moved, step_time=step, throughput=plan.global_batch / step)
+
+    allowed = np.flatnonzero(chain.valid)
+    done = np.cumsum(chain.fwd + chain.bwd)  # compute of positions 0..c
+    cuts = tuple(r for _, r in best.part.bounds[:-1])
+    step, out = priced(cuts)  # the solver's cuts fit the limit
+    for _ in range(8):
+        start = cuts
+        for i in range(d - 1):
+            lo = cuts[i - 1] if i > 0 else -1
+            hi = cuts[i + 1] if i + 1 < d - 1 else chain.n - 1
+            before = done[cuts[i]] - (done[lo] if lo >= 0 else 0.0)
+            reach = _REACH * min(before, done[hi] - done[cuts[i]])
+            near = allowed[(allowed > lo) & (allowed < hi) & (np.abs(done[allowed] - done[cuts[i]]) <= reach)]
+            trials = [(got, trial) for c in near.tolist() if c != cuts[i]
+                      for trial in [cuts[:i] + (c,) + cuts[i + 1:]] for got in [priced(trial)] if got is not None]
+            if trials:
+                got, trial = min(trials, key=lambda t: (t[0][0], t[1]))
+                if got[0] < step * (1 - _GAIN):
+                    (step, out), cuts = got, trial
+        if cuts == start:
+            break
+    return out
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:

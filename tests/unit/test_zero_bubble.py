@@ -269,6 +269,55 @@ def test_calibration_times_the_split_against_a_whole_backward():
     assert p.step_time == pytest.approx(simulate(generate("zb", 2, 4, 8), costs).step_time)
 
 
+def test_a_costly_split_moves_the_cut_where_the_simulator_says():
+    """With I + W dearer than a backward (a calibrated split), zb's first stage, which runs its
+    whole backward as W, should take more of the graph than balanced stages give it: the planner
+    moves the cut to the allowed position of lowest simulated step (the best of every single cut
+    here) and stays within the memory limit."""
+    from fxpipe.cost import DeviceModel
+    from fxpipe.inspect import plan_costs
+    from fxpipe.partition import plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
+    x = torch.randn(8, 64)
+    gm = fxpipe.trace(model, (x,))
+    links = dict(p2p_latency=1e-7, p2p_bandwidth=1e12)  # compute-bound: a tiny model's sends would dominate
+    dear = DeviceModel(backward_input_share=0.7, backward_weight_share=0.6, **links)
+    lists = generate("zb", 2, 4, 8)
+
+    def step(p):  # the simulated step of p's cuts under the dear split
+        return simulate(lists, plan_costs(dataclasses.replace(p, device=dear))).step_time
+
+    balanced = plan(gm, stages=2, microbatches=4, schedule="zb", device=DeviceModel(**links), world_size=2)
+    moved = plan(gm, stages=2, microbatches=4, schedule="zb", device=dear, world_size=2)
+    first = lambda p: p.stage_plans[0].forward_time  # noqa: E731
+    assert first(moved) > first(balanced)
+    assert moved.step_time == pytest.approx(step(moved)) and moved.step_time < 0.99 * step(balanced)
+    assert plan(gm, stages=2, microbatches=4, schedule="zb", device=dear, world_size=2).assignment_pairs == \
+        moved.assignment_pairs  # deterministic: every rank plans the same cuts
+
+    # every allowed single cut, priced the same way: the planner's is the best of them
+    chain = chain_from_graph(gm, annotate(gm, mode="analytic", device=dear), 8, schedule="zb")
+    best = min(step(_with_cut(moved, gm, chain, c, dear)) for c in range(chain.n - 1) if chain.valid[c])
+    assert moved.step_time == pytest.approx(best, rel=1e-9)
+
+    # a memory limit the moved first stage breaks keeps the cut where it fits
+    tight = moved.stage_plans[0].memory - 1.0
+    fitted = plan(gm, stages=2, microbatches=4, schedule="zb", device=dear, world_size=2, device_memory=tight)
+    assert all(sp.memory <= tight for sp in fitted.stage_plans) and first(fitted) < first(moved)
+
+
+def _with_cut(p, gm, chain, c, device):
+    """``p`` with its one cut after chain position ``c`` (stage plans as the planner builds them)."""
+    from fxpipe.partition import StageModel, _assignment, _stage_plan
+
+    model = StageModel.for_schedule(p.schedule, 2, p.microbatches, False, device)
+    bounds = ((0, c), (c + 1, chain.n - 1))
+    sps = tuple(_stage_plan(gm, chain, model, s, l, r) for s, (l, r) in enumerate(bounds))
+    return dataclasses.replace(p, stage_plans=sps, assignment_pairs=_assignment(gm, bounds))
+
+
 @pytest.mark.parametrize("d,m", [(2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 2), (5, 3)])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_peak_in_flight_is_within_the_bound(d, m, recompute):
