@@ -1230,7 +1230,7 @@ def plan(
     shared = device.host_cores is not None and device.host_cores < best.d * best.w
     split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
     if shared or split:
-        plan = _simulated_cuts(plan, gm, best, cluster, limit)
+        plan = _simulated_cuts(plan, gm, best, cluster, limit, move=split)
     return plan
 
 
@@ -1239,14 +1239,17 @@ def plan(
 _REACH, _GAIN = 0.25, 1e-3
 
 
-def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: Cluster, limit: float) -> Plan:
-    """``plan`` with its cuts moved to lower its simulated step time, and that time, where the
-    closed form (:func:`pipeline_time`: a device per rank, zb's I and W halves of a backward)
-    does not hold: ranks that share fewer cores than there are ranks (CPU processes on one host,
-    :attr:`DeviceModel.host_cores`) compute faster while others wait, and a calibrated zb split
-    can cost more than a backward. There the exact solver's balanced stages need not give the
-    shortest step: zb's first stage runs its whole backward as ``W`` and pays no split, so it
-    should take more of the graph than the others.
+def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: Cluster, limit: float, *,
+                    move: bool) -> Plan:
+    """``plan`` with its step time simulated where the closed form (:func:`pipeline_time`: a
+    device per rank, zb's I and W halves of a backward) does not hold: ranks that share fewer
+    cores than there are ranks (CPU processes on one host, :attr:`DeviceModel.host_cores`)
+    compute faster while others wait, and a calibrated zb split can cost more than a backward.
+    With ``move`` (such a split), its cuts first move to lower that time: the exact solver's
+    balanced stages are then not the shortest step, since zb's first stage runs its whole
+    backward as ``W`` and pays no split, so it should take more of the graph than the others.
+    (Cores shared among the ranks slow every stage alike; on ``benchmarks/limit.py`` moving 2bw's
+    cut for them made its step slower, so there the cuts stay.)
 
     Coordinate descent from the solver's cuts: each cut in turn goes to the allowed position,
     among those moving at most ``_REACH`` of the compute of the smaller of its two stages, with
@@ -1283,7 +1286,7 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
     done = np.cumsum(chain.fwd + chain.bwd)  # compute of positions 0..c
     cuts = tuple(r for _, r in best.part.bounds[:-1])
     step, out = priced(cuts)  # the solver's cuts fit the limit
-    for _ in range(8):
+    for _ in range(8 if move else 0):
         start = cuts
         for i in range(d - 1):
             lo = cuts[i - 1] if i > 0 else -1
