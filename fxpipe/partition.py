@@ -1264,8 +1264,12 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
     lists = generate(plan.schedule, d, plan.microbatches, 8, width=plan.width, recompute=list(plan.recompute))
     stage_plans: dict[tuple, StagePlan] = {}
 
-    def priced(cuts: tuple[int, ...]) -> tuple[float, Plan] | None:
-        bounds = tuple(zip((0,) + tuple(c + 1 for c in cuts), cuts + (chain.n - 1,)))
+    def bounds_of(cuts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        return tuple(zip((0,) + tuple(c + 1 for c in cuts), cuts + (chain.n - 1,)))
+
+    def priced(cuts: tuple[int, ...]) -> tuple[float, float, tuple] | None:
+        """(simulated step, all-reduce, stage plans) of the cuts; None where a stage breaks the limit."""
+        bounds = bounds_of(cuts)
         tied = set() if best.grad_buffers == 2 else _stages_with_shared_tensors(chain, bounds)
         sps = []
         for s, (l, r) in enumerate(bounds):
@@ -1276,16 +1280,14 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
         if any(sp.memory > limit * (1 + 1e-9) for sp in sps):
             return None
         ar = reduction_time(cluster, chain, bounds, plan.width, plan.layout)
-        moved = dataclasses.replace(plan, stage_plans=tuple(sps), allreduce_time=ar,
-                                    assignment_pairs=_assignment(gm, bounds), bottleneck=max(sp.time for sp in sps))
-        pipe = simulate(lists, plan_costs(moved)).step_time
+        pipe = simulate(lists, plan_costs(dataclasses.replace(plan, stage_plans=tuple(sps)))).step_time
         step = max(pipe, ar) if plan.schedule == "2bw" else pipe + ar  # as _price prices it
-        return step, dataclasses.replace(moved, step_time=step, throughput=plan.global_batch / step)
+        return step, ar, tuple(sps)
 
     allowed = np.flatnonzero(chain.valid)
     done = np.cumsum(chain.fwd + chain.bwd)  # compute of positions 0..c
     cuts = tuple(r for _, r in best.part.bounds[:-1])
-    step, out = priced(cuts)  # the solver's cuts fit the limit
+    priced_cuts = priced(cuts)  # the solver's cuts fit the limit
     for _ in range(8 if move else 0):
         start = cuts
         for i in range(d - 1):
@@ -1294,15 +1296,19 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
             before = done[cuts[i]] - (done[lo] if lo >= 0 else 0.0)
             reach = _REACH * min(before, done[hi] - done[cuts[i]])
             near = allowed[(allowed > lo) & (allowed < hi) & (np.abs(done[allowed] - done[cuts[i]]) <= reach)]
-            trials = [(got, trial) for c in near.tolist() if c != cuts[i]
-                      for trial in [cuts[:i] + (c,) + cuts[i + 1:]] for got in [priced(trial)] if got is not None]
-            if trials:
-                got, trial = min(trials, key=lambda t: (t[0][0], t[1]))
-                if got[0] < step * (1 - _GAIN):
-                    (step, out), cuts = got, trial
+            best_trial = None  # (step, cuts, priced) of the best position for cut i
+            for c in near.tolist():
+                trial = cuts[:i] + (c,) + cuts[i + 1:]
+                got = priced(trial) if c != cuts[i] else None
+                if got is not None and (best_trial is None or (got[0], trial) < best_trial[:2]):
+                    best_trial = (got[0], trial, got)
+            if best_trial is not None and best_trial[0] < priced_cuts[0] * (1 - _GAIN):
+                cuts, priced_cuts = best_trial[1], best_trial[2]
         if cuts == start:
             break
-    return out
+    step, ar, sps = priced_cuts
+    return dataclasses.replace(plan, stage_plans=sps, allreduce_time=ar, assignment_pairs=_assignment(gm, bounds_of(cuts)),
+                               bottleneck=max(sp.time for sp in sps), step_time=step, throughput=plan.global_batch / step)
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:
