@@ -118,6 +118,7 @@ def test_checkpoint_errors_say_what_to_do(tmp_path):
         pipe.save(str(tmp_path), extra=[1, 2])
     pipe.step(*resume.batch(1))
     pipe.save(str(tmp_path))
+    pipe.wait_for_checkpoint()  # another pipeline reads it
     with pytest.raises(CheckpointError, match=r"schedule '1f1b', which keeps one weight version; 2bw needs W\(t-1\)"):
         resume.compile("2bw", 2, 2).load(str(tmp_path))
     import fxpipe
