@@ -391,8 +391,14 @@ class StageWorker:
         self.sends.append((self.segments, self.comm.isend(tensors, peer, str(a))))
 
     def drain(self) -> None:
-        """Wait for every send and loss all-reduce still in flight (a flush, eval_step)."""
+        """Wait for every send, receive and loss all-reduce still in flight (a flush, eval_step,
+        the end of a script that did not flush). A receive posted in a step's segment is sent in
+        the peer's segment of that step or earlier (tests/unit/test_runtime_core.py checks it
+        on every schedule), so the peer, running the same steps, sends it. A group torn down with a
+        receive still posted can abort the process at exit when the peer's message lands."""
         for _, h in list(self.sends) + list(self.loss_posts):
+            h.wait()
+        for _, h in list(self.recv_act.values()) + list(self.recv_grad.values()):
             h.wait()
         self.sends.clear()
         self.loss_posts.clear()
