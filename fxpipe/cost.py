@@ -139,8 +139,9 @@ class DeviceModel:
                   torch_device: str | torch.device | None = None, repeats: int = 10,
                   barrier=None, host_ranks: int = 1, alone: bool = False, split: bool = False) -> "DeviceModel":
         """This model fitted to what this machine does with ``gm`` now: the whole traced graph
-        runs forward and backward on ``example_inputs`` (median of ``repeats`` after two warm-ups),
-        and the roofline's ``peak_flops`` and ``mem_bandwidth`` are scaled by one factor so
+        runs forward and backward on ``example_inputs`` (median of ``repeats`` after two warm-ups;
+        the backward adds into ``.grad`` buffers, as the runtime's adds into its accumulator; the
+        gradients the parameters held are put back), and the roofline's ``peak_flops`` and ``mem_bandwidth`` are scaled by one factor so
         that the analytic forward times of the nodes sum to the measured forward, and
         ``backward_ratio`` is set so their backwards sum to the measured backward. With
         ``optimizer`` (``compile``'s factory) one step over parameters of the model's shapes (up
@@ -173,7 +174,9 @@ class DeviceModel:
                             f"asked for {dev}: move the model to {dev} first")
 
         def once(line_up) -> tuple[float, float, float]:
-            """One forward and backward: when it started, its forward and backward seconds."""
+            """One forward and backward: when it started, its forward and backward seconds. The
+            backward adds the weight gradients into ``.grad`` buffers, as the runtime's does into
+            its accumulator (on the pinned GPT of ``benchmarks/limit.py`` that is 2.5% of it)."""
             sync()
             if line_up is not None:
                 line_up()
@@ -181,7 +184,7 @@ class DeviceModel:
             outs = [o for o in pytree.tree_leaves(gm(*args, **kwargs)) if isinstance(o, torch.Tensor) and o.requires_grad]
             sync()
             t1 = time.perf_counter()
-            torch.autograd.grad(outs, params, [torch.ones_like(o) for o in outs], allow_unused=True)
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs], inputs=params)
             sync()
             return t0, t1 - t0, time.perf_counter() - t1
 
@@ -201,7 +204,7 @@ class DeviceModel:
         # The timed forwards update buffers in place (BatchNorm's running statistics): they are
         # put back afterwards, so calibrating leaves the model as it found it.
         buffers = [(b, b.detach().clone()) for b in gm.buffers()]
-        with torch.random.fork_rng(devices=rng_devices(dev)), _restored(buffers):
+        with torch.random.fork_rng(devices=rng_devices(dev)), _restored(buffers), _accumulating(params):
             once(barrier), once(barrier)  # warm-up: the allocator's pools, lazily built kernels
             runs = [once(barrier) for _ in range(repeats)]
             fwd, bwd = medians(runs)
@@ -687,6 +690,20 @@ def _restored(buffers: list[tuple[torch.Tensor, torch.Tensor]]):
                 buf.copy_(saved)
 
 
+@contextlib.contextmanager
+def _accumulating(params: list[torch.Tensor]):
+    """Point each parameter's ``.grad`` at a zeroed buffer of its own, so that timed backwards
+    accumulate into it as the runtime's do; the gradients the parameters held come back after."""
+    held = [p.grad for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    try:
+        yield
+    finally:
+        for p, g in zip(params, held):
+            p.grad = g
+
+
 def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[float, float]:
     """zb's ``I`` and ``W`` (:mod:`fxpipe.backward`) over a whole backward, timed alternately on
     the graph's second half: at its middle floating-point node the forward detaches every live
@@ -723,8 +740,8 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
         seeds = [torch.ones_like(r) for r in roots]
         sync()
         t0 = time.perf_counter()
-        if not split:
-            torch.autograd.grad(roots, [*run.boundary, *weights.values()], seeds, allow_unused=True)
+        if not split:  # the weight gradients accumulate, as in the runtime's backward
+            torch.autograd.backward(roots, seeds, inputs=[*run.boundary, *weights.values()])
             sync()
             return time.perf_counter() - t0, 0.0
         got = backward_input(roots, seeds, run.boundary, weights, saved)
@@ -732,17 +749,20 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
             return None
         sync()
         t1 = time.perf_counter()
-        got[1].run()
+        with torch.no_grad():  # and W's are added into the accumulator, as the runtime's are
+            for name, g in got[1].run().items():
+                weights[name].grad.add_(g)
         sync()
         return t1 - t0, time.perf_counter() - t1
 
-    if once(True) is None:
-        return 1.0, 0.0
-    once(False)
-    whole, parts = [], []
-    for _ in range(repeats):
-        whole.append(once(False)[0])
-        parts.append(once(True))
+    with _accumulating(list(weights.values())):
+        if once(True) is None:
+            return 1.0, 0.0
+        once(False)
+        whole, parts = [], []
+        for _ in range(repeats):
+            whole.append(once(False)[0])
+            parts.append(once(True))
     b = max(statistics.median(whole), 1e-12)
     return statistics.median(i for i, _ in parts) / b, statistics.median(w for _, w in parts) / b
 

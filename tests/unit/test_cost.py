@@ -253,16 +253,22 @@ def test_random_numbers_are_priced_at_the_generators_pace():
     assert 0 < cal.random_time_per_element < 1e-6  # nanoseconds per number on a CPU
 
 
-def test_calibrate_leaves_buffers_as_it_found_them():
-    """BatchNorm's running statistics move in every timed forward; calibrating (the split
-    timing included) puts them back, so a calibrated compile trains the model it was given."""
+def test_calibrate_leaves_buffers_and_gradients_as_it_found_them():
+    """BatchNorm's running statistics move in every timed forward, and the timed backwards
+    accumulate into ``.grad`` as the runtime's do; calibrating (the split timing included) puts
+    both back, so a calibrated compile trains the model it was given."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 8), nn.BatchNorm1d(8))
     x = torch.randn(16, 8)
     before = {n: b.clone() for n, b in model.named_buffers()}
-    DeviceModel.cpu().calibrate(fxpipe.trace(model, (x,)), (x,), repeats=2, split=True)
+    held = torch.ones(8, 8)
+    model[0].weight.grad = held  # a gradient the user left there; the rest have none
+    gm = fxpipe.trace(model, (x,))
+    DeviceModel.cpu().calibrate(gm, (x,), repeats=2, split=True)
     for n, b in model.named_buffers():
         assert torch.equal(b, before[n]), n
+    assert model[0].weight.grad is held and torch.equal(held, torch.ones(8, 8))  # the traced graph shares it
+    assert all(p.grad is None for p in model.parameters() if p is not model[0].weight)
 
 
 def test_calibrate_refuses_a_meta_model():
