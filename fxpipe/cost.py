@@ -141,8 +141,8 @@ class DeviceModel:
         """This model fitted to what this machine does with ``gm`` now: the whole traced graph
         runs forward and backward on ``example_inputs`` (median of ``repeats`` after two warm-ups;
         the backward adds into ``.grad`` buffers, as the runtime's adds into its accumulator; the
-        gradients the parameters held are put back), and the roofline's ``peak_flops`` and ``mem_bandwidth`` are scaled by one factor so
-        that the analytic forward times of the nodes sum to the measured forward, and
+        gradients the parameters held are put back), and the roofline's ``peak_flops`` and
+        ``mem_bandwidth`` are scaled by one factor so that the analytic forward times of the nodes sum to the measured forward, and
         ``backward_ratio`` is set so their backwards sum to the measured backward. With
         ``optimizer`` (``compile``'s factory) one step over parameters of the model's shapes (up
         to 8M elements) gives ``update_time_per_byte``; a dropout mask gives

@@ -571,8 +571,8 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
         elif t in buffers:
             tensors.append((t, float(buffers[t].numel() * buffers[t].element_size()), 0.0, 0.0, 0.0, sorted(set(rd))))
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
-    return _Parts([nd.name for nd in compute], fwd, bwd, act, _weight_reads(compute, pos, act, params), i64(lo), i64(hi),
-                  np.asarray(size, dtype=np.float64), np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
+    return _Parts([nd.name for nd in compute], fwd, bwd, act, _weight_reads(compute, pos, act, params), i64(lo),
+                  i64(hi), np.asarray(size, dtype=np.float64), np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
 
 
 def _assemble(parts: _Parts) -> Chain:
@@ -1307,8 +1307,9 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
         if cuts == start:
             break
     step, ar, sps = priced_cuts
-    return dataclasses.replace(plan, stage_plans=sps, allreduce_time=ar, assignment_pairs=_assignment(gm, bounds_of(cuts)),
-                               bottleneck=max(sp.time for sp in sps), step_time=step, throughput=plan.global_batch / step)
+    return dataclasses.replace(plan, stage_plans=sps, allreduce_time=ar,
+                               assignment_pairs=_assignment(gm, bounds_of(cuts)), bottleneck=max(sp.time for sp in sps),
+                               step_time=step, throughput=plan.global_batch / step)
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:

@@ -392,13 +392,11 @@ class StageWorker:
 
     def drain(self) -> None:
         """Wait for every send, receive and loss all-reduce still in flight (a flush, eval_step,
-        the end of a script that did not flush). A receive posted in a step's segment is sent in
-        the peer's segment of that step or earlier (tests/unit/test_runtime_core.py checks it
-        on every schedule), so the peer, running the same steps, sends it. A group torn down with a
-        receive still posted can abort the process at exit when the peer's message lands."""
-        for _, h in list(self.sends) + list(self.loss_posts):
-            h.wait()
-        for _, h in list(self.recv_act.values()) + list(self.recv_grad.values()):
+        the end of a script that did not flush), so that the group is never torn down with an
+        operation of this rank still posted. A receive posted in a step's segment is sent in the
+        peer's segment of that step or earlier (tests/unit/test_runtime_core.py checks it on every
+        schedule), so the peer, running the same steps, sends it and the wait ends."""
+        for _, h in [*self.sends, *self.loss_posts, *self.recv_act.values(), *self.recv_grad.values()]:
             h.wait()
         self.sends.clear()
         self.loss_posts.clear()
