@@ -318,6 +318,7 @@ class Pipeline:
         self.workers: dict[int, StageWorker] = {}  # this process's ranks (set up with the plan)
         if self.distributed:  # runs before the group's teardown that _init_distributed registered
             atexit.register(_drain_at_exit, weakref.ref(self))
+            _PIPELINES.add(self)
         if example_inputs is not None:
             self._setup(*normalize_inputs(example_inputs))
 
@@ -1043,10 +1044,15 @@ def _init_distributed(requested_device, timeout: float | None) -> tuple[bool, to
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = choose_device(requested_device, distributed=True)
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
-        dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
+        span = datetime.timedelta(seconds=timeout)
+        # init_process_group's own env:// rendezvous (torchrun's agent store or rank 0's), run
+        # here to keep the store: the ranks meet in it at exit (_destroy_process_group)
+        store, rank, world = next(dist.rendezvous("env://", timeout=span))
+        store.set_timeout(span)
+        dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world, timeout=span)
         # The group is fxpipe's, so fxpipe tears it down: a gloo group still alive when the
         # interpreter finalises aborts the process ("terminate called without an active exception").
-        atexit.register(_destroy_process_group)
+        atexit.register(_destroy_process_group, store, timeout)
         return True, device, timeout
     return False, choose_device(requested_device, distributed=False), None
 
@@ -1089,13 +1095,53 @@ def _drain_at_exit(ref: "weakref.ref[Pipeline]") -> None:
         for wk in pipe.workers.values():
             wk.drain()
     except Exception as e:  # a peer that died: say so, and go on to tear down
+        pipe._broken = True  # what it has in flight stays unmatched: the teardown waits for no one
         warnings.warn(f"fxpipe: at exit, rank {pipe.rank} could not finish its in-flight communication: {e}",
                       RuntimeWarning, stacklevel=1)
 
 
-def _destroy_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+#: This process's multi-process pipelines (at exit: whether one failed, see _destroy_process_group)
+_PIPELINES: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
+
+
+def _destroy_process_group(store, timeout: float) -> None:
+    """At exit, after every pipeline drained (:func:`_drain_at_exit`): destroy the group fxpipe
+    created, once every rank has drained too. A rank whose own operations are complete can
+    still have a peer reading what it sent (gloo completes a send once its bytes are out), and a
+    gloo group torn down then can abort the process at exit ("terminate called without an
+    active exception", in about one run in eight of ``tests/dist/test_reliability.py``'s script
+    that ends without ``flush()``). So each rank says in the group's store that it is done and
+    waits, up to ``timeout``, for the others to say the same: once all have drained, nothing
+    is in flight. The store, not a collective: a peer whose pipeline failed may have left the
+    device communicator with unmatched operations. A rank whose pipeline failed says it is done
+    but waits for no one (its peers may never come)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the script destroyed it
+    waits = not any(p._broken for p in list(_PIPELINES))
+    missing = _meet_at_exit(store, dist.get_rank(), dist.get_world_size(), timeout, wait=waits)
+    if missing:
+        warnings.warn(f"fxpipe: at exit, rank {dist.get_rank()} waited {timeout:g} s for rank(s) {missing} to finish "
+                      f"their communication and tears its group down without them; if they are still running, "
+                      f"their pipeline will fail with a PeerError", RuntimeWarning, stacklevel=1)
+    dist.destroy_process_group()
+
+
+def _meet_at_exit(store, rank: int, world: int, timeout: float, *, wait: bool = True) -> list[int]:
+    """Set this rank's exit key in ``store`` and (``wait``) wait up to ``timeout`` seconds for
+    every rank's; returns the ranks whose key is still missing. The keys carry torchrun's restart
+    count: its agent's store outlives a restarted attempt's workers."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    key = lambda r: f"fxpipe/exit/{attempt}/{r}"  # noqa: E731
+    try:
+        store.set(key(rank), "1")
+        if wait:
+            store.wait([key(r) for r in range(world)], datetime.timedelta(seconds=timeout))
+        return []
+    except Exception:  # noqa: BLE001 - a timeout, or the store's host gone: say who is missing
+        try:
+            return [r for r in range(world) if not store.check([key(r)])]
+        except Exception:  # noqa: BLE001 - the store itself is unreachable
+            return [r for r in range(world) if r != rank]
 
 
 def _kernel_backend(choice: str, device: torch.device):

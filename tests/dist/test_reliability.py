@@ -216,6 +216,45 @@ def test_a_script_that_ends_without_flush_exits_on_every_rank():
     assert "rank 0 ends with Loss" in ranks[0].stdout and "rank 1 ends with float" in ranks[1].stdout
 
 
+def test_ranks_meet_in_the_store_before_the_group_is_torn_down(monkeypatch):
+    """The exit rendezvous of fxpipe.pipeline._destroy_process_group: a rank waits (up to the
+    timeout) for every rank's key, a failed rank only sets its own, and a restarted torchrun
+    attempt does not take the keys of the one before for its peers'."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fxpipe.pipeline import _meet_at_exit
+
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=5))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    start = time.monotonic()
+    assert _meet_at_exit(store, 0, 3, 0.3) == [1, 2]  # nobody else came: the missing ranks
+    assert 0.25 < time.monotonic() - start < 3
+    assert _meet_at_exit(store, 1, 3, 0.3, wait=False) == []  # a failed rank: its key, no wait
+    assert _meet_at_exit(store, 2, 3, 5.0) == []  # the last to come finds everyone
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert _meet_at_exit(store, 0, 3, 0.3) == [1, 2]
+
+
+def test_a_rank_that_tears_down_without_its_peers_says_so(monkeypatch):
+    import torch.distributed as dist
+
+    from fxpipe import pipeline
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    destroyed = []
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: destroyed.append(group))
+    store = dist.HashStore()
+    with pytest.warns(RuntimeWarning, match=r"rank 0 waited 0.2 s for rank\(s\) \[1\] to finish their communication "
+                                            r"and tears its group down without them"):
+        pipeline._destroy_process_group(store, 0.2)
+    assert destroyed == [None]
+
+
 @pytest.mark.slow
 def test_a_script_whose_rank_raises_exits_on_every_rank():
     rank0, rank1 = _run_script(fail=True)
