@@ -19,7 +19,8 @@ gloo ranks with one thread each. Every system below trains exactly this:
 
 Every run is a fresh pair of processes (so each one's peak memory is its own), the systems
 alternate within each of ``--rounds`` rounds, and each reports the median over rounds of its
-throughput: samples in the measured steps over the slower rank's wall time for them. Beside each
+throughput: samples in the measured steps over the slower rank's wall time for them (and, round by
+round, each system's samples/s and share of that round's limit). Beside each
 fxpipe schedule it prints the simulator's prediction of the step time (the plan's costs through
 :func:`fxpipe.simulate.simulate`) and, per rank, where the step went (:mod:`fxpipe.profile`).
 """
@@ -370,6 +371,18 @@ def report(results: dict[str, list[list[dict]]]) -> None:
                                   "ms/step", "simulated ms/step", "sim error %"],
                    # the ratio to three places: a target of 1.10x must not read as met at 1.096
                    floatfmt=("", ".1f", ".1f", ".3f", "", ".1f", ".1f", ".1f"), missingval="-"))
+    if len(next(iter(results.values()))) > 1:  # the rounds themselves: the host drifts between them
+        print("\nround by round (samples/s" + (", % of that round's limit)" if limit else ")"))
+        per_round = []
+        for name, runs in results.items():
+            row = [_LABELS.get(name, name)]
+            for r, ranks in enumerate(runs):
+                cell = f"{throughput(name, ranks):.1f}"
+                if limit and name != "limit":
+                    cell += f" ({100 * throughput(name, ranks) / throughput('limit', results['limit'][r]):.1f}%)"
+                row.append(cell)
+            per_round.append(row)
+        print(tabulate(per_round, headers=["system"] + [f"round {r + 1}" for r in range(len(per_round[0]) - 1)]))
     for name, runs in results.items():
         if not name.startswith("fxpipe"):
             continue
