@@ -350,6 +350,7 @@ def main() -> None:
 
 def report(results: dict[str, list[list[dict]]]) -> None:
     rate = {n: statistics.median(throughput(n, rs) for rs in runs) for n, runs in results.items()}
+    rounds = len(next(iter(results.values())))
     limit = rate.get("limit")
     base = rate.get("pippy 1f1b")
     rows = []
@@ -366,23 +367,22 @@ def report(results: dict[str, list[list[dict]]]) -> None:
         ])
     print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}; GPT {LAYERS}x{WIDTH}, vocab {VOCAB}, "
           f"sequence {SEQ}; {M} micro-batches of {MB}; Adam; 2 gloo ranks, 1 thread each; median of "
-          f"{len(next(iter(results.values())))} alternating rounds\n")
+          f"{rounds} alternating rounds\n")
     print(tabulate(rows, headers=["system", "samples/s", "% of limit", "vs PiPPy 1F1B", "peak MiB (rank 0 / 1)",
                                   "ms/step", "simulated ms/step", "sim error %"],
                    # the ratio to three places: a target of 1.10x must not read as met at 1.096
                    floatfmt=("", ".1f", ".1f", ".3f", "", ".1f", ".1f", ".1f"), missingval="-"))
-    if len(next(iter(results.values()))) > 1:  # the rounds themselves: the host drifts between them
+    if rounds > 1:  # the rounds themselves: the host drifts between them
         print("\nround by round (samples/s" + (", % of that round's limit)" if limit else ")"))
         per_round = []
         for name, runs in results.items():
             row = [_LABELS.get(name, name)]
             for r, ranks in enumerate(runs):
-                cell = f"{throughput(name, ranks):.1f}"
-                if limit and name != "limit":
-                    cell += f" ({100 * throughput(name, ranks) / throughput('limit', results['limit'][r]):.1f}%)"
-                row.append(cell)
+                got = throughput(name, ranks)
+                share = limit and name != "limit"
+                row.append(f"{got:.1f}" + (f" ({100 * got / throughput('limit', results['limit'][r]):.1f}%)" if share else ""))
             per_round.append(row)
-        print(tabulate(per_round, headers=["system"] + [f"round {r + 1}" for r in range(len(per_round[0]) - 1)]))
+        print(tabulate(per_round, headers=["system"] + [f"round {r + 1}" for r in range(rounds)]))
     for name, runs in results.items():
         if not name.startswith("fxpipe"):
             continue
