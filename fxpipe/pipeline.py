@@ -1117,10 +1117,10 @@ def _destroy_process_group(store, timeout: float) -> None:
     but waits for no one (its peers may never come)."""
     if not (dist.is_available() and dist.is_initialized()):
         return  # the script destroyed it
-    waits = not any(p._broken for p in list(_PIPELINES))
-    missing = _meet_at_exit(store, dist.get_rank(), dist.get_world_size(), timeout, wait=waits)
+    rank, waits = dist.get_rank(), not any(p._broken for p in list(_PIPELINES))
+    missing = _meet_at_exit(store, rank, dist.get_world_size(), timeout, wait=waits)
     if missing:
-        warnings.warn(f"fxpipe: at exit, rank {dist.get_rank()} waited {timeout:g} s for rank(s) {missing} to finish "
+        warnings.warn(f"fxpipe: at exit, rank {rank} waited {timeout:g} s for rank(s) {missing} to finish "
                       f"their communication and tears its group down without them; if they are still running, "
                       f"their pipeline will fail with a PeerError", RuntimeWarning, stacklevel=1)
     dist.destroy_process_group()
