@@ -70,9 +70,15 @@ class DeviceModel:
     allreduce_bandwidth: float = 1e9  #: bus bytes/s of a ring all-reduce among replicas
     op_latency: float = 5e-6  #: seconds of fixed dispatch cost per operator
     backward_ratio: float = 2.0  #: a node's backward time over its forward's (two matmuls per matmul)
-    #: seconds of one optimizer step per byte of parameters; None: 8 bytes moved per byte over
-    #: ``mem_bandwidth`` (an Adam-like step reads and writes weights, gradients and two moments)
+    #: seconds of one optimizer step and the zeroing of the gradient accumulator after it, per
+    #: byte of parameters; None: 8 bytes moved per byte over ``mem_bandwidth`` (an Adam-like step
+    #: reads weights, gradients and two moments and writes three of them back; the zeroing writes
+    #: the gradients)
     update_time_per_byte: float | None = None
+    #: seconds per byte of parameters to copy one weight version into another's buffer (2bw's
+    #: ``W(t-1)`` before it is stepped into ``W(t)``'s slot, or mixed precision's rounded copy of
+    #: the master); None: 2 bytes moved per byte over ``mem_bandwidth``
+    copy_time_per_byte: float | None = None
     #: CPU ranks on one host share its cores: how many of them compute at full speed at once
     #: (:meth:`calibrate` measures it; the simulator then slows each of k computing ranks to
     #: ``min(1, host_cores / k)`` of its speed alone). None: every rank has a device of its own.
@@ -91,10 +97,11 @@ class DeviceModel:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "name" or (f.name in ("update_time_per_byte", "host_cores") and v is None):
+            if f.name == "name" or (f.name in ("update_time_per_byte", "copy_time_per_byte", "host_cores")
+                                    and v is None):
                 continue
             if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in (
-                    "p2p_latency", "op_latency", "update_time_per_byte", "random_time_per_element",
+                    "p2p_latency", "op_latency", "update_time_per_byte", "copy_time_per_byte", "random_time_per_element",
                     "backward_input_share", "backward_weight_share")):
                 raise PlanError(
                     f"DeviceModel.{f.name} must be a positive number, found {v!r}; "
@@ -130,10 +137,13 @@ class DeviceModel:
         kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         return cls.gpu(**overrides) if kind == "cuda" else cls.cpu(**overrides)
 
-    def update_time(self, param_bytes: float) -> float:
-        """Seconds of one optimizer step over ``param_bytes`` bytes of parameters."""
+    def update_time(self, param_bytes: float, *, copies: int = 0) -> float:
+        """Seconds of one ``UPDATE`` over ``param_bytes`` bytes of parameters: the optimizer step,
+        the zeroing of the gradient accumulator and ``copies`` copies of the weights (one where
+        the runtime keeps two versions or a master)."""
         per_byte = self.update_time_per_byte if self.update_time_per_byte is not None else 8 / self.mem_bandwidth
-        return param_bytes * per_byte
+        per_copy = self.copy_time_per_byte if self.copy_time_per_byte is not None else 2 / self.mem_bandwidth
+        return param_bytes * (per_byte + copies * per_copy)
 
     def calibrate(self, gm: fx.GraphModule, example_inputs=None, *, optimizer=None,
                   torch_device: str | torch.device | None = None, repeats: int = 10,
@@ -144,8 +154,9 @@ class DeviceModel:
         gradients the parameters held are put back), and the roofline's ``peak_flops`` and
         ``mem_bandwidth`` are scaled by one factor so that the analytic forward times of the nodes sum to the measured forward, and
         ``backward_ratio`` is set so their backwards sum to the measured backward. With
-        ``optimizer`` (``compile``'s factory) one step over parameters of the model's shapes (up
-        to 8M elements) gives ``update_time_per_byte``; a dropout mask gives
+        ``optimizer`` (``compile``'s factory) the runtime's update over parameters of the model's
+        shapes (up to 8M elements), each timed right after a forward and backward as in training,
+        gives ``update_time_per_byte`` and ``copy_time_per_byte``; a dropout mask gives
         ``random_time_per_element``, and the graph's random numbers at that pace are left out
         of the roofline's fit. The per-node split keeps the roofline's
         proportions: what is calibrated is this machine's speed, not a stage's time, so a plan
@@ -191,10 +202,10 @@ class DeviceModel:
         def medians(runs) -> tuple[float, float]:
             return statistics.median(f for _, f, _ in runs), statistics.median(b for _, _, b in runs)
 
-        def rest() -> tuple[float | None, float, tuple[float, float]]:
-            """The optimizer step, the random numbers and (``split``) zb's split."""
-            update = _time_optimizer(optimizer, params, dev, sync, repeats) if optimizer is not None \
-                else self.update_time_per_byte
+        def rest() -> tuple[tuple[float | None, float | None], float, tuple[float, float]]:
+            """The update (step and copy), the random numbers and (``split``) zb's split."""
+            update = (self.update_time_per_byte, self.copy_time_per_byte) if optimizer is None else \
+                _time_update(optimizer, params, dev, sync, max(3, repeats // 2), lambda: once(None))
             shares = _time_split(gm, flat, sync, repeats) if split else (self.backward_input_share,
                                                                           self.backward_weight_share)
             return update, _time_random(dev, sync, repeats), shares
@@ -239,7 +250,8 @@ class DeviceModel:
         grads = [c for c in nodes if c.requires_grad]
         ratio = (bwd - len(grads) * lat) / max(sum(c.fwd_time(batch) - self.op_latency for c in grads) / scale, 1e-12)
         return dataclasses.replace(self, peak_flops=self.peak_flops * scale, mem_bandwidth=self.mem_bandwidth * scale,
-                                   op_latency=lat, backward_ratio=max(ratio, 0.1), update_time_per_byte=update,
+                                   op_latency=lat, backward_ratio=max(ratio, 0.1), update_time_per_byte=update[0],
+                                   copy_time_per_byte=update[1],
                                    host_cores=cores, random_time_per_element=per_random,
                                    backward_input_share=shares[0], backward_weight_share=shares[1])
 
@@ -637,22 +649,60 @@ def _timing_setup(gm: fx.GraphModule, example_inputs, torch_device):
     return dev, flat, sync
 
 
-def _time_optimizer(factory, params, dev, sync, repeats: int, budget: int = 8 << 20) -> float:
-    """Seconds per parameter byte of one step of the optimizer ``factory`` makes, over copies of
-    the first parameters (in model order) up to ``budget`` elements, with random gradients."""
-    copies, total = [], 0
-    for i, p in enumerate(params):
+def _time_update(factory, params, dev, sync, repeats: int, before, budget: int = 8 << 20) -> tuple[float, float]:
+    """Seconds per parameter byte of the runtime's ``UPDATE`` as it runs in training: (the step
+    of the optimizer ``factory`` makes plus zeroing the gradient accumulator; the copy of one
+    weight version into another's buffer, which 2bw makes of ``W(t-1)`` before stepping it into
+    ``W(t)``'s slot). Over copies of the first parameters (in model order, up to ``budget``
+    elements) laid out as the runtime lays out a stage's: each dtype's weights, their previous
+    version and their gradients in one flat buffer each. ``before`` (a forward and backward of
+    the model, untimed) runs before each timed update, so the update meets the caches as a
+    backward leaves them: on a 2-core CPU host the step then takes 1.6x what it takes in a loop
+    of steps alone."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    total = 0
+    for p in params:
         if total >= budget:
             break
-        q = torch.randn(p.shape, dtype=p.dtype, device=dev).requires_grad_()
-        q.grad = torch.randn_like(q)
-        copies.append((f"p{i}", q))
-        total += q.numel()
-    if not copies:
-        return 0.0
-    opt = factory(copies)
-    nbytes = sum(q.numel() * q.element_size() for _, q in copies)
-    return _median_seconds(opt.step, sync, repeats) / nbytes  # the warm-up call builds its state
+        by_dtype.setdefault(p.dtype, []).append(p)
+        total += p.numel()
+    if not by_dtype:
+        return 0.0, 0.0
+    named, flats, nbytes = [], [], 0
+    for dtype, ps in by_dtype.items():
+        n = sum(p.numel() for p in ps)
+        weights, previous, grads = (torch.randn(n, device=dev).to(dtype) for _ in range(3))
+        flats.append((weights, previous, grads))
+        nbytes += weights.numel() * weights.element_size()
+        offset = 0
+        for p in ps:
+            q = torch.nn.Parameter(weights[offset:offset + p.numel()].view(p.shape))
+            q.grad = grads[offset:offset + p.numel()].view(p.shape)
+            named.append((f"p{len(named)}", q))
+            offset += p.numel()
+    opt = factory(named)
+
+    def step():
+        opt.step()
+        for _, _, grads in flats:
+            grads.zero_()
+
+    before()
+    step()  # builds the optimizer's state
+    steps, copies = [], []
+    for _ in range(repeats):
+        before()
+        sync()
+        t0 = time.perf_counter()
+        for weights, previous, _ in flats:
+            weights.copy_(previous)
+        sync()
+        t1 = time.perf_counter()
+        step()
+        sync()
+        steps.append(time.perf_counter() - t1)
+        copies.append(t1 - t0)
+    return statistics.median(steps) / nbytes, statistics.median(copies) / nbytes
 
 
 def _median_seconds(fn, sync, repeats: int) -> float:

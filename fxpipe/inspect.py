@@ -137,6 +137,7 @@ def inspect(model, example_inputs, out_dir: str, *, stages: int | None = None, m
 def plan_costs(plan):
     """Simulator costs (seconds per action) from a plan's per-stage predictions."""
     from .simulate import Costs
+    from .weights import versions_of
 
     sps = plan.stage_plans
     if not sps:
@@ -149,7 +150,10 @@ def plan_costs(plan):
         backward_input=[dev.backward_input_share * b for b in backward],
         backward_weight=[dev.backward_weight_share * b for b in backward],
         p2p=max(sp.send_bytes / dev.p2p_bandwidth + dev.p2p_latency for sp in sps),
-        update=[dev.update_time(sp.param_bytes) for sp in sps],
+        # one copy of the weights at each update where the runtime keeps two versions (2bw's
+        # W(t-1)) or a master (mixed precision's rounded compute copy)
+        update=[dev.update_time(sp.param_bytes, copies=int(versions_of(plan.schedule) > 1 or plan.precision != "fp32"))
+                for sp in sps],
         # replicas run the same timeline on the same host: each one's stages get 1/width of it
         cores=dev.host_cores / plan.width if dev.host_cores is not None else None,
     )

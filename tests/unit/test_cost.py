@@ -174,10 +174,54 @@ def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)
     assert cal.update_time_per_byte is None and cal.update_time(1e6) == pytest.approx(8e6 / cal.mem_bandwidth)
     timed = dev.calibrate(gm, repeats=1, optimizer=lambda named: torch.optim.Adam([p for _, p in named]))
-    assert timed.update_time_per_byte > 0 and timed.backward_ratio > 0
+    assert timed.update_time_per_byte > 0 and timed.copy_time_per_byte > 0 and timed.backward_ratio > 0
     calls = []  # ranks calibrating together line up every timed run (two warm-ups, then the repeats)
     dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1))
     assert len(calls) == 5
+
+
+def test_the_update_is_timed_as_training_runs_it():
+    """``_time_update`` times the optimizer step (with the zeroing of the accumulator) and the
+    version copy separately, each right after an untimed forward and backward (``before``), over
+    flat per-dtype buffers; ``update_time`` adds one copy per ``copies``."""
+    from fxpipe.cost import _time_update
+
+    params = [torch.randn(64, 32, requires_grad=True), torch.randn(32, requires_grad=True),
+              torch.randn(16, dtype=torch.float64, requires_grad=True)]
+    calls, seen = [], []
+
+    def factory(named):
+        seen.extend(q for _, q in named)
+        return torch.optim.Adam([q for _, q in named])
+
+    step, copy = _time_update(factory, params, torch.device("cpu"), lambda: None, 4, lambda: calls.append(1))
+    assert step > 0 and copy > 0
+    assert len(calls) == 1 + 4  # the untimed first step, then one before each timed update
+    assert [q.shape for q in seen] == [p.shape for p in params] and [q.dtype for q in seen] == [p.dtype for p in params]
+    assert seen[0].untyped_storage().data_ptr() == seen[1].untyped_storage().data_ptr()  # one flat buffer per dtype
+    assert all(torch.count_nonzero(q.grad) == 0 for q in seen)  # the accumulator is zeroed after each step
+    dev = DeviceModel(update_time_per_byte=2e-9, copy_time_per_byte=5e-10)
+    assert dev.update_time(1e6) == pytest.approx(2e-3) and dev.update_time(1e6, copies=1) == pytest.approx(2.5e-3)
+    assert DeviceModel().update_time(1e6, copies=1) == pytest.approx(10e6 / DeviceModel().mem_bandwidth)
+
+
+def test_the_simulator_prices_the_copy_where_the_runtime_makes_one():
+    """2bw copies ``W(t-1)`` into the slot of ``W(t)`` at each update, and so does mixed
+    precision (the master's rounded copy); a single fp32 version copies nothing."""
+    from fxpipe.inspect import plan_costs
+    from fxpipe.partition import plan
+
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
+    dev = DeviceModel(update_time_per_byte=2e-9, copy_time_per_byte=1e-9)
+
+    def update(schedule, precision="fp32"):
+        p = plan(model, (torch.randn(4, 32),), stages=2, microbatches=2, schedule=schedule, device=dev,
+                 world_size=2, precision=precision)
+        return [plan_costs(p).per_stage("update", s) / sp.param_bytes for s, sp in enumerate(p.stage_plans)]
+
+    assert update("1f1b") == pytest.approx([2e-9, 2e-9])
+    assert update("2bw") == pytest.approx([3e-9, 3e-9])
+    assert update("1f1b", "bf16") == pytest.approx([3e-9, 3e-9])
 
 
 def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypatch):
