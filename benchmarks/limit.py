@@ -17,7 +17,8 @@ gloo ranks with one thread each. Every system below trains exactly this:
   layer boundary, and its ``ScheduleInterleavedZeroBubble``, which needs 2 stages per rank: 4
   stages on 2 ranks, split every 2 layers.
 
-Every run is a fresh pair of processes (so each one's peak memory is its own), the systems
+Every run is a fresh pair of processes (so each one's peak memory is its own, counted from its
+first training step), the systems
 alternate within each of ``--rounds`` rounds, and each reports the median over rounds of its
 throughput: samples in the measured steps over the slower rank's wall time for them (and, round by
 round, each system's samples/s and share of that round's limit). Beside each
@@ -86,7 +87,9 @@ def _peak_rss() -> float:
 
 def _timed(step, batches, warmup: int, start=None, batch: int = BATCH) -> tuple[float, int]:
     """(seconds for the steps after ``warmup``, samples in them), all ranks starting together;
-    ``start`` runs right before the timed steps."""
+    ``start`` runs right before the timed steps. The peak resident memory is counted from the
+    first step on: training's, not the setup's (fxpipe's calibration, PiPPy's export)."""
+    _peak_rss_reset()
     for x, y in batches[:warmup]:
         step(x, y)
     if dist.is_initialized():
@@ -211,11 +214,9 @@ def _worker(rank: int, world: int, name: str, store: str, out: str, steps: int, 
     if name == "limit":  # two independent trainers: no process group, just both cores busy
         barrier = _FileBarrier(store, world)
         barrier.wait(rank)
-        _peak_rss_reset()
         result = _limit(rank, batches, warmup)
     else:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        _peak_rss_reset()
         if name.startswith("check"):  # "check <schedule> <model> m=<m>"
             _, schedule, model, m = name.split()
             result = _fxpipe(rank, schedule, batches, warmup, m=int(m[2:]), model=model,
