@@ -653,21 +653,22 @@ def _time_update(factory, params, dev, sync, repeats: int, before, budget: int =
     """Seconds per parameter byte of the runtime's ``UPDATE`` as it runs in training: (the step
     of the optimizer ``factory`` makes plus zeroing the gradient accumulator; the copy of one
     weight version into another's buffer, which 2bw makes of ``W(t-1)`` before stepping it into
-    ``W(t)``'s slot). Over copies of the first parameters (in model order, up to ``budget``
-    elements) laid out as the runtime lays out a stage's: each dtype's weights, their previous
-    version and their gradients in one flat buffer each. ``before`` (a forward and backward of
-    the model, untimed) runs before each timed update, so the update meets the caches as a
-    backward leaves them: on a 2-core CPU host the step then takes 1.6x what it takes in a loop
-    of steps alone."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    total = 0
-    for p in params:
-        if total >= budget:
-            break
-        by_dtype.setdefault(p.dtype, []).append(p)
-        total += p.numel()
-    if not by_dtype:
+    ``W(t)``'s slot). Over copies of the parameters, in model order, that fit in ``budget``
+    elements together (a larger one is passed over; the smallest if none fits), laid out as the
+    runtime lays out a stage's: each dtype's weights, their previous version and their gradients
+    in one flat buffer each. ``before`` (a forward and backward of the model, untimed) runs
+    before each timed update, so the update meets the caches as a backward leaves them: on a
+    2-core CPU host the step then takes 1.6x what it takes in a loop of steps alone."""
+    if not params:
         return 0.0, 0.0
+    chosen, total = [], 0
+    for p in params:
+        if total + p.numel() <= budget:
+            chosen.append(p)
+            total += p.numel()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in chosen or [min(params, key=lambda p: p.numel())]:
+        by_dtype.setdefault(p.dtype, []).append(p)
     named, flats, nbytes = [], [], 0
     for dtype, ps in by_dtype.items():
         n = sum(p.numel() for p in ps)

@@ -200,6 +200,12 @@ def test_the_update_is_timed_as_training_runs_it():
     assert [q.shape for q in seen] == [p.shape for p in params] and [q.dtype for q in seen] == [p.dtype for p in params]
     assert seen[0].untyped_storage().data_ptr() == seen[1].untyped_storage().data_ptr()  # one flat buffer per dtype
     assert all(torch.count_nonzero(q.grad) == 0 for q in seen)  # the accumulator is zeroed after each step
+    seen.clear()  # a parameter past the budget is passed over, and the smallest taken if none fits
+    _time_update(factory, params, torch.device("cpu"), lambda: None, 1, lambda: None, budget=48)
+    assert [q.shape for q in seen] == [(32,), (16,)]
+    seen.clear()
+    _time_update(factory, params, torch.device("cpu"), lambda: None, 1, lambda: None, budget=8)
+    assert [q.shape for q in seen] == [(16,)]
     dev = DeviceModel(update_time_per_byte=2e-9, copy_time_per_byte=5e-10)
     assert dev.update_time(1e6) == pytest.approx(2e-3) and dev.update_time(1e6, copies=1) == pytest.approx(2.5e-3)
     assert DeviceModel().update_time(1e6, copies=1) == pytest.approx(10e6 / DeviceModel().mem_bandwidth)
