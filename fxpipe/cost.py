@@ -205,7 +205,8 @@ class DeviceModel:
         def rest() -> tuple[tuple[float | None, float | None], float, tuple[float, float]]:
             """The update (step and copy), the random numbers and (``split``) zb's split."""
             update = (self.update_time_per_byte, self.copy_time_per_byte) if optimizer is None else \
-                _time_update(optimizer, params, dev, sync, max(3, repeats // 2), lambda: once(None))
+                _time_update(optimizer, [(n, p) for n, p in gm.named_parameters() if p.requires_grad], dev, sync,
+                             max(3, repeats // 2), lambda: once(None))
             shares = _time_split(gm, flat, sync, repeats) if split else (self.backward_input_share,
                                                                           self.backward_weight_share)
             return update, _time_random(dev, sync, repeats), shares
@@ -649,39 +650,40 @@ def _timing_setup(gm: fx.GraphModule, example_inputs, torch_device):
     return dev, flat, sync
 
 
-def _time_update(factory, params, dev, sync, repeats: int, before, budget: int = 8 << 20) -> tuple[float, float]:
+def _time_update(factory, named, dev, sync, repeats: int, before, budget: int = 8 << 20) -> tuple[float, float]:
     """Seconds per parameter byte of the runtime's ``UPDATE`` as it runs in training: (the step
     of the optimizer ``factory`` makes plus zeroing the gradient accumulator; the copy of one
     weight version into another's buffer, which 2bw makes of ``W(t-1)`` before stepping it into
-    ``W(t)``'s slot). Over copies of the parameters, in model order, that fit in ``budget``
-    elements together (a larger one is passed over; the smallest if none fits), laid out as the
+    ``W(t)``'s slot). Over copies of the parameters ``named`` (``(name, parameter)`` in model
+    order, the names the factory gets in training), those that fit in ``budget`` elements together
+    (a larger one is passed over; the smallest if none fits), laid out as the
     runtime lays out a stage's: each dtype's weights, their previous version and their gradients
     in one flat buffer each. ``before`` (a forward and backward of the model, untimed) runs
     before each timed update, so the update meets the caches as a backward leaves them: on a
     2-core CPU host the step then takes 1.6x what it takes in a loop of steps alone."""
-    if not params:
+    if not named:
         return 0.0, 0.0
     chosen, total = [], 0
-    for p in params:
+    for name, p in named:
         if total + p.numel() <= budget:
-            chosen.append(p)
+            chosen.append((name, p))
             total += p.numel()
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for p in chosen or [min(params, key=lambda p: p.numel())]:
-        by_dtype.setdefault(p.dtype, []).append(p)
-    named, flats, nbytes = [], [], 0
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in chosen or [min(named, key=lambda np_: np_[1].numel())]:
+        by_dtype.setdefault(p.dtype, []).append((name, p))
+    copies, flats, nbytes = [], [], 0
     for dtype, ps in by_dtype.items():
-        n = sum(p.numel() for p in ps)
+        n = sum(p.numel() for _, p in ps)
         weights, previous, grads = (torch.randn(n, device=dev).to(dtype) for _ in range(3))
         flats.append((weights, previous, grads))
         nbytes += weights.numel() * weights.element_size()
         offset = 0
-        for p in ps:
+        for name, p in ps:
             q = torch.nn.Parameter(weights[offset:offset + p.numel()].view(p.shape))
             q.grad = grads[offset:offset + p.numel()].view(p.shape)
-            named.append((f"p{len(named)}", q))
+            copies.append((name, q))
             offset += p.numel()
-    opt = factory(named)
+    opt = factory(copies)
 
     def step():
         opt.step()

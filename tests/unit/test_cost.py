@@ -188,23 +188,26 @@ def test_the_update_is_timed_as_training_runs_it():
 
     params = [torch.randn(64, 32, requires_grad=True), torch.randn(32, requires_grad=True),
               torch.randn(16, dtype=torch.float64, requires_grad=True)]
-    calls, seen = [], []
+    named = list(zip(["fc.weight", "fc.bias", "scale"], params))
+    calls, seen, names = [], [], []
 
-    def factory(named):
+    def factory(named):  # a factory may group by name, as it does in training
+        names.extend(n for n, _ in named)
         seen.extend(q for _, q in named)
         return torch.optim.Adam([q for _, q in named])
 
-    step, copy = _time_update(factory, params, torch.device("cpu"), lambda: None, 4, lambda: calls.append(1))
+    step, copy = _time_update(factory, named, torch.device("cpu"), lambda: None, 4, lambda: calls.append(1))
     assert step > 0 and copy > 0
     assert len(calls) == 1 + 4  # the untimed first step, then one before each timed update
     assert [q.shape for q in seen] == [p.shape for p in params] and [q.dtype for q in seen] == [p.dtype for p in params]
+    assert names == ["fc.weight", "fc.bias", "scale"]
     assert seen[0].untyped_storage().data_ptr() == seen[1].untyped_storage().data_ptr()  # one flat buffer per dtype
     assert all(torch.count_nonzero(q.grad) == 0 for q in seen)  # the accumulator is zeroed after each step
     seen.clear()  # a parameter past the budget is passed over, and the smallest taken if none fits
-    _time_update(factory, params, torch.device("cpu"), lambda: None, 1, lambda: None, budget=48)
+    _time_update(factory, named, torch.device("cpu"), lambda: None, 1, lambda: None, budget=48)
     assert [q.shape for q in seen] == [(32,), (16,)]
     seen.clear()
-    _time_update(factory, params, torch.device("cpu"), lambda: None, 1, lambda: None, budget=8)
+    _time_update(factory, named, torch.device("cpu"), lambda: None, 1, lambda: None, budget=8)
     assert [q.shape for q in seen] == [(16,)]
     dev = DeviceModel(update_time_per_byte=2e-9, copy_time_per_byte=5e-10)
     assert dev.update_time(1e6) == pytest.approx(2e-3) and dev.update_time(1e6, copies=1) == pytest.approx(2.5e-3)
