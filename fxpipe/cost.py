@@ -655,10 +655,10 @@ def _time_update(factory, named, dev, sync, repeats: int, before, budget: int = 
     of the optimizer ``factory`` makes plus zeroing the gradient accumulator; the copy of one
     weight version into another's buffer, which 2bw makes of ``W(t-1)`` before stepping it into
     ``W(t)``'s slot). Over copies of the parameters ``named`` (``(name, parameter)`` in model
-    order, the names the factory gets in training), those that fit in ``budget`` elements together
-    (a larger one is passed over; the smallest if none fits), laid out as the
-    runtime lays out a stage's: each dtype's weights, their previous version and their gradients
-    in one flat buffer each. ``before`` (a forward and backward of the model, untimed) runs
+    order, the names the factory gets in training), those that fit in ``budget`` elements
+    together (a larger one is passed over; the smallest if none fits), laid out as the runtime
+    lays out a stage's: each dtype's weights, their previous version and their gradients in one
+    flat buffer each. ``before`` (a forward and backward of the model, untimed) runs
     before each timed update, so the update meets the caches as a backward leaves them: on a
     2-core CPU host the step then takes 1.6x what it takes in a loop of steps alone."""
     if not named:
@@ -669,9 +669,9 @@ def _time_update(factory, named, dev, sync, repeats: int, before, budget: int = 
             chosen.append((name, p))
             total += p.numel()
     by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
-    for name, p in chosen or [min(named, key=lambda np_: np_[1].numel())]:
+    for name, p in chosen or [min(named, key=lambda item: item[1].numel())]:
         by_dtype.setdefault(p.dtype, []).append((name, p))
-    copies, flats, nbytes = [], [], 0
+    stand_ins, flats, nbytes = [], [], 0
     for dtype, ps in by_dtype.items():
         n = sum(p.numel() for _, p in ps)
         weights, previous, grads = (torch.randn(n, device=dev).to(dtype) for _ in range(3))
@@ -681,9 +681,9 @@ def _time_update(factory, named, dev, sync, repeats: int, before, budget: int = 
         for name, p in ps:
             q = torch.nn.Parameter(weights[offset:offset + p.numel()].view(p.shape))
             q.grad = grads[offset:offset + p.numel()].view(p.shape)
-            copies.append((name, q))
+            stand_ins.append((name, q))
             offset += p.numel()
-    opt = factory(copies)
+    opt = factory(stand_ins)
 
     def step():
         opt.step()
