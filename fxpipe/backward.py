@@ -12,8 +12,9 @@ the nodes of the autograd graph from which a boundary input is reachable: exactl
 input-gradient pass executes. C is closed towards the roots, so every node outside C (*N*) has
 only N nodes below it. A weight is reached from C through an edge from a C node into N (``mm``
 of ``x @ W.T`` is in C, the ``t`` of ``W`` and ``W``'s accumulator are in N), or from a root
-that is itself in N (an output that does not depend on the inputs; on the first stage every
-root). During I a pre-hook on each such C node (an *anchor*) records the gradient flowing into
+that is itself in N (an output that does not depend on the inputs; on a stage whose inputs
+take no gradient, the first, every root: there :meth:`fxpipe.weights.WeightStore.backward_input`
+skips the split and ``W`` runs the plain backward). During I a pre-hook on each such C node (an *anchor*) records the gradient flowing into
 it; W then starts autograd at those anchors with the recorded gradients and asks only for the
 weights, so the engine runs each anchor for its weight outputs only (``mm``'s ``grad_mat2``,
 ``layer_norm``'s weight and bias) and the N nodes below it, never the chain between anchors.

@@ -25,12 +25,13 @@ any store exists, and a store's :meth:`WeightStore.nbytes` is tested equal to it
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable, Sequence
 
 import torch
 
-from .backward import backward_input
+from .backward import PendingWeights, backward_input
 from .errors import FxpipeError
 from .precision import Precision, compute_dtype
 
@@ -177,8 +178,13 @@ class WeightStore:
         needs for the weight gradients (:mod:`fxpipe.backward`). Where the graph cannot be split
         (:func:`fxpipe.backward.backward_input` says why, kept in :attr:`unsplit`) this runs the
         whole backward, as :meth:`backward`, and returns None. ``saved``: the forward's
-        :class:`fxpipe.backward.SavedTensors`, if it ran under their hooks."""
+        :class:`fxpipe.backward.SavedTensors`, if it ran under their hooks. Where no boundary
+        input takes a gradient (the first stage sends none upstream) there is nothing for ``I``
+        to compute: the whole backward waits for ``W``, which runs it as :meth:`backward` does,
+        into the accumulator in place (no graph walk here, no separate gradients to add there)."""
         leaves = self.compute(version)
+        if roots and not any(x.requires_grad for x in boundary):
+            return functools.partial(self.strategy.backward, t, leaves, roots, seeds, boundary)
         trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
         got = backward_input(roots, seeds, boundary, trainable, saved) if roots else ([None] * len(boundary), None)
         if isinstance(got, str):
@@ -190,10 +196,12 @@ class WeightStore:
         return got[1]
 
     def backward_weight(self, t: int, pending) -> None:
-        """zb's ``W``: add the weight gradients ``pending`` yields into batch t's accumulator
-        (nothing when ``I`` ran the whole backward)."""
-        if pending is not None:
+        """zb's ``W``: add the weight gradients ``pending`` yields into batch t's accumulator, or
+        run the whole backward ``I`` left to it (nothing when ``I`` ran the whole backward)."""
+        if isinstance(pending, PendingWeights):
             self.strategy.accumulate(t, pending.run())
+        elif pending is not None:
+            pending()
 
     def update(self, t: int, coef: torch.Tensor | None, *, skip: bool = False) -> None:
         """``UPDATE t``: write ``W(t)`` from ``W(t-1)`` and batch t's (clipped) gradient into its
