@@ -30,6 +30,7 @@ import warnings
 from typing import Callable, Sequence
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from .backward import PendingWeights, backward_input
 from .errors import FxpipeError
@@ -184,7 +185,9 @@ class WeightStore:
         into the accumulator in place (no graph walk here, no separate gradients to add there)."""
         leaves = self.compute(version)
         if roots and not any(x.requires_grad for x in boundary):
-            return functools.partial(self.strategy.backward, t, leaves, roots, seeds, boundary)
+            # the roots' graph waits, not the roots: their outputs go now, as after a split I
+            held = roots if seeds[0] is None else [get_gradient_edge(r) for r in roots]
+            return functools.partial(self.strategy.backward, t, leaves, held, seeds, boundary)
         trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
         got = backward_input(roots, seeds, boundary, trainable, saved) if roots else ([None] * len(boundary), None)
         if isinstance(got, str):
