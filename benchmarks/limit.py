@@ -375,13 +375,14 @@ def report(results: dict[str, list[list[dict]]]) -> None:
                    floatfmt=("", ".1f", ".1f", ".3f", "", ".1f", ".1f", ".1f"), missingval="-"))
     if rounds > 1:  # the rounds themselves: the host drifts between them
         print("\nround by round (samples/s" + (", % of that round's limit)" if limit else ")"))
+        limits = [throughput("limit", ranks) for ranks in results["limit"]] if limit else []
         per_round = []
         for name, runs in results.items():
             row = [_LABELS.get(name, name)]
             for r, ranks in enumerate(runs):
                 got = throughput(name, ranks)
-                share = limit and name != "limit"
-                row.append(f"{got:.1f}" + (f" ({100 * got / throughput('limit', results['limit'][r]):.1f}%)" if share else ""))
+                share = limits and name != "limit"
+                row.append(f"{got:.1f}" + (f" ({100 * got / limits[r]:.1f}%)" if share else ""))
             per_round.append(row)
         print(tabulate(per_round, headers=["system"] + [f"round {r + 1}" for r in range(rounds)]))
     for name, runs in results.items():
