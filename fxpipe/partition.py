@@ -40,6 +40,12 @@ known. After each feasible probe the upper bound drops to the bottleneck actuall
 the search ends on a partition whose bottleneck is within 1e-9 (relative) of the optimum; of the
 partitions meeting it, the one with the earliest cuts is returned (deterministic).
 
+That optimum balances compute. Where the data-parallel gradient all-reduce is part of the step
+(under 2bw where it outlasts the pipeline, under the flushing schedules wherever there is one),
+:func:`_cut_for_reduction` then searches the all-reduce time: each stage's all-reduced parameter
+bytes capped to what its ring moves in that time (another window in ``r``), the same solver
+under the caps, the step priced exactly; the shortest step wins.
+
 :func:`plan` is the entry point: trace (if given a module), cost, then — as PipeDream-2BW's
 Algorithm 1 — enumerate depth ``d`` (with width ``w = world_size / d``), recomputation on/off, and
 the micro-batch size ``b`` when a global batch is given, partition each, and keep the highest
@@ -53,6 +59,7 @@ depth from a trace of three, and :func:`capacity` finds the deepest such model t
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -79,6 +86,8 @@ __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_ch
 _COMPUTE = ("call_function", "call_method", "call_module")
 _SCHEDULES = ("2bw", "1f1b", "gpipe", "zb")
 _REL_TOL = 1e-9
+_REDUCTION_PROBES = 16  # at most this many solver calls in _cut_for_reduction's bisection; its grids take
+_REDUCTION_TOL = 1e-3  # half that plus one each; the bisection ends within this of the all-reduce time
 
 
 @dataclass(eq=False)
@@ -298,47 +307,44 @@ class _Solver:
         self.start_ok = np.concatenate([[True], chain.valid])
         self.rho = [self._window(s, model.memory_limit) for s in range(d)]
 
+    def capped(self, param_caps: Sequence[float]) -> "_Solver":
+        """This solver with stage s also holding at most ``param_caps[s]`` bytes of the
+        parameters it all-reduces over its replicas (those it alone reads, :func:`reduction_time`)."""
+        n, out = self.n, copy.copy(self)
+        out.rho = [np.minimum(rho, _window(self.chain, cap, np.zeros(n), self.chain.tensor_param_bytes, np.zeros(n),
+                                           whole=True)) for rho, cap in zip(self.rho, param_caps)]
+        return out
+
+    def solve(self, tol: float = _REL_TOL) -> Partition | None:
+        """The min-max partition (bottleneck within ``tol`` of the optimum, relative; the earliest
+        cuts among those meeting it), None where no partition fits."""
+        R = self.feasible(math.inf)
+        if R is None:
+            return None
+        best = self.reconstruct(math.inf, R)
+        # A lower bound: the average compute over d stages at the cheapest (no-recompute) rate.
+        lo = float(self.chain.fwd.sum() + self.chain.bwd.sum()) / self.d * (1 - 1e-12)
+        hi = best.bottleneck
+        while hi - lo > tol * hi:
+            mid = 0.5 * (lo + hi)
+            R = self.feasible(mid)
+            if R is None:
+                lo = mid
+            else:
+                best = self.reconstruct(mid, R)
+                hi = best.bottleneck
+        R = self.feasible(hi)
+        assert R is not None
+        return self.reconstruct(hi, R)
+
     def _window(self, s: int, limit: float) -> np.ndarray:
         """rho[l]: the last r such that stage s fits memory on [l, r] (l - 1 if none)."""
-        chain, n, model = self.chain, self.n, self.model
-        idx = np.arange(n)
+        chain = self.chain
         if math.isinf(limit):
-            return np.full(n, n - 1)
-        k, j, e = model.held(s)
-        single = np.zeros(n)
-        multi = []
-        for p, rd in enumerate(chain.tensor_readers):
-            if len(rd) == 1:
-                single[rd[0]] += chain.tensor_cost[p]
-            elif len(rd) > 1:
-                multi.append(p)
-        Pa = np.concatenate([[0.0], np.cumsum(k * chain.act + e * chain.weight_reads)])
-        Pw = np.concatenate([[0.0], np.cumsum(single)])
+            return np.full(self.n, self.n - 1)
+        k, j, e = self.model.held(s)
         inp = np.concatenate([[0.0], chain.cross])
-        U = -Pa[:n] - Pw[:n] + (j + 1) * inp
-        V = Pa[1:] + Pw[1:]
-        # A tensor read at several positions costs once if any reader is in [l, r]: a step at
-        # its first reader >= l. Sort those steps per l and search V between them.
-        if multi:
-            first = np.stack([_next_reader(chain.tensor_readers[p], n) for p in multi])  # (K, n)
-            cost = np.array([chain.tensor_cost[p] for p in multi])
-            order = np.argsort(first, axis=0, kind="stable")
-            first = np.take_along_axis(first, order, axis=0)
-            steps = np.cumsum(cost[order], axis=0)
-        else:
-            first, steps = np.zeros((0, n), dtype=np.int64), np.zeros((0, n))
-        rho = np.full(n, -1)
-        lo = idx.copy()
-        corr = np.zeros(n)
-        for t in range(len(first) + 1):
-            hi = first[t] - 1 if t < len(first) else np.full(n, n - 1)
-            cand = np.searchsorted(V, limit - U - corr, side="right") - 1
-            cand = np.minimum(cand, hi)
-            rho = np.where(cand >= lo, np.maximum(rho, cand), rho)
-            if t < len(first):
-                lo = np.maximum(lo, first[t])
-                corr = steps[t]
-        return np.where(rho >= idx, rho, idx - 1)
+        return _window(chain, limit, k * chain.act + e * chain.weight_reads, chain.tensor_cost, (j + 1) * inp)
 
     def feasible(self, T: float) -> list[np.ndarray] | None:
         """Reachability per stage at bottleneck T: R[s][l] says positions l..n-1 can form stages
@@ -379,6 +385,53 @@ class _Solver:
             bounds.append((l, r))
             l = r + 1
         return Partition(tuple(bounds), worst)
+
+
+def _window(chain: Chain, limit: float, per_position: np.ndarray, tensor_cost: np.ndarray,
+            at_input: np.ndarray, whole: bool = False) -> np.ndarray:
+    """rho[l]: the last r with ``at_input[l] + sum(per_position[l..r]) + the cost of the tensors
+    a stage on [l, r] counts <= limit`` (l - 1 if none). A stage counts a tensor once if it reads
+    it (memory, :meth:`_Solver._window`) or, with ``whole``, if it holds every reader (the
+    parameters of its data-parallel all-reduce: a tensor read on several stages has a ring of
+    its own, :func:`reduction_time`)."""
+    n = chain.n
+    idx = np.arange(n)
+    single = np.zeros(n)
+    multi = []
+    for p, rd in enumerate(chain.tensor_readers):
+        if len(rd) == 1:
+            single[rd[0]] += tensor_cost[p]
+        elif len(rd) > 1:
+            multi.append(p)
+    Pa = np.concatenate([[0.0], np.cumsum(per_position)])
+    Pw = np.concatenate([[0.0], np.cumsum(single)])
+    U = -Pa[:n] - Pw[:n] + at_input[:n]
+    V = Pa[1:] + Pw[1:]
+    # A tensor read at several positions costs once if any reader is in [l, r]: a step at its
+    # first reader >= l (``whole``: at its last reader, if its first is >= l). Sort those steps
+    # per l and search V between them.
+    if multi:
+        rds = [chain.tensor_readers[p] for p in multi]
+        first = np.stack([np.where(idx <= rd[0], rd[-1], n) for rd in rds] if whole
+                         else [_next_reader(rd, n) for rd in rds])  # (K, n): where it starts to count
+        cost = np.array([tensor_cost[p] for p in multi])
+        order = np.argsort(first, axis=0, kind="stable")
+        first = np.take_along_axis(first, order, axis=0)
+        steps = np.cumsum(cost[order], axis=0)
+    else:
+        first, steps = np.zeros((0, n), dtype=np.int64), np.zeros((0, n))
+    rho = np.full(n, -1)
+    lo = idx.copy()
+    corr = np.zeros(n)
+    for t in range(len(first) + 1):
+        hi = first[t] - 1 if t < len(first) else np.full(n, n - 1)
+        cand = np.searchsorted(V, limit - U - corr, side="right") - 1
+        cand = np.minimum(cand, hi)
+        rho = np.where(cand >= lo, np.maximum(rho, cand), rho)
+        if t < len(first):
+            lo = np.maximum(lo, first[t])
+            corr = steps[t]
+    return np.where(rho >= idx, rho, idx - 1)
 
 
 def _next_reader(readers: np.ndarray, n: int) -> np.ndarray:
@@ -427,30 +480,15 @@ def partition_chain(chain: Chain, model: StageModel) -> Partition:
     Raises :class:`PlanError` with the smallest memory limit that would fit when none does.
     """
     _check_depth(chain, model.stages)
-    solver = _Solver(chain, model)
-    R = solver.feasible(math.inf)
-    if R is None:
+    part = _Solver(chain, model).solve()
+    if part is None:
         need = min_memory(chain, model)
         raise PlanError(
             f"no way to cut the model into {model.stages} stages fits in {model.memory_limit / 1e6:.1f} MB per "
             f"device; the smallest memory that fits is {need / 1e6:.1f} MB. Give more memory "
             f"(device_memory={math.ceil(need)}), more stages, recomputation or a smaller micro-batch."
         )
-    best = solver.reconstruct(math.inf, R)
-    # A lower bound: the average compute over d stages at the cheapest (no-recompute) rate.
-    lo = float(chain.fwd.sum() + chain.bwd.sum()) / model.stages * (1 - 1e-12)
-    hi = best.bottleneck
-    while hi - lo > _REL_TOL * hi:
-        mid = 0.5 * (lo + hi)
-        R = solver.feasible(mid)
-        if R is None:
-            lo = mid
-        else:
-            best = solver.reconstruct(mid, R)
-            hi = best.bottleneck
-    R = solver.feasible(hi)
-    assert R is not None
-    return solver.reconstruct(hi, R)
+    return part
 
 
 def min_memory(chain: Chain, model: StageModel) -> float:
@@ -762,6 +800,15 @@ def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, i
     weight's ring over its stages in every replica (as ``fxpipe.pipeline.Topology`` groups
     them), all running at once and sharing the node interfaces they cross
     (:meth:`fxpipe.cluster.Cluster.allreduce_time`)."""
+    groups = _reductions(chain, bounds, width, layout)
+    concurrent = [g for g, _ in groups]
+    return max((cluster.allreduce_time(nbytes, g, concurrent) for g, nbytes in groups), default=0.0)
+
+
+def _reductions(chain: Chain, bounds: Sequence[tuple[int, int]], width: int,
+                layout: str) -> list[tuple[list[int], float]]:
+    """The all-reduces of a step that move bytes, as (ranks, bytes): each stage's data-parallel
+    ring first, in stage order (:func:`reduction_time`)."""
     d = len(bounds)
     stage_of = np.empty(chain.n, dtype=np.int64)
     for s, (l, r) in enumerate(bounds):
@@ -780,9 +827,87 @@ def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, i
     rank = lambda s, r: _rank(s, r, d, width, layout)  # noqa: E731
     groups = [([rank(s, r) for r in range(width)], dp[s]) for s in range(d)]
     groups += [([rank(s, r) for r in range(width) for s in st], nbytes) for st, nbytes in tied.items()]
-    groups = [(g, nbytes) for g, nbytes in groups if len(g) > 1 and nbytes > 0]
+    return [(g, nbytes) for g, nbytes in groups if len(g) > 1 and nbytes > 0]
+
+
+def _step(chain: Chain, model: StageModel, part: Partition, cluster: Cluster, schedule: str, m: int, width: int,
+          layout: str) -> tuple[float, float, float, int]:
+    """(step, pipeline time, all-reduce time, slowest stage) of a partition."""
+    d = model.stages
+    slow = max(range(d), key=lambda s: stage_time(chain, model, s, *part.bounds[s]))
+    l, r = part.bounds[slow]
+    pipe = pipeline_time(schedule, d, m, part.bottleneck, recompute=any(model.recompute),
+                         forward=float(chain.fwd[l : r + 1].sum()))
+    ar = reduction_time(cluster, chain, part.bounds, width, layout)
+    # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the next
+    # batch (PipeDream-2BW §3.1); flushing schedules wait for it.
+    return (max(pipe, ar) if schedule == "2bw" else pipe + ar), pipe, ar, slow
+
+
+def _cut_for_reduction(chain: Chain, model: StageModel, part: Partition, cluster: Cluster, schedule: str, m: int,
+                       width: int, layout: str) -> Partition:
+    """``part`` (the min-max compute partition), or cuts that shorten the step by all-reducing
+    fewer bytes on the stage whose ring is slowest, when the all-reduce is part of the step:
+    under 2bw where it outlasts the pipeline, under the flushing schedules wherever there is
+    one. The exact solver balances compute; a layer's parameters need not follow its compute
+    (an embedding, a tied head), and at large width the all-reduce can be the step (GPT-1.3B
+    on 64 V100s at d = 4, w = 16, ``benchmarks/planning.py``).
+
+    A search over the all-reduce time ``A``: each stage's parameter bytes are capped at what
+    its ring moves in ``A`` (the ring all-reduce is affine in its bytes), the solver finds the
+    min-max compute partition under those caps (:meth:`_Solver.capped`), and the step is
+    priced exactly (:func:`_step`, tied weights' rings included). Under 2bw, ``max(pipeline,
+    all-reduce)``: the pipeline time only falls as ``A`` grows, so bisection finds where the two
+    meet; the flushing schedules' sum is scanned on a grid, then around its best point. Each
+    search step solves to within ``_REDUCTION_TOL``, as the bisection ends. Returns the
+    partition with the shortest step priced, ``part`` on ties."""
+    step0, pipe0, ar0, _ = _step(chain, model, part, cluster, schedule, m, width, layout)
+    if width <= 1 or ar0 <= 0 or (schedule == "2bw" and ar0 <= pipe0):
+        return part
+    groups = _reductions(chain, part.bounds, width, layout)
     concurrent = [g for g, _ in groups]
-    return max((cluster.allreduce_time(nbytes, g, concurrent) for g, nbytes in groups), default=0.0)
+    ring = lambda s: [_rank(s, r, model.stages, width, layout) for r in range(width)]  # noqa: E731
+    x0 = 1e9  # per stage, seconds = a * bytes + c
+    affine = []
+    for s in range(model.stages):
+        t1, t2 = cluster.allreduce_time(x0, ring(s), concurrent), cluster.allreduce_time(2 * x0, ring(s), concurrent)
+        affine.append(((t2 - t1) / x0, 2 * t1 - t2))
+    if any(a <= 0 for a, _ in affine):
+        return part
+    base = _Solver(chain, model)
+    best = (step0, 0, part)
+    tried: dict[float, tuple[float, float] | None] = {}  # A -> (pipeline time, step) under its caps
+
+    def price(A: float) -> tuple[float, float] | None:
+        nonlocal best
+        if A not in tried:
+            got = base.capped([max(0.0, (A - c) / a) for a, c in affine]).solve(_REDUCTION_TOL)
+            tried[A] = None
+            if got is not None:
+                step, pipe, _, _ = _step(chain, model, got, cluster, schedule, m, width, layout)
+                tried[A] = (pipe, step)
+                best = min(best, (step, len(tried), got), key=lambda x: x[:2])
+        return tried[A]
+
+    lo = min(a * _untied_param_bytes(chain) / model.stages + c for a, c in affine)  # spread evenly: no cut does better
+    hi = ar0
+    if schedule == "2bw":
+        for _ in range(_REDUCTION_PROBES):
+            if hi - lo <= _REDUCTION_TOL * hi:
+                break
+            A = 0.5 * (lo + hi)
+            got = price(A)
+            if got is None or got[0] > A:  # the caps leave no partition, or the pipeline is the step
+                lo = A
+            else:
+                hi = A
+    else:
+        for _ in range(2):  # a grid, then a finer one around its best point
+            grid = np.linspace(lo, hi, _REDUCTION_PROBES // 2 + 1).tolist()
+            steps = [math.inf if price(A) is None else price(A)[1] for A in grid]
+            i = int(np.argmin(steps))
+            lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    return best[2]
 
 
 class _GraphSource:
@@ -870,13 +995,8 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
         grad_buffers = 2
         chain = source.chain(b, grad_buffers)
         part = partition_chain(chain, sm)
-    slow = max(range(d), key=lambda s: stage_time(chain, sm, s, *part.bounds[s]))
-    pipe = pipeline_time(schedule, d, m, part.bottleneck, recompute=any(sm.recompute),
-                         forward=float(chain.fwd[part.bounds[slow][0]:part.bounds[slow][1] + 1].sum()))
-    ar = reduction_time(cluster, chain, part.bounds, w, layout)
-    # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the next
-    # batch (PipeDream-2BW §3.1); flushing schedules wait for it.
-    step = max(pipe, ar) if schedule == "2bw" else pipe + ar
+    part = _cut_for_reduction(chain, sm, part, cluster, schedule, m, w, layout)
+    step, pipe, ar, slow = _step(chain, sm, part, cluster, schedule, m, w, layout)
     tied = set() if grad_buffers == 2 else _stages_with_shared_tensors(chain, part.bounds)
     mems = []
     for s, (l, r) in enumerate(part.bounds):

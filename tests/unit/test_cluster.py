@@ -134,6 +134,41 @@ def test_reductions_priced_on_the_runtime_placement():
     assert reduction_time(c, tied, [(0, 1), (2, 3)], 1) == pytest.approx(c.allreduce_time(1e9, [0, 1]))
 
 
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_cuts_weigh_the_all_reduce_where_it_is_part_of_the_step(schedule):
+    from itertools import combinations
+
+    from fxpipe.partition import _cut_for_reduction, _Solver, partition_chain, pipeline_time
+
+    c, d, w, m, n = toy(), 3, 2, 4, 12
+    # equal compute everywhere, the parameters all in the first half (embedding-like): the
+    # balanced-compute cuts leave the first stage all-reducing most of them
+    param = [1e9] * 6 + [0.0] * 6
+    chain = Chain([1e-3] * n, [2e-3] * n, [1.0] * n, [1.0] * (n - 1), [1.0] * (n - 1), [True] * (n - 1),
+                  [1.0] * n, tuple([i] for i in range(n)), tensor_param_bytes=param)
+    sm = StageModel(d, (3, 2, 1), (False,) * 3)
+
+    def step(bounds):
+        pipe = pipeline_time(schedule, d, m, max(stage_time(chain, sm, s, *b) for s, b in enumerate(bounds)),
+                             forward=4e-3)
+        ar = reduction_time(c, chain, bounds, w)
+        return max(pipe, ar) if schedule == "2bw" else pipe + ar
+
+    every = [tuple(zip((0, a + 1, b + 1), (a, b, n - 1))) for a, b in combinations(range(n - 1), 2)]
+    best = min(step(b) for b in every)
+    balanced = partition_chain(chain, sm)
+    assert balanced.bounds == ((0, 3), (4, 7), (8, 11)) and step(balanced.bounds) > 1.1 * best
+    got = _cut_for_reduction(chain, sm, balanced, c, schedule, m, w, "replica")
+    assert step(got.bounds) == pytest.approx(best, rel=1e-3)
+    assert got.bottleneck == pytest.approx(max(stage_time(chain, sm, s, *b) for s, b in enumerate(got.bounds)))
+    # the caps themselves: at most 2e9 bytes a stage, compute then balanced as well as it can be
+    capped = _Solver(chain, sm).capped([2e9] * 3).solve()
+    fits = [b for b in every if all(sum(param[l:r + 1]) <= 2e9 for l, r in b)]
+    assert capped.bottleneck == pytest.approx(min(max(stage_time(chain, sm, s, *x) for s, x in enumerate(b))
+                                                  for b in fits))
+    assert _Solver(chain, sm).capped([1e9] * 3).solve() is None  # six 1e9 tensors cannot fit three stages of 1e9
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: Cluster.preset("p3"), r"unknown cluster preset 'p3'; expected one of \['dgx-a100', 'dgx-h100', "
                                    r"'p3.16xlarge'\], or a path to a .json or .toml file"),
