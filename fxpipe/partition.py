@@ -19,9 +19,11 @@ optimum of::
               + k_s * A(l, r) + j_s * I(l) + I(l)                             # stash, receive buffer
               + e_s * W(l, r)                                                 # zb's deferred W
 
-with ``A(l, r)`` the bytes of every output of the stage's nodes (what autograd may save; it
-includes the values the stage sends, whose storage the gradient received for them takes over
-once sent, as Megatron-LM's ``deallocate_output_tensor`` does), ``I(l)`` the bytes crossing its
+with ``A(l, r)`` the bytes of every output of the stage's nodes that has storage of its own (what
+autograd may save; a view, such as ``transpose`` or a ``split``'s pieces, shares its base's and
+adds none, :func:`_held_bytes`; it includes the values the stage sends, whose storage the
+gradient received for them takes over once sent, as Megatron-LM's ``deallocate_output_tensor``
+does), ``I(l)`` the bytes crossing its
 input cut, ``W(l, r)`` the activation inputs of its nodes that read a trainable parameter (what a
 micro-batch keeps between zb's ``I`` and ``W``, :func:`_weight_reads`), and ``k_s, j_s, e_s`` from
 the schedule (docs/design.md; PipeDream-2BW §3): ``n_s = d - s`` micro-batches in flight under
@@ -62,6 +64,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import operator
 import os
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -573,6 +576,7 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
     if low is not None:
         shrink = torch.finfo(low).bits / 32
         act = act * np.array([shrink if _float32_output(nd) else 1.0 for nd in compute])
+    held = np.array([0.0 if _is_view(nd) else a for nd, a in zip(compute, act)])  # a view is sent whole
     lo, hi, size, grad, bad = [], [], [], [], []
     for i, nd in enumerate(compute):
         last = max((pos.get(u.name, n) for u in nd.users), default=i)  # the output node is after all
@@ -609,7 +613,7 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
         elif t in buffers:
             tensors.append((t, float(buffers[t].numel() * buffers[t].element_size()), 0.0, 0.0, 0.0, sorted(set(rd))))
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
-    return _Parts([nd.name for nd in compute], fwd, bwd, act, _weight_reads(compute, pos, act, params), i64(lo),
+    return _Parts([nd.name for nd in compute], fwd, bwd, held, _weight_reads(compute, pos, act, params), i64(lo),
                   i64(hi), np.asarray(size, dtype=np.float64), np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
 
 
@@ -656,6 +660,39 @@ def _weight_reads(compute: list[fx.Node], pos: dict[str, int], act: np.ndarray,
                 seen.add(u.name)
                 out[i] += act[pos[u.name]]
     return out
+
+
+#: Operators whose output is always a view of their first input: no storage of its own.
+_VIEWS = frozenset({
+    "view", "_unsafe_view", "view_as", "transpose", "t", "permute", "expand", "expand_as", "slice", "select",
+    "split", "split_with_sizes", "unbind", "chunk", "tensor_split", "narrow", "squeeze", "unsqueeze", "as_strided",
+    "diagonal", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "alias", "detach", "unfold", "real",
+    "imag", "view_as_real", "view_as_complex", "mT", "mH",
+})
+#: Operators that return a view of a contiguous input and copy a non-contiguous one.
+_VIEWS_IF_CONTIGUOUS = frozenset({"reshape", "reshape_as", "flatten", "contiguous"})
+
+
+def _is_view(nd: fx.Node) -> bool:
+    """Whether ``nd``'s output shares another node's storage (adds no activation memory):
+    ``getitem`` (a piece of a tuple its producer already counts), a view operator, or a
+    reshape-like one on a contiguous input (on a strided one it copies, and counts)."""
+    if nd.op == "call_function" and nd.target is operator.getitem:
+        return True
+    if nd.op == "call_function" and isinstance(nd.target, torch._ops.OpOverload):
+        name = nd.target._overloadpacket.__name__
+    elif nd.op == "call_method" and isinstance(nd.target, str):
+        name = nd.target
+    else:
+        return False
+    if name in _VIEWS:
+        return True
+    if name in _VIEWS_IF_CONTIGUOUS and nd.args and isinstance(nd.args[0], fx.Node):
+        base = nd.args[0].meta.get("val")
+        out = nd.meta.get("val")
+        return (isinstance(base, torch.Tensor) and isinstance(out, torch.Tensor) and base.dtype == out.dtype
+                and base.is_contiguous())
+    return False
 
 
 def _float32_output(nd: fx.Node) -> bool:

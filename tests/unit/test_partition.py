@@ -333,3 +333,53 @@ def test_tuple_outputs_are_not_cut(gpt_gm):
             compute.index(u) > c for u in node.users if u in compute
         ):
             assert not chain.valid[c], node.name
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "cnn", "resnet", "bert", "gpt2", "llama"])
+def test_the_activation_price_covers_what_autograd_saves_and_no_view_twice(name):
+    """A stage's activations are priced at the outputs with storage of their own: at least what
+    autograd saves in a forward (each storage once, weights and buffers left out), measured here
+    with torch's saved-tensor hooks, and no view (``transpose``, a ``split``'s pieces, their
+    ``getitem``) counted beside its base, which the price used to do."""
+    from fxpipe.partition import _is_view, plan
+    from tests.cases import Case, build
+
+    torch.manual_seed(0)
+    model, example, *_ = build(Case(name, model=name, mb=4))
+    kept = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in kept:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    args, kwargs = (example, {}) if isinstance(example, tuple) else ((), example)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(*args, **kwargs)
+    p = plan(model, example, stages=1, microbatches=1, schedule="gpipe", world_size=1)
+    price = p.stage_plans[0].memory_activations  # one micro-batch in flight, no input cut
+    gm = fxpipe.trace(model, example)
+    outputs = [n for n in gm.graph.nodes if n.op.startswith("call")]
+    views = [n for n in outputs if _is_view(n)]
+    assert sum(saved.values()) <= price
+    assert price == pytest.approx(sum(n.meta["fxpipe"].out_bytes for n in outputs if n not in views))
+    if name in ("bert", "gpt2", "llama"):  # attention reshapes and transposes heads: views
+        assert {str(n.target) for n in views} >= {"aten.transpose.int", "aten.view.default"}
+
+
+def test_a_reshape_is_a_view_of_a_contiguous_input_and_a_copy_of_a_strided_one():
+    from fxpipe.partition import _is_view
+
+    class Heads(nn.Module):
+        def forward(self, x):
+            merged = x.reshape(x.shape[0], -1)  # contiguous: a view
+            swapped = x.transpose(1, 2).reshape(x.shape[0], -1)  # strided: reshape copies
+            return merged + swapped
+
+    gm = fxpipe.trace(Heads(), (torch.randn(2, 3, 4),))
+    kinds = {(str(n.target), _is_view(n)) for n in gm.graph.nodes if n.op == "call_function"}
+    assert ("aten.transpose.int", True) in kinds and ("aten.add.Tensor", False) in kinds
+    reshapes = [_is_view(n) for n in gm.graph.nodes if "reshape" in str(n.target) or "view" in str(n.target)]
+    assert sorted(reshapes) == [False, True], reshapes
