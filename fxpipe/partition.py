@@ -926,7 +926,8 @@ def _cut_for_reduction(chain: Chain, model: StageModel, part: Partition, cluster
                 best = min(best, (step, len(tried), got), key=lambda x: x[:2])
         return tried[A]
 
-    lo = min(a * _untied_param_bytes(chain) / model.stages + c for a, c in affine)  # spread evenly: no cut does better
+    # no cut does better: the stages' caps at A must hold every parameter that has one ring
+    lo = min(c for _, c in affine) + _untied_param_bytes(chain) / sum(1 / a for a, _ in affine)
     hi = ar0
     if schedule == "2bw":
         for _ in range(_REDUCTION_PROBES):
