@@ -21,7 +21,7 @@ optimum of::
 
 with ``A(l, r)`` the bytes of every output of the stage's nodes that has storage of its own (what
 autograd may save; a view, such as ``transpose`` or a ``split``'s pieces, shares its base's and
-adds none, :func:`_held_bytes`; it includes the values the stage sends, whose storage the
+adds none, :func:`_is_view`; it includes the values the stage sends, whose storage the
 gradient received for them takes over once sent, as Megatron-LM's ``deallocate_output_tensor``
 does), ``I(l)`` the bytes crossing its
 input cut, ``W(l, r)`` the activation inputs of its nodes that read a trainable parameter (what a
