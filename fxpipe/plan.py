@@ -23,7 +23,7 @@ import hashlib
 import json
 import operator
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -307,7 +307,3 @@ def _span(xs: list[int]) -> str:
         out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
         i = j + 1
     return ",".join(out)
-
-
-def _mapping_pairs(assignment: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
-    return tuple((str(k), int(v)) for k, v in assignment.items())
