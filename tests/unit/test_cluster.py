@@ -167,6 +167,21 @@ def test_cuts_weigh_the_all_reduce_where_it_is_part_of_the_step(schedule):
     assert capped.bottleneck == pytest.approx(min(max(stage_time(chain, sm, s, *x) for s, x in enumerate(b))
                                                   for b in fits))
     assert _Solver(chain, sm).capped([1e9] * 3).solve() is None  # six 1e9 tensors cannot fit three stages of 1e9
+    # a tensor read at two positions counts on a stage only if the stage holds both (else it has
+    # a ring of its own): a tied 1.5e9 read at 1 and 7, checked against every cut
+    readers = tuple([i] for i in range(n)) + ([1, 7],)
+    tied = Chain([1e-3] * n, [2e-3] * n, [1.0] * n, [1.0] * (n - 1), [1.0] * (n - 1), [True] * (n - 1),
+                 [1.0] * (n + 1), readers, tensor_param_bytes=param + [1.5e9])
+
+    def reduced(l, r):
+        return sum(b for b, rd in zip(param + [1.5e9], readers) if l <= rd[0] and rd[-1] <= r)
+
+    for cap in (2e9, 3e9, 4.5e9):
+        got = _Solver(tied, sm).capped([cap] * 3).solve()
+        fits = [b for b in every if all(reduced(l, r) <= cap for l, r in b)]
+        assert got.bottleneck == pytest.approx(min(max(stage_time(tied, sm, s, *x) for s, x in enumerate(b))
+                                                   for b in fits))
+        assert all(reduced(l, r) <= cap for l, r in got.bounds)
 
 
 @pytest.mark.parametrize("make, match", [
