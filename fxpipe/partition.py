@@ -882,7 +882,7 @@ def _step(chain: Chain, model: StageModel, part: Partition, cluster: Cluster, sc
 
 
 def _cut_for_reduction(chain: Chain, model: StageModel, part: Partition, cluster: Cluster, schedule: str, m: int,
-                       width: int, layout: str) -> Partition:
+                       width: int, layout: str) -> tuple[Partition, tuple[float, float, float, int]]:
     """``part`` (the min-max compute partition), or cuts that shorten the step by all-reducing
     fewer bytes on the stage whose ring is slowest, when the all-reduce is part of the step:
     under 2bw where it outlasts the pipeline, under the flushing schedules wherever there is
@@ -897,10 +897,11 @@ def _cut_for_reduction(chain: Chain, model: StageModel, part: Partition, cluster
     all-reduce)``: the pipeline time only falls as ``A`` grows, so bisection finds where the two
     meet; the flushing schedules' sum is scanned on a grid, then around its best point. Each
     search step solves to within ``_REDUCTION_TOL``, as the bisection ends. Returns the
-    partition with the shortest step priced, ``part`` on ties."""
-    step0, pipe0, ar0, _ = _step(chain, model, part, cluster, schedule, m, width, layout)
+    partition with the shortest step priced (``part`` on ties) and its :func:`_step`."""
+    priced = _step(chain, model, part, cluster, schedule, m, width, layout)
+    _, pipe0, ar0, _ = priced
     if width <= 1 or ar0 <= 0 or (schedule == "2bw" and ar0 <= pipe0):
-        return part
+        return part, priced
     groups = _reductions(chain, part.bounds, width, layout)
     concurrent = [g for g, _ in groups]
     ring = lambda s: [_rank(s, r, model.stages, width, layout) for r in range(width)]  # noqa: E731
@@ -910,20 +911,18 @@ def _cut_for_reduction(chain: Chain, model: StageModel, part: Partition, cluster
         t1, t2 = cluster.allreduce_time(x0, ring(s), concurrent), cluster.allreduce_time(2 * x0, ring(s), concurrent)
         affine.append(((t2 - t1) / x0, 2 * t1 - t2))
     if any(a <= 0 for a, _ in affine):
-        return part
+        return part, priced
     base = _Solver(chain, model)
-    best = (step0, 0, part)
-    tried: dict[float, tuple[float, float] | None] = {}  # A -> (pipeline time, step) under its caps
+    best = (priced[0], 0, part, priced)  # (step, order found, partition, its _step)
+    tried: dict[float, tuple[float, float, float, int] | None] = {}  # A -> _step under its caps, None: no cut fits
 
-    def price(A: float) -> tuple[float, float] | None:
+    def price(A: float) -> tuple[float, float, float, int] | None:
         nonlocal best
         if A not in tried:
             got = base.capped([max(0.0, (A - c) / a) for a, c in affine]).solve(_REDUCTION_TOL)
-            tried[A] = None
+            tried[A] = None if got is None else _step(chain, model, got, cluster, schedule, m, width, layout)
             if got is not None:
-                step, pipe, _, _ = _step(chain, model, got, cluster, schedule, m, width, layout)
-                tried[A] = (pipe, step)
-                best = min(best, (step, len(tried), got), key=lambda x: x[:2])
+                best = min(best, (tried[A][0], len(tried), got, tried[A]), key=lambda x: x[:2])
         return tried[A]
 
     # no cut does better: the stages' caps at A must hold every parameter that has one ring
@@ -935,17 +934,17 @@ def _cut_for_reduction(chain: Chain, model: StageModel, part: Partition, cluster
                 break
             A = 0.5 * (lo + hi)
             got = price(A)
-            if got is None or got[0] > A:  # the caps leave no partition, or the pipeline is the step
+            if got is None or got[1] > A:  # the caps leave no partition, or the pipeline is the step
                 lo = A
             else:
                 hi = A
     else:
         for _ in range(2):  # a grid, then a finer one around its best point
             grid = np.linspace(lo, hi, _REDUCTION_PROBES // 2 + 1).tolist()
-            steps = [math.inf if price(A) is None else price(A)[1] for A in grid]
+            steps = [(price(A) or (math.inf,))[0] for A in grid]
             i = int(np.argmin(steps))
             lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
-    return best[2]
+    return best[2], best[3]
 
 
 class _GraphSource:
@@ -1033,8 +1032,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
         grad_buffers = 2
         chain = source.chain(b, grad_buffers)
         part = partition_chain(chain, sm)
-    part = _cut_for_reduction(chain, sm, part, cluster, schedule, m, w, layout)
-    step, pipe, ar, slow = _step(chain, sm, part, cluster, schedule, m, w, layout)
+    part, (step, pipe, ar, slow) = _cut_for_reduction(chain, sm, part, cluster, schedule, m, w, layout)
     tied = set() if grad_buffers == 2 else _stages_with_shared_tensors(chain, part.bounds)
     mems = []
     for s, (l, r) in enumerate(part.bounds):

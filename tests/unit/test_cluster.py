@@ -158,8 +158,9 @@ def test_cuts_weigh_the_all_reduce_where_it_is_part_of_the_step(schedule):
     best = min(step(b) for b in every)
     balanced = partition_chain(chain, sm)
     assert balanced.bounds == ((0, 3), (4, 7), (8, 11)) and step(balanced.bounds) > 1.1 * best
-    got = _cut_for_reduction(chain, sm, balanced, c, schedule, m, w, "replica")
+    got, priced = _cut_for_reduction(chain, sm, balanced, c, schedule, m, w, "replica")
     assert step(got.bounds) == pytest.approx(best, rel=1e-3)
+    assert priced[0] == pytest.approx(step(got.bounds))  # the step it returns is the partition's
     assert got.bottleneck == pytest.approx(max(stage_time(chain, sm, s, *b) for s, b in enumerate(got.bounds)))
     # the caps themselves: at most 2e9 bytes a stage, compute then balanced as well as it can be
     capped = _Solver(chain, sm).capped([2e9] * 3).solve()
