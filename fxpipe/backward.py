@@ -54,7 +54,7 @@ from typing import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["PendingWeights", "SavedTensors", "backward_input"]
+__all__ = ["PendingWeights", "SavedTensors", "SplitCache", "backward_input"]
 
 
 # the saved-tensor hooks in force (pack, unpack) or None; torch's own AOT autograd reads them so
@@ -223,23 +223,67 @@ def _below_in(node, inside: set) -> set:
     return seen
 
 
-def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None],
-                   boundary: Sequence[torch.Tensor], weights: dict[str, torch.Tensor],
-                   saved: SavedTensors | None = None) -> tuple[list[torch.Tensor | None], PendingWeights] | str:
-    """Run the input-gradient half of a backward: the gradients of ``boundary`` (None where an
-    input does not influence the roots), and the :class:`PendingWeights` of ``weights`` (name ->
-    leaf requiring grad). ``seeds``: the gradient of each root (None: a scalar root, seed 1).
-    Returns the reason instead, running nothing, where the split would run part of the input
-    chain again or has nothing to defer (module docstring): the caller then runs the plain
-    backward. ``saved``: where the forward kept what autograd saved (:class:`SavedTensors`); the
-    tensors only the input chain reads are freed as it runs (:meth:`SavedTensors.freeing_reads`)."""
-    if not weights:
-        return "it has no trainable weight, so there is no weight pass to defer"
-    seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]
-    root_edges = [get_gradient_edge(r) for r in roots]
-    inputs = [x for x in boundary if x.requires_grad]
+_AccumulateGrad = torch._C._functions.AccumulateGrad
+
+
+def _shape(root_edges: Sequence[GradientEdge], leaves: dict[int, object]) -> tuple[list, list]:
+    """The autograd graph below ``root_edges``: its nodes in a canonical order (depth first, each
+    node's edges in order), and a description of it that two graphs share exactly when they are
+    the same graph up to the identity of their nodes: each node's type, its number of edges and
+    the input slot it is entered at, each edge's end as a new node, one already seen (its place in
+    the order) or none, and at an accumulator whose leaf is in ``leaves`` (id -> label) the label.
+    One pass, no more than a walk of the graph costs."""
+    order: list = []
+    index: dict = {}
+    shape: list = []
+    stack = [(e.node, e.output_nr) for e in reversed(root_edges)]
+    while stack:
+        node, nr = stack.pop()
+        if node is None:
+            shape.append(None)
+            continue
+        seen = index.get(node)
+        if seen is not None:
+            shape += (~seen, nr)
+            continue
+        index[node] = len(order)
+        order.append(node)
+        edges = node.next_functions
+        shape += (type(node), len(edges), nr)
+        if type(node) is _AccumulateGrad:
+            shape.append(leaves.get(id(node.variable)))
+        stack.extend(reversed(edges))
+    return order, shape
+
+
+@dataclass
+class _Plan:
+    """The analysis of one graph (:func:`_analyse`) with its nodes as places in :func:`_shape`'s
+    order: the roots the input-gradient pass starts from, and per group its anchors, its roots
+    and its weights' names."""
+
+    used: list[int]
+    groups: list[tuple[list[int], list[int], list[str]]]
+
+
+class SplitCache:
+    """The last graph a stage split and its analysis. Every micro-batch of a stage builds a new
+    autograd graph of the same shape, so the analysis (the input chain, the anchors, their
+    groups: a Python walk over every node, several times) is done once and then found again by
+    the graph's shape (:func:`_shape`), which one walk computes. A graph of another shape (a
+    frozen weight, a module in another mode) is analysed afresh and replaces it."""
+
+    def __init__(self) -> None:
+        self.shape: list | None = None
+        self.plan: _Plan | str | None = None
+        self.hits = 0
+        self.misses = 0
+
+
+def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor], acc: dict) -> tuple[list[int], list[_Group]] | str:
+    """The roots the input chain starts from and the anchors' groups (module docstring), or why the
+    split cannot be done."""
     input_nodes = {get_gradient_edge(x).node for x in inputs}
-    acc = {get_gradient_edge(w).node: name for name, w in weights.items()}
     chain = _leads_to([e.node for e in root_edges], input_nodes) if input_nodes else set()
 
     # Anchors and their weights, then groups: anchors that reach a common weight.
@@ -282,6 +326,62 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
                     return (f"a weight ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is read at two "
                             f"depths of the input-gradient chain (e.g. a layer applied twice), so a separate weight "
                             f"pass would run part of that chain again")
+    return [i for i, e in enumerate(root_edges) if e.node in chain], list(groups.values())
+
+
+def _plan(root_edges: list[GradientEdge], inputs: list[torch.Tensor], weights: dict[str, torch.Tensor],
+          cache: SplitCache | None) -> tuple[list[int], list[tuple[list, list[int], list[str]]]] | str:
+    """:func:`_analyse`'s answer with anchors as nodes and weights as names, from ``cache`` where
+    it holds a graph of this shape."""
+    if cache is None:
+        order = index = None
+    else:
+        labels = {id(w): name for name, w in weights.items()}
+        labels.update((id(x), ("boundary input", k)) for k, x in enumerate(inputs))
+        order, shape = _shape(root_edges, labels)
+        if shape == cache.shape:
+            cache.hits += 1
+            if isinstance(cache.plan, str):
+                return cache.plan
+            return cache.plan.used, [([order[a] for a in anchors], roots, names)
+                                     for anchors, roots, names in cache.plan.groups]
+        cache.misses += 1
+        index = {node: i for i, node in enumerate(order)}
+    acc = {get_gradient_edge(w).node: name for name, w in weights.items()}
+    got = _analyse(root_edges, inputs, acc)
+    if isinstance(got, str):
+        plan = got
+    else:
+        used, groups = got
+        plan = used, [(g.anchors, g.roots, sorted(acc[w] for w in g.weights)) for g in groups]
+    if cache is not None:
+        cache.shape = shape
+        cache.plan = plan if isinstance(plan, str) else _Plan(plan[0], [([index[a] for a in anchors], roots, names)
+                                                                         for anchors, roots, names in plan[1]])
+    return plan
+
+
+def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor | None],
+                   boundary: Sequence[torch.Tensor], weights: dict[str, torch.Tensor],
+                   saved: SavedTensors | None = None,
+                   cache: SplitCache | None = None) -> tuple[list[torch.Tensor | None], PendingWeights] | str:
+    """Run the input-gradient half of a backward: the gradients of ``boundary`` (None where an
+    input does not influence the roots), and the :class:`PendingWeights` of ``weights`` (name ->
+    leaf requiring grad). ``seeds``: the gradient of each root (None: a scalar root, seed 1).
+    Returns the reason instead, running nothing, where the split would run part of the input
+    chain again or has nothing to defer (module docstring): the caller then runs the plain
+    backward. ``saved``: where the forward kept what autograd saved (:class:`SavedTensors`); the
+    tensors only the input chain reads are freed as it runs (:meth:`SavedTensors.freeing_reads`).
+    ``cache``: the stage's :class:`SplitCache`, to analyse its graph once rather than per call."""
+    if not weights:
+        return "it has no trainable weight, so there is no weight pass to defer"
+    seeds = [torch.ones_like(r) if g is None else g for r, g in zip(roots, seeds)]
+    root_edges = [get_gradient_edge(r) for r in roots]
+    inputs = [x for x in boundary if x.requires_grad]
+    plan = _plan(root_edges, inputs, weights, cache)
+    if isinstance(plan, str):
+        return plan
+    used, groups = plan
 
     # I: the input gradients, recording what flows into each anchor.
     recorded: dict = {}
@@ -292,13 +392,12 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
         if saved is not None:
             saved.anchor_runs(True)
 
-    for g in groups.values():
-        for a in g.anchors:
+    for anchors, _, _ in groups:
+        for a in anchors:
             hooks.append(a.register_prehook(lambda grads, a=a: enter(grads, a)))
             if saved is not None:
                 hooks.append(a.register_hook(lambda grad_inputs, grad_outputs: saved.anchor_runs(False)))
     try:
-        used = [i for i, e in enumerate(root_edges) if e.node in chain]
         with saved.freeing_reads() if saved is not None else contextlib.nullcontext():
             if inputs and used:
                 got = torch.autograd.grad([roots[i] for i in used], inputs, [seeds[i] for i in used],
@@ -312,15 +411,15 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
     input_grads = [by_input.get(id(x)) for x in boundary]
 
     calls = []
-    for g in groups.values():
+    for anchors, root_ids, names in groups:
         edges, grads = [], []
-        for a in g.anchors:
+        for a in anchors:
             for nr, grad in enumerate(recorded.get(a, ())):
                 if grad is not None:
                     edges.append(GradientEdge(a, nr))
                     grads.append(grad)
-        for i in g.roots:
+        for i in root_ids:
             edges.append(root_edges[i])
             grads.append(seeds[i])
-        calls.append((edges, grads, [(acc[w], weights[acc[w]]) for w in sorted(g.weights, key=lambda w: acc[w])]))
+        calls.append((edges, grads, [(name, weights[name]) for name in names]))
     return input_grads, PendingWeights(calls, saved)

@@ -762,7 +762,7 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
     the graph's second half: at its middle floating-point node the forward detaches every live
     value into a boundary input, as a cut into two stages would. (1, 0) where the graph cannot
     be split (the runtime then runs the whole backward in ``I``)."""
-    from .backward import SavedTensors, backward_input
+    from .backward import SavedTensors, SplitCache, backward_input
 
     floats = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
               and n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 2]
@@ -770,6 +770,7 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
     if not floats or not weights:
         return 0.5, 0.5
     cut = floats[len(floats) // 2]
+    cache = SplitCache()  # analysed once, as the runtime does
 
     class Cut(fx.Interpreter):
         def run_node(self, n):
@@ -797,7 +798,7 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
             torch.autograd.backward(roots, seeds, inputs=[*run.boundary, *weights.values()])
             sync()
             return time.perf_counter() - t0, 0.0
-        got = backward_input(roots, seeds, run.boundary, weights, saved)
+        got = backward_input(roots, seeds, run.boundary, weights, saved, cache)
         if isinstance(got, str):
             return None
         sync()

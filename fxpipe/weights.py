@@ -32,7 +32,7 @@ from typing import Callable, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .backward import PendingWeights, backward_input
+from .backward import PendingWeights, SplitCache, backward_input
 from .errors import FxpipeError
 from .precision import Precision, compute_dtype
 
@@ -98,6 +98,7 @@ class WeightStore:
         self.grad_views = [layout.views(g) for g in self.grad_pool]
         self.updates = 0  # the newest version
         self.unsplit: str | None = None  # zb: why this stage's I runs the whole backward (None: it splits)
+        self.split_cache = SplitCache()  # zb: the analysis of the stage's autograd graph, done once
         self.optimizer_steps = 0  # updates applied (a skipped non-finite batch applies none)
         # The optimizer's own Parameters: aliases pointed at the slot being written right before
         # each step. They never enter a forward, so re-pointing them is safe. Each alias has its
@@ -189,7 +190,7 @@ class WeightStore:
             held = roots if seeds[0] is None else [get_gradient_edge(r) for r in roots]
             return functools.partial(self.strategy.backward, t, leaves, held, seeds, boundary)
         trainable = {n: leaf for n, leaf in leaves.items() if leaf.requires_grad}
-        got = backward_input(roots, seeds, boundary, trainable, saved) if roots else ([None] * len(boundary), None)
+        got = backward_input(roots, seeds, boundary, trainable, saved, self.split_cache) if roots else ([None] * len(boundary), None)
         if isinstance(got, str):
             self.unsplit = got
             self.strategy.backward(t, leaves, roots, seeds, boundary)

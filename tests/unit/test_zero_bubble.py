@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import fxpipe
-from fxpipe.backward import SavedTensors, backward_input
+from fxpipe.backward import SavedTensors, SplitCache, _shape, backward_input
 from fxpipe.errors import ScheduleError
 from fxpipe.cost import annotate
 from fxpipe.partition import StageModel, chain_from_graph, pipeline_time, stage_memory
@@ -159,6 +159,67 @@ def test_a_weight_read_at_two_depths_or_no_weight_cannot_split():
     reason = backward_input([((x[0] @ w["a"]).relu() @ w["a"]).sum()], [None], x, w)
     assert isinstance(reason, str) and "read at two depths of the input-gradient chain" in reason
     assert "no trainable weight" in backward_input([(x[0] * 2).sum()], [None], x, {})
+
+
+def test_the_analysis_is_done_once_per_graph_shape_and_redone_when_the_shape_changes():
+    w = _weights()
+    x = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True)]
+    seeds = [torch.randn(3, 4, dtype=torch.float64), torch.ones(1, dtype=torch.float64)]
+
+    def check(graph, weights, cache):
+        ref = torch.autograd.grad(graph(x, w), x + list(weights.values()), seeds, allow_unused=True)
+        _Counted.calls = 0
+        got = backward_input(graph(x, w), seeds, x, weights, cache=cache)
+        input_grads, pending = got
+        grads = pending.run()
+        assert _Counted.calls == 1, "W ran an op of the input-gradient chain again"
+        assert torch.allclose(input_grads[0], ref[0])
+        assert set(grads) == {n for n, r in zip(weights, ref[1:]) if r is not None}
+        for name, r in zip(weights, ref[1:]):
+            assert r is None or torch.allclose(grads[name], r), name
+
+    cache = SplitCache()
+    for _ in range(3):  # micro-batches: a new graph of the same shape each time
+        check(_graph, w, cache)
+    assert (cache.misses, cache.hits) == (1, 2)
+
+    def other(xs, w):  # the same types and weights, the two matmuls' weights swapped
+        h = _Counted.apply(xs[0] @ w["b"]).relu()
+        h = torch.nn.functional.layer_norm(h, (4,), w["ln"][0], w["ln"][1]) @ w["a"] + w["c"][0]
+        return [h.tanh(), (w["c"] * 2).sum().reshape(1)]
+
+    check(other, w, cache)
+    assert (cache.misses, cache.hits) == (2, 2)
+    frozen = {n: t for n, t in w.items() if n != "b"}  # a weight frozen between steps
+    w["b"].requires_grad_(False)
+    check(other, frozen, cache)
+    check(other, frozen, cache)
+    assert (cache.misses, cache.hits) == (3, 3)
+    w["b"].requires_grad_(True)
+    # a graph that cannot split gives its reason again on a hit, running nothing
+    cache = SplitCache()
+    reasons = [backward_input([((x[0] @ w["a"]).relu() @ w["a"]).sum()], [None], x, w, cache=cache) for _ in range(2)]
+    assert reasons[0] == reasons[1] and "two depths" in reasons[0] and (cache.misses, cache.hits) == (1, 1)
+
+
+def test_a_graph_shape_tells_shared_nodes_and_input_slots_apart():
+    a = torch.randn(4, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    labels = {id(a): "a", id(x): "x"}
+
+    def shape(out):
+        return _shape([torch.autograd.graph.get_gradient_edge(out)], labels)[1]
+
+    h = x @ a
+    shared = shape(h * h)  # one matmul read twice
+    assert shape((x @ a) * (x @ a)) != shared  # two matmuls
+    assert shape(x @ a * (h := x @ a)) != shared and shape(h * h) == shared
+    assert shape(x @ a) != shape(a.T @ x.T)
+    unbound = torch.randn(2, 4, requires_grad=True)
+    first, second = unbound.unbind(0)
+    labels[id(unbound)] = "u"
+    assert shape(first * 2) != shape(second * 2)  # the same node, entered at another slot
+    assert shape(first * second) != shape(first * first)  # ... when it was seen before
 
 
 class _SharedLayer(nn.Module):
@@ -503,6 +564,9 @@ def test_a_real_zb_step_keeps_at_most_the_bound_alive():
     # what a micro-batch keeps from I to W is only what W reads: I freed what only its input chain saved
     kept, reads, kept_bytes, pipe = detail
     assert len(kept) == 8
+    # the last stage's graph was analysed once, for the first of its 8 micro-batches (2 steps)
+    cache = pipe.workers[1].store.split_cache
+    assert pipe.workers[1].store.unsplit is None and (cache.misses, cache.hits) == (1, 7)
     for (r, k), ids in kept.items():
         assert ids and ids <= reads[r, Kind.W, k], (r, k, len(ids - reads[r, Kind.W, k]))
     # the planner prices a deferred micro-batch on the last stage at what its W reads: within 5%
