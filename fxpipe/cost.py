@@ -44,7 +44,7 @@ from .device import rng_devices
 from .errors import PlanError
 from .trace import NodeInfo, normalize_inputs
 
-__all__ = ["DeviceModel", "Linear", "NodeCost", "GraphCosts", "annotate", "fit_two_sizes", "b"]
+__all__ = ["DeviceModel", "Linear", "NodeCost", "GraphCosts", "annotate", "fit_two_sizes", "is_view", "b"]
 
 #: The micro-batch size, the one free symbol of every cost expression.
 b = sympy.Symbol("b", positive=True, integer=True)
@@ -495,6 +495,50 @@ def _dependence(gm: fx.GraphModule) -> tuple[dict[str, bool], dict[str, bool]]:
 # --------------------------------------------------------------------------------------------
 # analytic FLOPs and bytes
 
+#: Operators whose output is always a view of their first input: no storage of their own.
+_VIEWS = frozenset({
+    "view", "_unsafe_view", "_reshape_alias", "view_as", "transpose", "t", "permute", "expand", "expand_as", "slice",
+    "select", "split", "split_with_sizes", "unbind", "chunk", "tensor_split", "narrow", "squeeze", "unsqueeze",
+    "as_strided", "diagonal", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "alias", "detach",
+    "lift_fresh", "positive", "conj", "unfold", "real", "imag", "view_as_real", "view_as_complex", "mT", "mH",
+    "_nested_view_from_buffer",
+})
+#: Operators that return a view of a contiguous input and copy a strided one.
+_VIEWS_IF_CONTIGUOUS = frozenset({"reshape", "reshape_as", "flatten", "contiguous"})
+#: Operators that return their input itself where nothing changes (dtype, device, layout) and a
+#: copy otherwise.
+_VIEWS_IF_UNCHANGED = frozenset({"to", "type_as"})
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s output shares another node's storage: ``getitem`` (a piece of a tuple
+    its producer already holds), a view operator, a reshape-like one on a contiguous input, or a
+    ``to`` that changes nothing. Such a node adds no activation memory, moves no bytes and does
+    no arithmetic. Torch's own flag (``OpOverload.is_view``) marks every operator that *may*
+    alias, ``to`` and ``contiguous`` among them, which copy in practice as often as not; this
+    looks at the node's input and output to tell."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return True
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        name = node.target._overloadpacket.__name__
+    elif node.op == "call_method" and isinstance(node.target, str):
+        name = node.target
+    else:
+        return False
+    if name in _VIEWS:
+        return True
+    if not (name in _VIEWS_IF_CONTIGUOUS or name in _VIEWS_IF_UNCHANGED) or not node.args \
+            or not isinstance(node.args[0], fx.Node):
+        return False
+    base, out = node.args[0].meta.get("val"), node.meta.get("val")
+    if not (isinstance(base, torch.Tensor) and isinstance(out, torch.Tensor)) or base.dtype != out.dtype:
+        return False
+    if name in _VIEWS_IF_CONTIGUOUS:
+        return base.is_contiguous()
+    return (base.device == out.device and base.layout == out.layout and base.stride() == out.stride()
+            and not node.kwargs.get("copy", False))
+
+
 
 def _node_flops(gm: fx.GraphModule, node: fx.Node, cache: dict) -> float:
     """Forward FLOPs of one node, from torch's formulas on shapes; composite ops (``linear``,
@@ -505,9 +549,9 @@ def _node_flops(gm: fx.GraphModule, node: fx.Node, cache: dict) -> float:
     target = node.target
     if node.op == "call_function" and target is operator.getitem:
         return 0.0
+    if is_view(node):
+        return 0.0
     if isinstance(target, torch._ops.OpOverload):
-        if target.is_view:
-            return 0.0
         if target._overloadpacket is torch.ops.aten.scaled_dot_product_attention:
             return _sdpa_flops(node)
         fn = flop_registry.get(target._overloadpacket)
@@ -616,9 +660,8 @@ def _fake_flops(gm: fx.GraphModule, node: fx.Node) -> float:
 
 def _bytes_moved(node: fx.Node, ni: NodeInfo) -> tuple[float, float]:
     """Bytes a node reads and writes: (activations, parameters/constants). Views and getitem
-    move nothing."""
-    t = node.target
-    if t is operator.getitem or (isinstance(t, torch._ops.OpOverload) and t.is_view):
+    move nothing (:func:`is_view`)."""
+    if is_view(node):
         return 0.0, 0.0
     acts, consts = float(ni.out_bytes), float(ni.param_bytes) if node.op == "call_module" else 0.0
     for inp in node.all_input_nodes:

@@ -21,7 +21,7 @@ optimum of::
 
 with ``A(l, r)`` the bytes of every output of the stage's nodes that has storage of its own (what
 autograd may save; a view, such as ``transpose`` or a ``split``'s pieces, shares its base's and
-adds none, :func:`_is_view`; it includes the values the stage sends, whose storage the
+adds none, :func:`fxpipe.cost.is_view`; it includes the values the stage sends, whose storage the
 gradient received for them takes over once sent, as Megatron-LM's ``deallocate_output_tensor``
 does), ``I(l)`` the bytes crossing its
 input cut, ``W(l, r)`` the activation inputs of its nodes that read a trainable parameter (what a
@@ -76,7 +76,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .cluster import PRESETS, Cluster
-from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes
+from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes, is_view
 from .errors import PlanError
 from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
@@ -576,7 +576,7 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
     if low is not None:
         shrink = torch.finfo(low).bits / 32
         act = act * np.array([shrink if _float32_output(nd) else 1.0 for nd in compute])
-    held = np.array([0.0 if _is_view(nd) else a for nd, a in zip(compute, act)])  # a view is sent whole
+    held = np.array([0.0 if is_view(nd) else a for nd, a in zip(compute, act)])  # a view is sent whole
     lo, hi, size, grad, bad = [], [], [], [], []
     for i, nd in enumerate(compute):
         last = max((pos.get(u.name, n) for u in nd.users), default=i)  # the output node is after all
@@ -654,45 +654,12 @@ def _weight_reads(compute: list[fx.Node], pos: dict[str, int], act: np.ndarray,
         if not any(t in params and params[t].requires_grad for t in nd.meta["fxpipe"].params):
             continue
         for u in nd.all_input_nodes:
-            while isinstance(u.target, torch._ops.OpOverload) and u.target.is_view and isinstance(u.args[0], fx.Node):
+            while u.target is not operator.getitem and is_view(u) and u.args and isinstance(u.args[0], fx.Node):
                 u = u.args[0]
             if u.name in pos and u.name not in seen:
                 seen.add(u.name)
                 out[i] += act[pos[u.name]]
     return out
-
-
-#: Operators whose output is always a view of their first input: no storage of its own.
-_VIEWS = frozenset({
-    "view", "_unsafe_view", "view_as", "transpose", "t", "permute", "expand", "expand_as", "slice", "select",
-    "split", "split_with_sizes", "unbind", "chunk", "tensor_split", "narrow", "squeeze", "unsqueeze", "as_strided",
-    "diagonal", "unflatten", "movedim", "moveaxis", "swapaxes", "swapdims", "alias", "detach", "unfold", "real",
-    "imag", "view_as_real", "view_as_complex", "mT", "mH",
-})
-#: Operators that return a view of a contiguous input and copy a non-contiguous one.
-_VIEWS_IF_CONTIGUOUS = frozenset({"reshape", "reshape_as", "flatten", "contiguous"})
-
-
-def _is_view(nd: fx.Node) -> bool:
-    """Whether ``nd``'s output shares another node's storage (adds no activation memory):
-    ``getitem`` (a piece of a tuple its producer already counts), a view operator, or a
-    reshape-like one on a contiguous input (on a strided one it copies, and counts)."""
-    if nd.op == "call_function" and nd.target is operator.getitem:
-        return True
-    if nd.op == "call_function" and isinstance(nd.target, torch._ops.OpOverload):
-        name = nd.target._overloadpacket.__name__
-    elif nd.op == "call_method" and isinstance(nd.target, str):
-        name = nd.target
-    else:
-        return False
-    if name in _VIEWS:
-        return True
-    if name in _VIEWS_IF_CONTIGUOUS and nd.args and isinstance(nd.args[0], fx.Node):
-        base = nd.args[0].meta.get("val")
-        out = nd.meta.get("val")
-        return (isinstance(base, torch.Tensor) and isinstance(out, torch.Tensor) and base.dtype == out.dtype
-                and base.is_contiguous())
-    return False
 
 
 def _float32_output(nd: fx.Node) -> bool:

@@ -341,7 +341,8 @@ def test_the_activation_price_covers_what_autograd_saves_and_no_view_twice(name)
     autograd saves in a forward (each storage once, weights and buffers left out), measured here
     with torch's saved-tensor hooks, and no view (``transpose``, a ``split``'s pieces, their
     ``getitem``) counted beside its base, which the price used to do."""
-    from fxpipe.partition import _is_view, plan
+    from fxpipe.cost import is_view
+    from fxpipe.partition import plan
     from tests.cases import Case, build
 
     torch.manual_seed(0)
@@ -362,24 +363,36 @@ def test_the_activation_price_covers_what_autograd_saves_and_no_view_twice(name)
     price = p.stage_plans[0].memory_activations  # one micro-batch in flight, no input cut
     gm = fxpipe.trace(model, example)
     outputs = [n for n in gm.graph.nodes if n.op.startswith("call")]
-    views = [n for n in outputs if _is_view(n)]
+    views = [n for n in outputs if is_view(n)]
     assert sum(saved.values()) <= price
     assert price == pytest.approx(sum(n.meta["fxpipe"].out_bytes for n in outputs if n not in views))
     if name in ("bert", "gpt2", "llama"):  # attention reshapes and transposes heads: views
         assert {str(n.target) for n in views} >= {"aten.transpose.int", "aten.view.default"}
 
 
-def test_a_reshape_is_a_view_of_a_contiguous_input_and_a_copy_of_a_strided_one():
-    from fxpipe.partition import _is_view
+def test_a_reshape_or_to_is_a_view_where_it_changes_nothing_and_a_copy_otherwise():
+    """One view predicate for the activation price and the cost model: a reshape views a
+    contiguous input and copies a strided one, a ``to`` that changes the dtype copies (torch
+    flags both as possibly aliasing); a copy moves bytes and a view none."""
+    from fxpipe.cost import _bytes_moved, annotate, is_view
 
     class Heads(nn.Module):
         def forward(self, x):
             merged = x.reshape(x.shape[0], -1)  # contiguous: a view
             swapped = x.transpose(1, 2).reshape(x.shape[0], -1)  # strided: reshape copies
-            return merged + swapped
+            same = merged.to(torch.float32)  # nothing changes: the input itself
+            return (same + swapped).to(torch.float64)  # a new dtype: a copy
 
     gm = fxpipe.trace(Heads(), (torch.randn(2, 3, 4),))
-    kinds = {(str(n.target), _is_view(n)) for n in gm.graph.nodes if n.op == "call_function"}
+    annotate(gm, (torch.randn(2, 3, 4),))
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    kinds = {(str(n.target), is_view(n)) for n in nodes}
     assert ("aten.transpose.int", True) in kinds and ("aten.add.Tensor", False) in kinds
-    reshapes = [_is_view(n) for n in gm.graph.nodes if "reshape" in str(n.target) or "view" in str(n.target)]
-    assert sorted(reshapes) == [False, True], reshapes
+    reshapes = [n for n in nodes if "reshape" in str(n.target) or "view" in str(n.target)]
+    assert sorted(map(is_view, reshapes)) == [False, True], [(str(n.target), is_view(n)) for n in reshapes]
+    casts = {n.meta["val"].dtype: n for n in nodes if "to" in str(n.target)}
+    assert set(casts) == {torch.float32, torch.float64}, [str(n.target) for n in nodes]
+    assert is_view(casts[torch.float32]) and not is_view(casts[torch.float64])
+    for n in reshapes + list(casts.values()):
+        moved = _bytes_moved(n, n.meta["fxpipe"])
+        assert (moved == (0.0, 0.0)) == is_view(n), (str(n.target), moved)
