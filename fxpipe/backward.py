@@ -18,7 +18,9 @@ skips the split and ``W`` runs the plain backward). During I a pre-hook on each 
 it; W then starts autograd at those anchors with the recorded gradients and asks only for the
 weights, so the engine runs each anchor for its weight outputs only (``mm``'s ``grad_mat2``,
 ``layer_norm``'s weight and bias) and the N nodes below it, never the chain between anchors.
-Anchors that reach a common weight run in one call (a *group*); groups share no node.
+Anchors that reach a common weight run in one call (a *group*); groups share no node. Every
+micro-batch of a stage builds a graph of the same shape, so the analysis is done once per stage
+and found again by the graph's shape (:class:`SplitCache`).
 
 What ``I`` leaves alive. Autograd frees a node's saved tensors when the node runs without
 ``retain_graph``; ``I`` must retain the graph for ``W``, so on its own every tensor the forward
