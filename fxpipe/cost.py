@@ -166,7 +166,8 @@ class DeviceModel:
         ``torch.distributed.barrier``), which lines up every timed run, so each is timed while
         the others compute too. Where ``host_ranks`` > 1 of them share this host's cores (CPU
         processes), the rank with ``alone=True`` then times the model again while the others
-        wait in ``barrier``: its model holds the speed alone and ``host_cores``, the number of
+        wait in ``barrier``, and only it times the update, the random numbers and the split (the
+        others' models keep this model's figures for those): its model holds the speed alone and ``host_cores``, the number of
         ranks the host runs at full speed at once (``host_ranks`` times alone over the together
         runs' span, barrier to barrier, which ends when the slowest rank is done),
         which the simulator uses to slow ranks that compute at the same time. ``split`` (the zb
@@ -225,9 +226,11 @@ class DeviceModel:
             else:
                 barrier()  # every rank has finished its last run
                 ends = [t0 for t0, _, _ in runs[1:]] + [time.perf_counter()]
-                if not alone:  # a rank timing alone times the rest alone, below
-                    update, per_random, shares = rest()
-                barrier()  # the others wait here while this rank runs alone
+                # The rest is timed by the rank timing alone, below, while the others wait: their
+                # models keep this one's figures for it (compile plans with the alone rank's).
+                update = (self.update_time_per_byte, self.copy_time_per_byte)
+                per_random = self.random_time_per_element
+                shares = (self.backward_input_share, self.backward_weight_share)
                 if alone:
                     # A lined-up run lasts, barrier to barrier, until the slowest rank is done: the
                     # host's pace with every rank computing, however its scheduler shared the cores.
@@ -235,7 +238,7 @@ class DeviceModel:
                     fwd, bwd = medians([once(None) for _ in range(repeats)])
                     cores = min(max(host_ranks * (fwd + bwd) / together, 1.0), float(host_ranks))
                     update, per_random, shares = rest()
-                barrier()
+                barrier()  # the others wait here while this rank runs alone
 
         # The random numbers the graph draws go at the generator's measured pace; the roofline
         # is fitted to the rest of the forward.

@@ -237,14 +237,15 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
     """Two ranks on one host: a lined-up run takes this rank 8 s (3 + 5) but lasts 10 s barrier
     to barrier (the slower rank's time), the rank timing alone takes 6 s (2 + 4), so the host runs
     2 * 6 / 10 = 1.2 ranks at full speed at once, and the model holds the speed alone. The other
-    ranks wait in the barrier meanwhile; a rank not timing alone, or a host of one rank, measures
-    no sharing."""
+    ranks wait in the barrier meanwhile, and only the rank timing alone times the rest (here the
+    random numbers' pace); a rank not timing alone, or a host of one rank, measures no sharing."""
     import fxpipe.cost as cost
 
     gm, _ = linear_gm(64)
-    dev = DeviceModel(op_latency=1e-6)
+    dev = DeviceModel(op_latency=1e-6, random_time_per_element=7e-9)
     calls = []
-    monkeypatch.setattr(cost, "_time_random", lambda *a: 0.0)  # this graph draws no random number
+    timed_random = []
+    monkeypatch.setattr(cost, "_time_random", lambda *a: timed_random.append(1) or 0.0)  # the graph draws none
 
     def clock(alone_runs):
         together = [x + 10.0 * i for i in range(5) for x in (0.0, 3.0, 8.0)]  # two warm-ups, three repeats
@@ -253,14 +254,17 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
 
     monkeypatch.setattr(cost.time, "perf_counter", clock(3).__next__)
     cal = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=True)
-    assert cal.host_cores == pytest.approx(1.2) and len(calls) == 5 + 3
+    assert cal.host_cores == pytest.approx(1.2) and len(calls) == 5 + 2
+    assert timed_random == [1] and cal.random_time_per_element == 0.0
     nodes = [c for c in annotate(gm, device=cal).nodes.values() if c.fwd_time(64) > 0]
     assert math.isclose(sum(c.fwd_time(64) for c in nodes), 2.0, rel_tol=1e-9)
 
     monkeypatch.setattr(cost.time, "perf_counter", clock(0).__next__)
     calls.clear()
+    timed_random.clear()
     other = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=False)
-    assert other.host_cores is None and len(calls) == 5 + 3
+    assert other.host_cores is None and len(calls) == 5 + 2
+    assert timed_random == [] and other.random_time_per_element == 7e-9
     monkeypatch.setattr(cost.time, "perf_counter", clock(0).__next__)
     assert dev.calibrate(gm, repeats=3, barrier=lambda: None).host_cores is None
 
