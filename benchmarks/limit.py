@@ -18,7 +18,8 @@ gloo ranks with one thread each. Every system below trains exactly this:
   stages on 2 ranks, split every 2 layers.
 
 Every run is a fresh pair of processes (so each one's peak memory is its own, counted from its
-first training step), the systems
+first training step; each settles glibc's heap first, as fxpipe does on a CPU rank:
+:func:`fxpipe.device.settle_heap`), the systems
 alternate within each of ``--rounds`` rounds, and each reports the median over rounds of its
 throughput: samples in the measured steps over the slower rank's wall time for them (and, round by
 round, each system's samples/s and share of that round's limit). Beside each
@@ -208,8 +209,11 @@ def _pippy(rank: int, name: str, batches, warmup: int) -> dict:
 
 
 def _worker(rank: int, world: int, name: str, store: str, out: str, steps: int, warmup: int) -> None:
+    from fxpipe.device import settle_heap
+
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    settle_heap()  # every system's processes start as fxpipe's CPU ranks do: only what they run differs
     batches = _data(steps + warmup)
     if name == "limit":  # two independent trainers: no process group, just both cores busy
         barrier = _FileBarrier(store, world)

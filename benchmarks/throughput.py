@@ -103,8 +103,11 @@ def _single(batches) -> list[float]:
 
 
 def _rank(rank: int, world: int, store: str, out: str, steps: int) -> None:
+    from fxpipe.device import settle_heap
+
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    settle_heap()  # before any system runs, as fxpipe's compile would for the ones after it
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     batches = _data(steps + 2)
     results: dict[str, list[float]] = {}

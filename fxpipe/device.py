@@ -2,8 +2,9 @@
 
 Every device-specific decision of the runtime is made here, so the rest of fxpipe reads the same
 on both: which device a rank uses, which process-group backend goes with it, how a batch gets
-there, which RNGs a forked random stream must cover, where collective tensors live, and how the
-device arguments a trace on one device baked into a graph follow a stage to another.
+there, which RNGs a forked random stream must cover, where collective tensors live, how the
+device arguments a trace on one device baked into a graph follow a stage to another, and how a
+CPU rank's heap is settled (:func:`settle_heap`).
 
 On CUDA the stream scheduling of :func:`fxpipe.schedule.lower_to_streams` is carried out by
 ``torch.distributed``'s NCCL process group itself, which needs no code here: every point-to-point
@@ -33,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from .trace import graph_modules
 
-__all__ = ["choose", "backend_for", "to_device", "follow_device", "follow_call", "rng_devices", "seed", "check_backend"]
+__all__ = ["choose", "settle_heap", "backend_for", "to_device", "follow_device", "follow_call", "rng_devices", "seed", "check_backend"]
 
 
 def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.device:
@@ -59,7 +60,42 @@ def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.
         torch.cuda.set_device(dev)
     elif dev.type != "cpu":
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]'; found {requested!r}")
+    else:
+        settle_heap()
     return dev
+
+
+#: The size of the buffer :func:`settle_heap` allocates and frees: under glibc's 32 MiB ceiling
+#: for its adaptive threshold on 64-bit systems, with room for the allocator's own header.
+HEAP_SETTLING_BYTES = 30 << 20
+_heap_settled = False
+
+
+def settle_heap() -> None:
+    """Let glibc keep a CPU rank's freed memory for reuse: allocate and free one 30 MiB buffer,
+    once per process. glibc's ``malloc`` adapts two thresholds as a process frees large buffers:
+    the size from which a request gets freshly mapped pages rather than heap memory, and the
+    free space at the heap's top past which ``free`` returns memory to the system. They start at
+    128 and 256 KiB and rise, when a mapped buffer is freed, to its size and twice that (up to
+    32 and 64 MiB). A pipeline stage on the CPU allocates and frees tens of MiB per micro-batch,
+    so with the thresholds low glibc hands that memory back after each pass and the next one
+    faults it in again, page by page (2,000-2,700 minor faults a step on the last stage of
+    ``benchmarks/limit.py``'s GPT, under zb's split backward most of all); with them raised the
+    heap is reused. This only sets off glibc's own adaptation, as any process that once freed a
+    buffer this size would (no ``mallopt`` setting is changed, and settings from
+    ``MALLOC_MMAP_THRESHOLD_`` and the like, which turn the adaptation off, stay as they are);
+    a rank may then keep up to 60 MiB more of freed memory. Elsewhere (another C library, a
+    preloaded jemalloc or tcmalloc) it only allocates and frees one buffer."""
+    global _heap_settled
+    if _heap_settled:
+        return
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError, AttributeError):  # not a glibc system
+        glibc = ""
+    if glibc.startswith("glibc"):
+        torch.empty(HEAP_SETTLING_BYTES, dtype=torch.uint8)  # allocated and freed at once
+    _heap_settled = True
 
 
 def backend_for(device: torch.device) -> str:

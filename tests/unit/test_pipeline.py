@@ -178,6 +178,50 @@ def test_device_is_chosen_and_placed():
             _compile(case, device="cuda")
 
 
+_FAULTS_PER_PASS = """
+import resource, sys, torch
+from fxpipe.device import choose
+if sys.argv[1] == "cpu":
+    choose("cpu", distributed=False)  # what compile does on a CPU rank
+
+def micro_batch():  # 16 MiB of activations kept through a pass, then freed
+    kept = [torch.randn(64, 1024, 8) for _ in range(8)]
+    return sum(float(x.sum()) for x in kept)
+
+for _ in range(3):
+    micro_batch()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    micro_batch()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+"""
+
+
+def test_a_cpu_rank_reuses_its_heap_instead_of_faulting_pages_in_every_pass():
+    """Choosing the CPU settles glibc's adaptive thresholds (``device.settle_heap``): a fresh
+    process whose passes allocate and free 16 MiB faults every page of it in again each pass
+    with glibc's starting thresholds, and none once the rank's device is chosen."""
+    import os
+    import subprocess
+    import sys
+
+    try:
+        glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""
+    except (ValueError, OSError, AttributeError):
+        glibc = ""
+    if not glibc.startswith("glibc") or any(k.startswith("MALLOC_") for k in os.environ):
+        pytest.skip("glibc's adaptive thresholds are not in force here")
+
+    def faults(device: str) -> float:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_PER_PASS, device], capture_output=True, text=True,
+                             timeout=120, check=True)
+        return float(out.stdout.split()[-1])
+
+    fresh, settled = faults("none"), faults("cpu")
+    assert fresh > 2000, fresh  # 4,096 pages of 4 KiB a pass
+    assert settled < 0.05 * fresh, (settled, fresh)
+
+
 def test_backend_and_device_must_agree():
     from fxpipe.device import backend_for, check_backend
 
