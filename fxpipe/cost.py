@@ -806,8 +806,12 @@ def _accumulating(params: list[torch.Tensor]):
 def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[float, float]:
     """zb's ``I`` and ``W`` (:mod:`fxpipe.backward`) over a whole backward, timed alternately on
     the graph's second half: at its middle floating-point node the forward detaches every live
-    value into a boundary input, as a cut into two stages would. (1, 0) where the graph cannot
-    be split (the runtime then runs the whole backward in ``I``)."""
+    value into a boundary input, as a cut into two stages would. Each is timed where ZB-H1 runs
+    it on the last stage, ``F k+1, I k+1, W k``: ``I`` while the previous micro-batch's weight
+    pass is pending, ``W`` after the next micro-batch's forward and ``I``, so what a deferred
+    micro-batch holds weighs on both as in training; the whole backward as 1f1b runs it, with
+    nothing pending. (1, 0) where the graph cannot be split (the runtime then runs the whole
+    backward in ``I``)."""
     from .backward import SavedTensors, SplitCache, backward_input
 
     floats = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
@@ -831,39 +835,62 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
                 self.boundary.append(out)
             return out
 
-    def once(split: bool) -> tuple[float, float] | None:
+    def forward(split: bool):
         run = Cut(gm)
         saved = SavedTensors() if split else None  # as the runtime runs a zb forward
         with saved.hooks() if split else contextlib.nullcontext():
             outs = run.run(*flat)
         roots = [o for o in pytree.tree_leaves(outs) if isinstance(o, torch.Tensor) and o.requires_grad]
-        seeds = [torch.ones_like(r) for r in roots]
+        return run.boundary, roots, [torch.ones_like(r) for r in roots], saved
+
+    def whole() -> float:
+        boundary, roots, seeds, _ = forward(False)
         sync()
         t0 = time.perf_counter()
-        if not split:  # the weight gradients accumulate, as in the runtime's backward
-            torch.autograd.backward(roots, seeds, inputs=[*run.boundary, *weights.values()])
-            sync()
-            return time.perf_counter() - t0, 0.0
-        got = backward_input(roots, seeds, run.boundary, weights, saved, cache)
+        # the weight gradients accumulate, as in the runtime's backward
+        torch.autograd.backward(roots, seeds, inputs=[*boundary, *weights.values()])
+        sync()
+        return time.perf_counter() - t0
+
+    def input_pass():
+        """A forward and its ``I``: (seconds of ``I``, what ``W`` needs), or None where the graph
+        cannot be split."""
+        boundary, roots, seeds, saved = forward(True)
+        sync()
+        t0 = time.perf_counter()
+        got = backward_input(roots, seeds, boundary, weights, saved, cache)
         if isinstance(got, str):
             return None
         sync()
-        t1 = time.perf_counter()
-        with torch.no_grad():  # and W's are added into the accumulator, as the runtime's are
-            for name, g in got[1].run().items():
+        return time.perf_counter() - t0, got[1]
+
+    def weight_pass(pending) -> float:
+        sync()
+        t0 = time.perf_counter()
+        with torch.no_grad():  # W's gradients are added into the accumulator, as the runtime's are
+            for name, g in pending.run().items():
                 weights[name].grad.add_(g)
         sync()
-        return t1 - t0, time.perf_counter() - t1
+        return time.perf_counter() - t0
+
+    def split() -> tuple[float, float]:
+        _, pending = input_pass()
+        i, following = input_pass()
+        w = weight_pass(pending)
+        weight_pass(following)
+        return i, w
 
     with _accumulating(list(weights.values())):
-        if once(True) is None:
+        first = input_pass()
+        if first is None:
             return 1.0, 0.0
-        once(False)
-        whole, parts = [], []
+        weight_pass(first[1])
+        split(), whole()  # warm-up
+        wholes, parts = [], []
         for _ in range(repeats):
-            whole.append(once(False)[0])
-            parts.append(once(True))
-    b = max(statistics.median(whole), 1e-12)
+            wholes.append(whole())
+            parts.append(split())
+    b = max(statistics.median(wholes), 1e-12)
     return statistics.median(i for i, _ in parts) / b, statistics.median(w for _, w in parts) / b
 
 

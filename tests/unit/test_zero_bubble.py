@@ -298,7 +298,8 @@ def test_default_split_of_a_backward_and_the_first_stage():
 
 def test_calibration_times_the_split_against_a_whole_backward():
     """``calibrate(split=True)`` cuts the graph in the middle (every live value becomes a boundary
-    input) and times I and W against a whole backward of the second half; a graph that cannot be
+    input) and times I and W against a whole backward of the second half, each in ZB-H1's order
+    on the last stage (``F k+1, I k+1, W k``); a graph that cannot be
     split gives (1, 0), the runtime's fallback. A zb plan with a calibrated split takes its step
     time from the simulator with those costs."""
     from fxpipe.cost import DeviceModel, _time_split, _timing_setup
