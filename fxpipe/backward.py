@@ -273,7 +273,9 @@ class SplitCache:
     autograd graph of the same shape, so the analysis (the input chain, the anchors, their
     groups: a Python walk over every node, several times) is done once and then found again by
     the graph's shape (:func:`_shape`), which one walk computes. A graph of another shape (a
-    frozen weight, a module in another mode) is analysed afresh and replaces it."""
+    frozen weight, a module in another mode) is analysed afresh and replaces it. ``hits`` and
+    ``misses`` count the graphs found and analysed (as ``functools.lru_cache``'s ``cache_info``
+    does): a stage whose misses keep growing builds a graph of a new shape every micro-batch."""
 
     def __init__(self) -> None:
         self.shape: list | None = None
