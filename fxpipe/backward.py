@@ -284,9 +284,11 @@ class SplitCache:
         self.misses = 0
 
 
-def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor], acc: dict) -> tuple[list[int], list[_Group]] | str:
-    """The roots the input chain starts from and the anchors' groups (module docstring), or why the
-    split cannot be done."""
+def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor],
+             weights: dict[str, torch.Tensor]) -> tuple[list[int], list[tuple[list, list[int], list[str]]]] | str:
+    """The roots the input chain starts from and the anchors' groups (module docstring), each as
+    (anchor nodes, root indices, its weights' names in order), or why the split cannot be done."""
+    acc = {get_gradient_edge(w).node: name for name, w in weights.items()}
     input_nodes = {get_gradient_edge(x).node for x in inputs}
     chain = _leads_to([e.node for e in root_edges], input_nodes) if input_nodes else set()
 
@@ -330,38 +332,32 @@ def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor], acc: di
                     return (f"a weight ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is read at two "
                             f"depths of the input-gradient chain (e.g. a layer applied twice), so a separate weight "
                             f"pass would run part of that chain again")
-    return [i for i, e in enumerate(root_edges) if e.node in chain], list(groups.values())
+    return ([i for i, e in enumerate(root_edges) if e.node in chain],
+            [(g.anchors, g.roots, sorted(acc[w] for w in g.weights)) for g in groups.values()])
 
 
 def _plan(root_edges: list[GradientEdge], inputs: list[torch.Tensor], weights: dict[str, torch.Tensor],
           cache: SplitCache | None) -> tuple[list[int], list[tuple[list, list[int], list[str]]]] | str:
-    """:func:`_analyse`'s answer with anchors as nodes and weights as names, from ``cache`` where
-    it holds a graph of this shape."""
+    """:func:`_analyse`'s answer, from ``cache`` where it holds a graph of this shape."""
     if cache is None:
-        order = index = None
+        return _analyse(root_edges, inputs, weights)
+    labels = {id(w): name for name, w in weights.items()}
+    labels.update((id(x), ("boundary input", k)) for k, x in enumerate(inputs))
+    order, shape = _shape(root_edges, labels)
+    if shape == cache.shape:
+        cache.hits += 1
+        if isinstance(cache.plan, str):
+            return cache.plan
+        return cache.plan.used, [([order[a] for a in anchors], roots, names)
+                                 for anchors, roots, names in cache.plan.groups]
+    cache.misses += 1
+    plan = _analyse(root_edges, inputs, weights)
+    cache.shape = shape
+    if isinstance(plan, str):
+        cache.plan = plan
     else:
-        labels = {id(w): name for name, w in weights.items()}
-        labels.update((id(x), ("boundary input", k)) for k, x in enumerate(inputs))
-        order, shape = _shape(root_edges, labels)
-        if shape == cache.shape:
-            cache.hits += 1
-            if isinstance(cache.plan, str):
-                return cache.plan
-            return cache.plan.used, [([order[a] for a in anchors], roots, names)
-                                     for anchors, roots, names in cache.plan.groups]
-        cache.misses += 1
         index = {node: i for i, node in enumerate(order)}
-    acc = {get_gradient_edge(w).node: name for name, w in weights.items()}
-    got = _analyse(root_edges, inputs, acc)
-    if isinstance(got, str):
-        plan = got
-    else:
-        used, groups = got
-        plan = used, [(g.anchors, g.roots, sorted(acc[w] for w in g.weights)) for g in groups]
-    if cache is not None:
-        cache.shape = shape
-        cache.plan = plan if isinstance(plan, str) else _Plan(plan[0], [([index[a] for a in anchors], roots, names)
-                                                                         for anchors, roots, names in plan[1]])
+        cache.plan = _Plan(plan[0], [([index[a] for a in anchors], roots, names) for anchors, roots, names in plan[1]])
     return plan
 
 

@@ -203,13 +203,17 @@ class DeviceModel:
         def medians(runs) -> tuple[float, float]:
             return statistics.median(f for _, f, _ in runs), statistics.median(b for _, _, b in runs)
 
+        # this model's own figures for the update, the random numbers and the split, where they
+        # are not timed (no optimizer, no split, a rank that does not time alone)
+        kept = ((self.update_time_per_byte, self.copy_time_per_byte), self.random_time_per_element,
+                (self.backward_input_share, self.backward_weight_share))
+
         def rest() -> tuple[tuple[float | None, float | None], float, tuple[float, float]]:
             """The update (step and copy), the random numbers and (``split``) zb's split."""
-            update = (self.update_time_per_byte, self.copy_time_per_byte) if optimizer is None else \
+            update = kept[0] if optimizer is None else \
                 _time_update(optimizer, [(n, p) for n, p in gm.named_parameters() if p.requires_grad], dev, sync,
                              max(3, repeats // 2), lambda: once(None))
-            shares = _time_split(gm, flat, sync, repeats) if split else (self.backward_input_share,
-                                                                          self.backward_weight_share)
+            shares = _time_split(gm, flat, sync, repeats) if split else kept[2]
             return update, _time_random(dev, sync, repeats), shares
 
         cores = None
@@ -228,9 +232,7 @@ class DeviceModel:
                 ends = [t0 for t0, _, _ in runs[1:]] + [time.perf_counter()]
                 # The rest is timed by the rank timing alone, below, while the others wait: their
                 # models keep this one's figures for it (compile plans with the alone rank's).
-                update = (self.update_time_per_byte, self.copy_time_per_byte)
-                per_random = self.random_time_per_element
-                shares = (self.backward_input_share, self.backward_weight_share)
+                update, per_random, shares = kept
                 if alone:
                     # A lined-up run lasts, barrier to barrier, until the slowest rank is done: the
                     # host's pace with every rank computing, however its scheduler shared the cores.
@@ -542,7 +544,6 @@ def is_view(node: fx.Node) -> bool:
             and not node.kwargs.get("copy", False))
 
 
-
 def _node_flops(gm: fx.GraphModule, node: fx.Node, cache: dict) -> float:
     """Forward FLOPs of one node, from torch's formulas on shapes; composite ops (``linear``,
     ``call_module`` leaves) are run on fake tensors under ``FlopCounterMode`` once per distinct
@@ -550,9 +551,7 @@ def _node_flops(gm: fx.GraphModule, node: fx.Node, cache: dict) -> float:
     from torch.utils.flop_counter import flop_registry
 
     target = node.target
-    if node.op == "call_function" and target is operator.getitem:
-        return 0.0
-    if is_view(node):
+    if is_view(node):  # getitem among them
         return 0.0
     if isinstance(target, torch._ops.OpOverload):
         if target._overloadpacket is torch.ops.aten.scaled_dot_product_attention:
