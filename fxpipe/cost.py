@@ -70,6 +70,10 @@ class DeviceModel:
     allreduce_bandwidth: float = 1e9  #: bus bytes/s of a ring all-reduce among replicas
     op_latency: float = 5e-6  #: seconds of fixed dispatch cost per operator
     backward_ratio: float = 2.0  #: a node's backward time over its forward's (two matmuls per matmul)
+    #: the same for a node bound by bytes rather than FLOPs (:meth:`bound_by_flops`): an
+    #: elementwise pass's backward is about one more such pass; None: ``backward_ratio``.
+    #: :meth:`calibrate` measures both.
+    backward_ratio_bytes: float | None = None
     #: seconds of one optimizer step and the zeroing of the gradient accumulator after it, per
     #: byte of parameters; None: 8 bytes moved per byte over ``mem_bandwidth`` (an Adam-like step
     #: reads weights, gradients and two moments and writes three of them back; the zeroing writes
@@ -97,8 +101,8 @@ class DeviceModel:
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "name" or (f.name in ("update_time_per_byte", "copy_time_per_byte", "host_cores")
-                                    and v is None):
+            if f.name == "name" or (f.name in ("update_time_per_byte", "copy_time_per_byte", "host_cores",
+                                                "backward_ratio_bytes") and v is None):
                 continue
             if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in (
                     "p2p_latency", "op_latency", "update_time_per_byte", "copy_time_per_byte", "random_time_per_element",
@@ -137,6 +141,18 @@ class DeviceModel:
         kind = torch.device(device).type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
         return cls.gpu(**overrides) if kind == "cuda" else cls.cpu(**overrides)
 
+    def bound_by_flops(self, flops: float, moved: float) -> bool:
+        """Whether a node of ``flops`` FLOPs moving ``moved`` bytes takes its roofline time from
+        the FLOP roof (a matrix product) rather than the memory roof (an elementwise pass)."""
+        return flops / self.peak_flops >= moved / self.mem_bandwidth
+
+    def backward_time(self, forward: float, flops: float, moved: float) -> float:
+        """Seconds of the backward of a node whose analytic forward takes ``forward`` seconds."""
+        ratio = self.backward_ratio
+        if self.backward_ratio_bytes is not None and not self.bound_by_flops(flops, moved):
+            ratio = self.backward_ratio_bytes
+        return self.op_latency + ratio * (forward - self.op_latency)
+
     def update_time(self, param_bytes: float, *, copies: int = 0) -> float:
         """Seconds of one ``UPDATE`` over ``param_bytes`` bytes of parameters: the optimizer step,
         the zeroing of the gradient accumulator and ``copies`` copies of the weights (one where
@@ -152,21 +168,28 @@ class DeviceModel:
         runs forward and backward on ``example_inputs`` (median of ``repeats`` after two warm-ups;
         the backward adds into ``.grad`` buffers, as the runtime's adds into its accumulator; the
         gradients the parameters held are put back), and the roofline's ``peak_flops`` and
-        ``mem_bandwidth`` are scaled by one factor so that the analytic forward times of the nodes sum to the measured forward, and
-        ``backward_ratio`` is set so their backwards sum to the measured backward. With
+        ``mem_bandwidth`` are fitted so that the analytic forward times of the nodes sum to the measured forward, and
+        ``backward_ratio`` so that their backwards sum to the measured backward. The two roofs
+        are fitted apart: each node also runs alone, forward and backward (:func:`_roofs`);
+        ``peak_flops`` is scaled against ``mem_bandwidth`` by how much faster than the model
+        assumes this machine runs the nodes bound by FLOPs (matrix products) relative to those
+        bound by bytes (elementwise passes, norms, copies), and ``backward_ratio_bytes`` keeps
+        the measured ratio of the two kinds' backward ratios; one factor then scales both roofs
+        to the measured forward, one more both backward ratios to the measured backward. With
         ``optimizer`` (``compile``'s factory) the runtime's update over parameters of the model's
         shapes (up to 8M elements), each timed right after a forward and backward as in training,
         gives ``update_time_per_byte`` and ``copy_time_per_byte``; a dropout mask gives
         ``random_time_per_element``, and the graph's random numbers at that pace are left out
-        of the roofline's fit. The per-node split keeps the roofline's
-        proportions: what is calibrated is this machine's speed, not a stage's time, so a plan
-        predicts splits, schedules and micro-batch counts it never ran.
+        of the roofline's fit. Within each roof the per-node split keeps the roofline's
+        proportions: what is calibrated is this machine's speed (two roofs and their backward
+        ratios), not a stage's time, so a plan predicts splits, schedules, micro-batch counts
+        and models it never ran.
 
         Ranks that calibrate together call it at once with the same ``barrier`` (e.g.
         ``torch.distributed.barrier``), which lines up every timed run, so each is timed while
         the others compute too. Where ``host_ranks`` > 1 of them share this host's cores (CPU
         processes), the rank with ``alone=True`` then times the model again while the others
-        wait in ``barrier``, and only it times the update, the random numbers and the split (the
+        wait in ``barrier``, and only it times the update, the random numbers, the roofs and the split (the
         others' models keep this model's figures for those): its model holds the speed alone and ``host_cores``, the number of
         ranks the host runs at full speed at once (``host_ranks`` times alone over the together
         runs' span, barrier to barrier, which ends when the slowest rank is done),
@@ -203,18 +226,21 @@ class DeviceModel:
         def medians(runs) -> tuple[float, float]:
             return statistics.median(f for _, f, _ in runs), statistics.median(b for _, _, b in runs)
 
-        # this model's own figures for the update, the random numbers and the split, where they
-        # are not timed (no optimizer, no split, a rank that does not time alone)
+        # this model's own figures for the update, the random numbers, the roofs and the split,
+        # where they are not timed (no optimizer, no split, a rank that does not time alone)
         kept = ((self.update_time_per_byte, self.copy_time_per_byte), self.random_time_per_element,
+                (1.0, (self.backward_ratio_bytes or self.backward_ratio) / self.backward_ratio),
                 (self.backward_input_share, self.backward_weight_share))
 
-        def rest() -> tuple[tuple[float | None, float | None], float, tuple[float, float]]:
-            """The update (step and copy), the random numbers and (``split``) zb's split."""
+        def rest() -> tuple[tuple[float | None, float | None], float, tuple[float, float], tuple[float, float]]:
+            """The update (step and copy), the random numbers, the roofs (:func:`_roofs`) and
+            (``split``) zb's split."""
             update = kept[0] if optimizer is None else \
                 _time_update(optimizer, [(n, p) for n, p in gm.named_parameters() if p.requires_grad], dev, sync,
                              max(3, repeats // 2), lambda: once(None))
-            shares = _time_split(gm, flat, sync, repeats) if split else kept[2]
-            return update, _time_random(dev, sync, repeats), shares
+            roofs = _roofs(gm, example_inputs, dev, max(3, repeats // 2), self)
+            shares = _time_split(gm, flat, sync, repeats) if split else kept[3]
+            return update, _time_random(dev, sync, repeats), roofs, shares
 
         cores = None
         shared = host_ranks > 1 and barrier is not None
@@ -226,25 +252,26 @@ class DeviceModel:
             runs = [once(barrier) for _ in range(repeats)]
             fwd, bwd = medians(runs)
             if not shared:
-                update, per_random, shares = rest()
+                update, per_random, roofs, shares = rest()
             else:
                 barrier()  # every rank has finished its last run
                 ends = [t0 for t0, _, _ in runs[1:]] + [time.perf_counter()]
                 # The rest is timed by the rank timing alone, below, while the others wait: their
                 # models keep this one's figures for it (compile plans with the alone rank's).
-                update, per_random, shares = kept
+                update, per_random, roofs, shares = kept
                 if alone:
                     # A lined-up run lasts, barrier to barrier, until the slowest rank is done: the
                     # host's pace with every rank computing, however its scheduler shared the cores.
                     together = statistics.median(end - t0 for end, (t0, _, _) in zip(ends, runs))
                     fwd, bwd = medians([once(None) for _ in range(repeats)])
                     cores = min(max(host_ranks * (fwd + bwd) / together, 1.0), float(host_ranks))
-                    update, per_random, shares = rest()
+                    update, per_random, roofs, shares = rest()
                 barrier()  # the others wait here while this rank runs alone
 
-        # The random numbers the graph draws go at the generator's measured pace; the roofline
-        # is fitted to the rest of the forward.
-        roofline = dataclasses.replace(self, random_time_per_element=0.0)
+        # The random numbers the graph draws go at the generator's measured pace; the roofline,
+        # its roofs set apart by their measured ratio, is fitted to the rest of the forward.
+        speed, back = roofs
+        roofline = dataclasses.replace(self, peak_flops=self.peak_flops * speed, random_time_per_element=0.0)
         costs = annotate(gm, mode="analytic", device=roofline)
         drawn = sum(_random_elements(node) for node in gm.graph.nodes)
         nodes = [c for c in costs.nodes.values() if c.fwd_time.a or c.fwd_time.c]
@@ -253,10 +280,16 @@ class DeviceModel:
         lat = min(self.op_latency, 0.5 * fwd / max(n, 1))
         roof = sum(c.fwd_time(batch) - self.op_latency for c in nodes)  # time above the fixed cost
         scale = roof / max(fwd - n * lat - drawn * per_random, 1e-12)
+        # The backward: nodes bound by bytes at the measured ratio to those bound by FLOPs, and
+        # one factor for both so that the nodes' backwards sum to the measured one.
         grads = [c for c in nodes if c.requires_grad]
-        ratio = (bwd - len(grads) * lat) / max(sum(c.fwd_time(batch) - self.op_latency for c in grads) / scale, 1e-12)
-        return dataclasses.replace(self, peak_flops=self.peak_flops * scale, mem_bandwidth=self.mem_bandwidth * scale,
-                                   op_latency=lat, backward_ratio=max(ratio, 0.1), update_time_per_byte=update[0],
+        weighted = sum((c.fwd_time(batch) - self.op_latency)
+                       * (1.0 if roofline.bound_by_flops(c.flops(batch), c.bytes_moved(batch)) else back)
+                       for c in grads) / scale
+        ratio = max((bwd - len(grads) * lat) / max(weighted, 1e-12), 0.1)
+        return dataclasses.replace(self, peak_flops=roofline.peak_flops * scale, mem_bandwidth=self.mem_bandwidth * scale,
+                                   op_latency=lat, backward_ratio=ratio, backward_ratio_bytes=ratio * back,
+                                   update_time_per_byte=update[0],
                                    copy_time_per_byte=update[1],
                                    host_cores=cores, random_time_per_element=per_random,
                                    backward_input_share=shares[0], backward_weight_share=shares[1])
@@ -420,7 +453,7 @@ def annotate(
             fwd, bwd = measured.get(node.name, (0.0, 0.0))
         else:
             fwd = device.op_latency + max(flops / device.peak_flops, (moved + moved_params) / device.mem_bandwidth)
-            bwd = device.op_latency + device.backward_ratio * (fwd - device.op_latency) if grad[node.name] else 0.0
+            bwd = device.backward_time(fwd, flops, moved + moved_params) if grad[node.name] else 0.0
             fwd += _random_elements(node) * device.random_time_per_element  # a backward draws none
         costs[node.name] = NodeCost(
             flops=Linear.fit(flops, batch, scales=scal),
@@ -891,6 +924,48 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
             parts.append(split())
     b = max(statistics.median(wholes), 1e-12)
     return statistics.median(i for i, _ in parts) / b, statistics.median(w for _, w in parts) / b
+
+
+def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, device: DeviceModel) -> tuple[float, float]:
+    """How this machine's speeds stand to each other where ``device``'s roofline cannot tell:
+    (how much faster than ``device`` assumes it runs the nodes bound by FLOPs, relative to those
+    bound by bytes; the backward over the forward of the nodes bound by bytes, relative to that
+    of the nodes bound by FLOPs). Every compute node runs alone forward and backward
+    (:func:`_measure`, less ``op_latency`` each), and the nodes are sorted by the roof that binds
+    them (at ``device``'s figures, then once more at the first answer's). On a CPU a
+    transformer's matrix products run near the FLOP roof with a backward of two products, and
+    its elementwise passes (a GELU's five, a mask, dropout's multiply) well below the memory roof
+    with a backward barely dearer than the pass: priced with one factor and one backward ratio
+    for both, a model with more such passes than the calibrated one (Hugging Face GPT-2 beside
+    the pinned GPT of ``benchmarks/limit.py``) is priced too fast forward and too slow backward.
+    Views and random draws (priced at their own pace) count in neither group; (1, 1) where a
+    group is empty."""
+    _, grad = _dependence(gm)
+    seconds = _measure(gm, example_inputs, torch_device, repeats, grad)
+    cache: dict = {}
+    nodes = []  # (FLOP time, byte time, forward, backward or None) at device's roofs
+    for node in gm.graph.nodes:
+        if node.name not in seconds or is_view(node) or _random_elements(node):
+            continue
+        flops = _node_flops(gm, node, cache) / device.peak_flops
+        moved = sum(_bytes_moved(node, node.meta["fxpipe"])) / device.mem_bandwidth
+        if flops or moved:
+            fwd, bwd = (max(t - device.op_latency, 0.0) for t in seconds[node.name])
+            nodes.append((flops, moved, fwd, bwd if grad[node.name] else None))
+    speed = 1.0
+    for _ in range(2):  # the groups at device's roofs, then at the roofs the first answer sets apart
+        sums = {True: [0.0, 0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0, 0.0]}  # priced, forward, graded forward, backward
+        for flops, moved, fwd, bwd in nodes:
+            group = sums[flops / speed >= moved]
+            group[0] += max(flops / speed, moved)
+            group[1] += fwd
+            if bwd is not None:
+                group[2] += fwd
+                group[3] += bwd
+        if not all(v > 0 for group in sums.values() for v in group):
+            return 1.0, 1.0
+        speed *= (sums[True][0] / sums[True][1]) / (sums[False][0] / sums[False][1])
+    return speed, (sums[False][3] / sums[False][2]) / (sums[True][3] / sums[True][2])
 
 
 def _synth_inputs(gm: fx.GraphModule) -> list:

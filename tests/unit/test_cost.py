@@ -1,5 +1,6 @@
 """Tests of the cost model: FLOPs against hand counts, scaling in b, measured mode, the device model."""
 
+import dataclasses
 import math
 
 import pytest
@@ -161,6 +162,7 @@ def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     clock = iter(x for _ in range(100) for x in (0.0, 3.0, 8.0))  # once(): t0, t1 (fwd 3 s), end (bwd 5 s)
     monkeypatch.setattr(cost.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(cost, "_time_random", lambda *a: 0.0)  # this graph draws no random number
+    monkeypatch.setattr(cost, "_roofs", lambda *a: (1.0, 1.0))  # as the roofline has them (next test)
     dev = DeviceModel(op_latency=1e-6)
     cal = dev.calibrate(gm, repeats=3)
     monkeypatch.undo()
@@ -178,6 +180,54 @@ def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     calls = []  # ranks calibrating together line up every timed run (two warm-ups, then the repeats)
     dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1))
     assert len(calls) == 5
+
+
+def test_calibrate_fits_the_two_roofs_and_their_backwards_apart(monkeypatch):
+    """Timed alone, this machine runs the FLOP-bound nodes (the linears) 2x faster than the
+    roofline prices them and the byte-bound ones (the GELU, the residual add) 2x slower, with a
+    backward of 2x and 1x their forward: ``_roofs`` finds the FLOP roof 4x faster relative to the
+    memory roof and the byte-bound backward ratio half the FLOP-bound one. ``calibrate`` prices
+    with both, then fits the totals: forward 3 s, backward 5 s, as the clock says."""
+    import fxpipe.cost as cost
+    from fxpipe.cost import _roofs
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.proj = nn.Linear(256, 256), nn.Linear(256, 256)
+
+        def forward(self, x):
+            return x + self.proj(nn.functional.gelu(self.fc(x)))
+
+    gm = fxpipe.trace(Block(), (torch.randn(64, 256),))
+    dev = DeviceModel(op_latency=1e-6)
+    roof = dataclasses.replace(dev, op_latency=0.0)  # a node's roofline time alone
+    priced = {name: (c.fwd_time(64), c.flops(64) / dev.peak_flops >= c.bytes_moved(64) / dev.mem_bandwidth)
+              for name, c in annotate(gm, device=roof).nodes.items() if c.fwd_time(64) > 0}
+    assert sorted(flops for _, flops in priced.values()) == [False, False, True, True]  # gelu, add; two linears
+    fake = {n: (dev.op_latency + (t / 2 if flops else 2 * t), dev.op_latency + (t if flops else 2 * t))
+            for n, (t, flops) in priced.items()}
+    monkeypatch.setattr(cost, "_measure", lambda *a: fake)
+    assert _roofs(gm, None, None, 3, dev) == pytest.approx((4.0, 0.5))
+
+    monkeypatch.setattr(cost, "_roofs", lambda *a: (4.0, 0.5))
+    monkeypatch.setattr(cost, "_time_random", lambda *a: 0.0)
+    clock = iter(x for _ in range(100) for x in (0.0, 3.0, 8.0))
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: next(clock))
+    cal = dev.calibrate(gm, repeats=3)
+    monkeypatch.undo()
+    assert cal.peak_flops / cal.mem_bandwidth == pytest.approx(4 * dev.peak_flops / dev.mem_bandwidth)
+    assert cal.backward_ratio_bytes == pytest.approx(0.5 * cal.backward_ratio)
+    after = annotate(gm, device=cal).nodes
+    assert sum(after[n].fwd_time(64) for n in priced) == pytest.approx(3.0)
+    assert sum(after[n].bwd_time(64) for n in priced) == pytest.approx(5.0)
+    for n, (t, flops) in priced.items():  # each node's backward at its group's ratio
+        ratio = cal.backward_ratio if flops else cal.backward_ratio_bytes
+        assert after[n].bwd_time(64) - cal.op_latency == pytest.approx(ratio * (after[n].fwd_time(64) - cal.op_latency))
+    # analytic costs keep one ratio for both until a calibration sets the second
+    plain = annotate(gm, device=dev).nodes
+    assert all(plain[n].bwd_time(64) - dev.op_latency == pytest.approx(2 * (plain[n].fwd_time(64) - dev.op_latency))
+               for n in priced)
 
 
 def test_the_update_is_timed_as_training_runs_it():
@@ -238,7 +288,8 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
     to barrier (the slower rank's time), the rank timing alone takes 6 s (2 + 4), so the host runs
     2 * 6 / 10 = 1.2 ranks at full speed at once, and the model holds the speed alone. The other
     ranks wait in the barrier meanwhile, and only the rank timing alone times the rest (here the
-    random numbers' pace); a rank not timing alone, or a host of one rank, measures no sharing."""
+    random numbers' pace and the roofs); a rank not timing alone, or a host of one rank, measures
+    no sharing."""
     import fxpipe.cost as cost
 
     gm, _ = linear_gm(64)
@@ -246,6 +297,7 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
     calls = []
     timed_random = []
     monkeypatch.setattr(cost, "_time_random", lambda *a: timed_random.append(1) or 0.0)  # the graph draws none
+    monkeypatch.setattr(cost, "_roofs", lambda *a: timed_random.append(2) or (1.0, 1.0))
 
     def clock(alone_runs):
         together = [x + 10.0 * i for i in range(5) for x in (0.0, 3.0, 8.0)]  # two warm-ups, three repeats
@@ -255,7 +307,7 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
     monkeypatch.setattr(cost.time, "perf_counter", clock(3).__next__)
     cal = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=True)
     assert cal.host_cores == pytest.approx(1.2) and len(calls) == 5 + 2
-    assert timed_random == [1] and cal.random_time_per_element == 0.0
+    assert sorted(timed_random) == [1, 2] and cal.random_time_per_element == 0.0
     nodes = [c for c in annotate(gm, device=cal).nodes.values() if c.fwd_time(64) > 0]
     assert math.isclose(sum(c.fwd_time(64) for c in nodes), 2.0, rel_tol=1e-9)
 
