@@ -40,7 +40,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .device import rng_devices
+from .device import release_heap, rng_devices
 from .errors import PlanError
 from .trace import NodeInfo, normalize_inputs
 
@@ -287,6 +287,8 @@ class DeviceModel:
                        * (1.0 if roofline.bound_by_flops(c.flops(batch), c.bytes_moved(batch)) else back)
                        for c in grads) / scale
         ratio = max((bwd - len(grads) * lat) / max(weighted, 1e-12), 0.1)
+        if dev.type == "cpu":
+            release_heap()  # what the timing held (every node's output, in _roofs) leaves the rank's RSS
         return dataclasses.replace(self, peak_flops=roofline.peak_flops * scale, mem_bandwidth=self.mem_bandwidth * scale,
                                    op_latency=lat, backward_ratio=ratio, backward_ratio_bytes=ratio * back,
                                    update_time_per_byte=update[0],

@@ -4,7 +4,7 @@ Every device-specific decision of the runtime is made here, so the rest of fxpip
 on both: which device a rank uses, which process-group backend goes with it, how a batch gets
 there, which RNGs a forked random stream must cover, where collective tensors live, how the
 device arguments a trace on one device baked into a graph follow a stage to another, and how a
-CPU rank's heap is settled (:func:`settle_heap`).
+CPU rank's heap is settled (:func:`settle_heap`) and trimmed after a burst (:func:`release_heap`).
 
 On CUDA the stream scheduling of :func:`fxpipe.schedule.lower_to_streams` is carried out by
 ``torch.distributed``'s NCCL process group itself, which needs no code here: every point-to-point
@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from .trace import graph_modules
 
-__all__ = ["choose", "settle_heap", "backend_for", "to_device", "follow_device", "follow_call", "rng_devices", "seed", "check_backend"]
+__all__ = ["choose", "settle_heap", "release_heap", "backend_for", "to_device", "follow_device", "follow_call", "rng_devices", "seed", "check_backend"]
 
 
 def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.device:
@@ -71,6 +71,14 @@ HEAP_SETTLING_BYTES = 30 << 20
 _heap_settled = False
 
 
+def _glibc() -> bool:
+    """Whether this process allocates with glibc's ``malloc``."""
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError, AttributeError):  # not a glibc system
+        return False
+
+
 def settle_heap() -> None:
     """Let glibc keep a CPU rank's freed memory for reuse: allocate and free one 30 MiB buffer,
     once per process. glibc's ``malloc`` adapts two thresholds as a process frees large buffers:
@@ -89,13 +97,25 @@ def settle_heap() -> None:
     global _heap_settled
     if _heap_settled:
         return
-    try:
-        glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""
-    except (ValueError, OSError, AttributeError):  # not a glibc system
-        glibc = ""
-    if glibc.startswith("glibc"):
+    if _glibc():
         torch.empty(HEAP_SETTLING_BYTES, dtype=torch.uint8)  # allocated and freed at once
     _heap_settled = True
+
+
+def release_heap() -> None:
+    """Hand back to the system the memory this CPU process has freed (glibc's
+    ``malloc_trim(0)``), after a one-off burst that training will not repeat: calibrating a model
+    holds every node's output and backward at once (:func:`fxpipe.cost._roofs`), hundreds of MiB
+    that, once freed, sit between live allocations where ``free`` cannot return them, so the
+    rank's resident memory would stay that much higher for good (440 MiB on the pinned GPT of
+    ``benchmarks/limit.py``). Training's own working set is then faulted in once, on its first
+    steps; the thresholds :func:`settle_heap` raised stay raised. Elsewhere, nothing."""
+    if _glibc():
+        import ctypes
+
+        trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
 
 
 def backend_for(device: torch.device) -> str:
