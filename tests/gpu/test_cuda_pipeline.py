@@ -149,3 +149,20 @@ def test_cuda_adama_takes_its_triton_kernels():
         pipe.step(*b)
     _, ref = train_adama(net, batches, 4, test_adama.lm_loss, lr=test_adama.LR, weight_decay=test_adama.WD)
     assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 1e-4
+
+
+def test_cuda_calibrated_compile_times_every_node_on_the_gpu():
+    # cost_mode="calibrated" on CUDA: the whole model, then every node alone forward and backward
+    # (cost._roofs, the device synchronised around each), give both roofs and both backward
+    # ratios; the plan trains as the reference does
+    case = CASES["2bw_adamw_clip"]
+    model, example, batches, loss_fn, opt = build(case)
+    pipe = fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
+                          schedule=case.schedule, stages=case.stages, max_grad_norm=case.max_grad_norm, device="cuda",
+                          cost_mode="calibrated", verbose=False)
+    dev = pipe.plan.device
+    assert dev.backward_ratio_bytes is not None
+    assert all(v > 0 for v in (dev.peak_flops, dev.mem_bandwidth, dev.backward_ratio, dev.backward_ratio_bytes))
+    losses = [pipe.step(x, y) for x, y in batches]
+    mismatches = compare(case, losses, pipe.state_dict(), device="cuda")
+    assert not mismatches, "\n".join(mismatches)
