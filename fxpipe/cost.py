@@ -941,7 +941,9 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
     for both, a model with more such passes than the calibrated one (Hugging Face GPT-2 beside
     the pinned GPT of ``benchmarks/limit.py``) is priced too fast forward and too slow backward.
     Views and random draws (priced at their own pace) count in neither group; (1, 1) where a
-    group is empty."""
+    group is empty. The timing holds every node's output and its backward's graph at once, a few
+    times one forward's activations (on the CPU :func:`fxpipe.device.release_heap` hands that
+    back after the calibration)."""
     _, grad = _dependence(gm)
     seconds = _measure(gm, example_inputs, torch_device, repeats, grad)
     cache: dict = {}
