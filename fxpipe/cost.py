@@ -940,8 +940,8 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
     with a backward barely dearer than the pass: priced with one factor and one backward ratio
     for both, a model with more such passes than the calibrated one (Hugging Face GPT-2 beside
     the pinned GPT of ``benchmarks/limit.py``) is priced too fast forward and too slow backward.
-    Views and random draws (priced at their own pace) count in neither group; (1, 1) where a
-    group is empty. The timing holds every node's output and its backward's graph at once, a few
+    Views and random draws (priced at their own pace) count in neither group; a ratio is 1 where
+    a group has nothing to give it (no node, or no node with a backward). The timing holds every node's output and its backward's graph at once, a few
     times one forward's activations (on the CPU :func:`fxpipe.device.release_heap` hands that
     back after the calibration)."""
     _, grad = _dependence(gm)
@@ -956,6 +956,11 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
         if flops or moved:
             fwd, bwd = (max(t - device.op_latency, 0.0) for t in seconds[node.name])
             nodes.append((flops, moved, fwd, bwd if grad[node.name] else None))
+    def ratio(part: int, whole: int) -> float:  # (part / whole) of the FLOP-bound over the byte-bound
+        if not all(group[part] > 0 and group[whole] > 0 for group in sums.values()):
+            return 1.0
+        return (sums[True][part] / sums[True][whole]) / (sums[False][part] / sums[False][whole])
+
     speed = 1.0
     for _ in range(2):  # the groups at device's roofs, then at the roofs the first answer sets apart
         sums = {True: [0.0, 0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0, 0.0]}  # priced, forward, graded forward, backward
@@ -966,10 +971,8 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
             if bwd is not None:
                 group[2] += fwd
                 group[3] += bwd
-        if not all(v > 0 for group in sums.values() for v in group):
-            return 1.0, 1.0
-        speed *= (sums[True][0] / sums[True][1]) / (sums[False][0] / sums[False][1])
-    return speed, (sums[False][3] / sums[False][2]) / (sums[True][3] / sums[True][2])
+        speed *= ratio(0, 1)  # priced over measured
+    return speed, 1.0 / ratio(3, 2)  # backward over forward
 
 
 def _synth_inputs(gm: fx.GraphModule) -> list:
