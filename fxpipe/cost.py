@@ -32,6 +32,7 @@ import operator
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -153,6 +154,11 @@ class DeviceModel:
             ratio = self.backward_ratio_bytes
         return self.op_latency + ratio * (forward - self.op_latency)
 
+    def _own_roofs(self) -> tuple[float, float]:
+        """This model's own answer to :func:`_roofs`: the FLOP roof's speed relative to its own
+        (1), and the byte-bound backward ratio over the FLOP-bound one."""
+        return 1.0, (self.backward_ratio_bytes or self.backward_ratio) / self.backward_ratio
+
     def update_time(self, param_bytes: float, *, copies: int = 0) -> float:
         """Seconds of one ``UPDATE`` over ``param_bytes`` bytes of parameters: the optimizer step,
         the zeroing of the gradient accumulator and ``copies`` copies of the weights (one where
@@ -229,7 +235,7 @@ class DeviceModel:
         # this model's own figures for the update, the random numbers, the roofs and the split,
         # where they are not timed (no optimizer, no split, a rank that does not time alone)
         kept = ((self.update_time_per_byte, self.copy_time_per_byte), self.random_time_per_element,
-                (1.0, (self.backward_ratio_bytes or self.backward_ratio) / self.backward_ratio),
+                self._own_roofs(),
                 (self.backward_input_share, self.backward_weight_share))
 
         def rest() -> tuple[tuple[float | None, float | None], float, tuple[float, float], tuple[float, float]]:
@@ -940,12 +946,24 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
     with a backward barely dearer than the pass: priced with one factor and one backward ratio
     for both, a model with more such passes than the calibrated one (Hugging Face GPT-2 beside
     the pinned GPT of ``benchmarks/limit.py``) is priced too fast forward and too slow backward.
-    Views and random draws (priced at their own pace) count in neither group; a ratio is 1 where
-    a group has nothing to give it (no node, or no node with a backward). The timing holds every node's output and its backward's graph at once, a few
-    times one forward's activations (on the CPU :func:`fxpipe.device.release_heap` hands that
-    back after the calibration)."""
+    Views and random draws (priced at their own pace) count in neither group; a ratio stays
+    ``device``'s where a group has nothing to give it (no node, or no node with a backward). The
+    timing holds every node's output and its backward's graph at once, a few times one forward's
+    activations (on the CPU :func:`fxpipe.device.release_heap` hands that back after the
+    calibration); where that does not fit, both stay ``device``'s, with a warning, rather than
+    fail the calibration."""
+    own = device._own_roofs()
     _, grad = _dependence(gm)
-    seconds = _measure(gm, example_inputs, torch_device, repeats, grad)
+    try:
+        seconds = _measure(gm, example_inputs, torch_device, repeats, grad)
+    except (torch.OutOfMemoryError, MemoryError) as e:
+        warnings.warn(f"fxpipe: calibrate could not time each node of the model alone ({type(e).__name__}: the timing "
+                      f"holds every node's output at once), so the FLOP and memory roofs and their backward ratios keep "
+                      f"the device model's proportions. Calibrate a smaller micro-batch or one block of the model to "
+                      f"fit them apart.", RuntimeWarning, stacklevel=2)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return own
     cache: dict = {}
     nodes = []  # (FLOP time, byte time, forward, backward or None) at device's roofs
     for node in gm.graph.nodes:
@@ -956,9 +974,9 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
         if flops or moved:
             fwd, bwd = (max(t - device.op_latency, 0.0) for t in seconds[node.name])
             nodes.append((flops, moved, fwd, bwd if grad[node.name] else None))
-    def ratio(part: int, whole: int) -> float:  # (part / whole) of the FLOP-bound over the byte-bound
+    def ratio(part: int, whole: int) -> float | None:  # (part / whole) of the FLOP-bound over the byte-bound
         if not all(group[part] > 0 and group[whole] > 0 for group in sums.values()):
-            return 1.0
+            return None
         return (sums[True][part] / sums[True][whole]) / (sums[False][part] / sums[False][whole])
 
     speed = 1.0
@@ -971,8 +989,9 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
             if bwd is not None:
                 group[2] += fwd
                 group[3] += bwd
-        speed *= ratio(0, 1)  # priced over measured
-    return speed, 1.0 / ratio(3, 2)  # backward over forward
+        speed *= ratio(0, 1) or 1.0  # priced over measured
+    back = ratio(3, 2)  # backward over forward
+    return speed, 1.0 / back if back else own[1]
 
 
 def _synth_inputs(gm: fx.GraphModule) -> list:

@@ -230,6 +230,24 @@ def test_calibrate_fits_the_two_roofs_and_their_backwards_apart(monkeypatch):
                for n in priced)
 
 
+def test_a_calibration_whose_per_node_timing_runs_out_of_memory_keeps_one_factor(monkeypatch):
+    """Timing each node alone holds every node's output at once; where that does not fit, the
+    calibration still fits the whole model, with the roofline's own proportions, and says so."""
+    import fxpipe.cost as cost
+
+    def out_of_memory(*a):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(cost, "_measure", out_of_memory)
+    gm, _ = linear_gm(64)
+    dev = DeviceModel(op_latency=1e-6, backward_ratio_bytes=1.5)
+    with pytest.warns(RuntimeWarning, match=r"calibrate could not time each node of the model alone \(OutOfMemoryError"
+                                            r".*keep the device model's proportions\. Calibrate a smaller micro-batch"):
+        cal = dev.calibrate(gm, repeats=1)
+    assert cal.peak_flops / cal.mem_bandwidth == pytest.approx(dev.peak_flops / dev.mem_bandwidth)
+    assert cal.backward_ratio_bytes == pytest.approx(1.5 / 2.0 * cal.backward_ratio)
+
+
 def test_the_update_is_timed_as_training_runs_it():
     """``_time_update`` times the optimizer step (with the zeroing of the accumulator) and the
     version copy separately, each right after an untimed forward and backward (``before``), over
