@@ -195,10 +195,11 @@ class DeviceModel:
         ``torch.distributed.barrier``), which lines up every timed run, so each is timed while
         the others compute too. Where ``host_ranks`` > 1 of them share this host's cores (CPU
         processes), the rank with ``alone=True`` then times the model again while the others
-        wait in ``barrier``, and only it times the update, the random numbers, the roofs and the split (the
-        others' models keep this model's figures for those): its model holds the speed alone and ``host_cores``, the number of
-        ranks the host runs at full speed at once (``host_ranks`` times alone over the together
-        runs' span, barrier to barrier, which ends when the slowest rank is done),
+        wait in ``barrier``, and only it times the update, the random numbers, the roofs and the
+        split (the others' models keep this model's figures for those): its model holds the
+        speed alone and ``host_cores``, the number of ranks the host runs at full speed at once
+        (``host_ranks`` times alone over the together runs' span, barrier to barrier, which ends
+        when the slowest rank is done),
         which the simulator uses to slow ranks that compute at the same time. ``split`` (the zb
         schedule) also times zb's input- and weight-gradient passes against a whole backward of
         the second half of the graph (``backward_input_share``, ``backward_weight_share``).
@@ -235,8 +236,7 @@ class DeviceModel:
         # this model's own figures for the update, the random numbers, the roofs and the split,
         # where they are not timed (no optimizer, no split, a rank that does not time alone)
         kept = ((self.update_time_per_byte, self.copy_time_per_byte), self.random_time_per_element,
-                self._own_roofs(),
-                (self.backward_input_share, self.backward_weight_share))
+                self._own_roofs(), (self.backward_input_share, self.backward_weight_share))
 
         def rest() -> tuple[tuple[float | None, float | None], float, tuple[float, float], tuple[float, float]]:
             """The update (step and copy), the random numbers, the roofs (:func:`_roofs`) and
@@ -965,32 +965,38 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
             torch.cuda.empty_cache()
         return own
     cache: dict = {}
-    nodes = []  # (FLOP time, byte time, forward, backward or None) at device's roofs
+    nodes = []  # (FLOPs, bytes moved, forward, backward or None)
     for node in gm.graph.nodes:
         if node.name not in seconds or is_view(node) or _random_elements(node):
             continue
-        flops = _node_flops(gm, node, cache) / device.peak_flops
-        moved = sum(_bytes_moved(node, node.meta["fxpipe"])) / device.mem_bandwidth
+        flops, moved = _node_flops(gm, node, cache), sum(_bytes_moved(node, node.meta["fxpipe"]))
         if flops or moved:
             fwd, bwd = (max(t - device.op_latency, 0.0) for t in seconds[node.name])
             nodes.append((flops, moved, fwd, bwd if grad[node.name] else None))
-    def ratio(part: int, whole: int) -> float | None:  # (part / whole) of the FLOP-bound over the byte-bound
+
+    def sums_at(roof: DeviceModel) -> dict[bool, list[float]]:
+        """Per group (bound by FLOPs at ``roof``'s figures or not): the roofline's time, the
+        measured forward, the measured forward of the nodes with a backward, their backward."""
+        sums = {True: [0.0, 0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0, 0.0]}
+        for flops, moved, fwd, bwd in nodes:
+            group = sums[roof.bound_by_flops(flops, moved)]
+            group[0] += max(flops / roof.peak_flops, moved / roof.mem_bandwidth)
+            group[1] += fwd
+            if bwd is not None:
+                group[2] += fwd
+                group[3] += bwd
+        return sums
+
+    def ratio(sums, part: int, whole: int) -> float | None:  # (part / whole) of the FLOP-bound over the byte-bound
         if not all(group[part] > 0 and group[whole] > 0 for group in sums.values()):
             return None
         return (sums[True][part] / sums[True][whole]) / (sums[False][part] / sums[False][whole])
 
     speed = 1.0
     for _ in range(2):  # the groups at device's roofs, then at the roofs the first answer sets apart
-        sums = {True: [0.0, 0.0, 0.0, 0.0], False: [0.0, 0.0, 0.0, 0.0]}  # priced, forward, graded forward, backward
-        for flops, moved, fwd, bwd in nodes:
-            group = sums[flops / speed >= moved]
-            group[0] += max(flops / speed, moved)
-            group[1] += fwd
-            if bwd is not None:
-                group[2] += fwd
-                group[3] += bwd
-        speed *= ratio(0, 1) or 1.0  # priced over measured
-    back = ratio(3, 2)  # backward over forward
+        sums = sums_at(dataclasses.replace(device, peak_flops=device.peak_flops * speed))
+        speed *= ratio(sums, 0, 1) or 1.0  # priced over measured
+    back = ratio(sums, 3, 2)  # backward over forward
     return speed, 1.0 / back if back else own[1]
 
 

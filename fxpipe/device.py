@@ -34,7 +34,8 @@ import torch.utils._pytree as pytree
 
 from .trace import graph_modules
 
-__all__ = ["choose", "settle_heap", "release_heap", "backend_for", "to_device", "follow_device", "follow_call", "rng_devices", "seed", "check_backend"]
+__all__ = ["choose", "settle_heap", "release_heap", "backend_for", "to_device", "follow_device", "follow_call",
+           "rng_devices", "seed", "check_backend"]
 
 
 def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.device:
