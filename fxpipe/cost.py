@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from .device import release_heap, rng_devices
+from .device import moved_copy, release_heap, rng_devices
 from .errors import PlanError
 from .trace import NodeInfo, normalize_inputs
 
@@ -204,16 +204,13 @@ class DeviceModel:
         schedule) also times zb's input- and weight-gradient passes against a whole backward of
         the second half of the graph (``backward_input_share``, ``backward_weight_share``).
         ``compile(cost_mode="calibrated")`` calls it on every rank, rank 0 timing alone."""
-        dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
+        gm, dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
         args, kwargs = pytree.tree_unflatten(flat, gm.meta["fxpipe"].in_spec)  # the model's calling convention
         params = [p for p in gm.parameters() if p.requires_grad]
         if any(p.is_meta for p in params):
             raise PlanError("calibrate times the model on real tensors, but its parameters are on the meta device; "
                             "calibrate a real copy (or one block of it) and pass the result as device_model=, or plan "
                             "a meta model with cost_mode='analytic'")
-        if any(p.device != dev for p in params):
-            raise PlanError(f"calibrate runs the model where its parameters are; found them on {params[0].device}, "
-                            f"asked for {dev}: move the model to {dev} first")
 
         def once(line_up) -> tuple[float, float, float]:
             """One forward and backward: when it started, its forward and backward seconds. The
@@ -723,9 +720,12 @@ def _bytes_moved(node: fx.Node, ni: NodeInfo) -> tuple[float, float]:
 
 
 def _timing_setup(gm: fx.GraphModule, example_inputs, torch_device):
-    """(device, the graph's flat inputs on it, a sync that waits for the device) for timing
-    ``gm``: the example's inputs, or inputs synthesised from the traced shapes."""
+    """(``gm`` on the device, the device, the graph's flat inputs on it, a sync that waits for the
+    device) for timing ``gm``: a model built on the CPU for a GPU is timed as a copy moved there
+    (:func:`fxpipe.device.moved_copy`, same node names); the inputs are the example's, or
+    synthesised from the traced shapes."""
     dev = torch.device(torch_device) if torch_device is not None else torch.device("cpu")
+    gm = moved_copy(gm, dev)
     if example_inputs is None:
         flat = _synth_inputs(gm)
     else:
@@ -733,7 +733,7 @@ def _timing_setup(gm: fx.GraphModule, example_inputs, torch_device):
         flat = gm.meta["fxpipe"].flatten_inputs(args, kwargs)
     flat = [x.to(dev) if isinstance(x, torch.Tensor) else x for x in flat]
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    return dev, flat, sync
+    return gm, dev, flat, sync
 
 
 def _time_update(factory, named, dev, sync, repeats: int, before, budget: int = 8 << 20) -> tuple[float, float]:
@@ -1026,7 +1026,7 @@ def _measure(gm, example_inputs, torch_device, repeats: int, grad: dict[str, boo
     median discards it. Parameters are used in place (detached aliases, no copies); buffers are
     cloned so in-place updates (BatchNorm statistics) leave the model untouched; the RNG is
     restored."""
-    dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
+    gm, dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
     env: dict[str, Any] = {}
     it = iter(flat)
     params = dict(gm.named_parameters())

@@ -25,16 +25,18 @@ finished send then waited for a receive whose message the peer sends only later 
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .trace import graph_modules
 
-__all__ = ["choose", "settle_heap", "release_heap", "backend_for", "to_device", "follow_device", "follow_call",
+__all__ = ["choose", "settle_heap", "release_heap", "backend_for", "to_device", "moved_copy", "follow_device", "follow_call",
            "rng_devices", "seed", "check_backend"]
 
 
@@ -144,6 +146,28 @@ def to_device(tree: Any, device: torch.device) -> Any:
     return pytree.tree_map(
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x, tree
     )
+
+
+def moved_copy(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """``gm`` to run on ``device``: ``gm`` itself where its tensors are there already (or on the
+    meta device: nothing to run), else a copy whose parameters, buffers and tensor attributes
+    are on ``device`` and whose baked device arguments follow them (:func:`follow_device`). Each
+    tensor is copied once, straight to ``device``, so the model is not duplicated where it lives;
+    node names are kept. What a calibration times when the model was built on the CPU for a GPU."""
+    device = torch.device(device)
+    tensors = {id(t): t for m in gm.modules()
+               for t in (*m._parameters.values(), *m._buffers.values(), *vars(m).values())
+               if isinstance(t, torch.Tensor)}
+    src = next((t.device for t in tensors.values() if t.device != device), None)
+    if src is None or src.type == "meta":
+        return gm
+    memo = {}
+    for key, t in tensors.items():
+        moved = t.detach().to(device, copy=True)
+        memo[key] = nn.Parameter(moved, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else moved
+    out = copy.deepcopy(gm, memo)
+    follow_device(out, src, device)
+    return out
 
 
 def follow_device(gm: fx.GraphModule, src: torch.device, dst: torch.device) -> None:

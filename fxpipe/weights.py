@@ -132,11 +132,11 @@ class WeightStore:
                 raise ConfigError(f"fxpipe.compile: accumulate='optimizer' (AdamA) folds gradients into Adam's "
                                   f"moments, so it needs torch.optim.Adam (without weight decay) or AdamW: {e}") from e
         elif kernels is not None and self.optimizer is not None:
-            from .kernels import KernelError
+            from .kernels import KernelBackendError, KernelError
 
             try:
                 self.strategy = _Fused(self, kernels)
-            except KernelError as e:
+            except (KernelError, KernelBackendError) as e:  # e.g. no usable Triton on this GPU
                 if strict_kernels:
                     raise
                 self.fallback = str(e)
@@ -393,9 +393,12 @@ class _TorchOptim:
     def load_per_param_state(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         opt = self.store.optimizer
         opt.state.clear()
+        on_device = {id(p) for g in opt.param_groups if g.get("fused") or g.get("capturable") for p in g["params"]}
         for n, p in self.store.opt_params.items():
-            if n in state:  # torch.optim keeps ``step`` on the CPU, the rest beside the weight
-                opt.state[p] = {k: v.clone() if k == "step" else v.to(p.device, copy=True) for k, v in state[n].items()}
+            if n in state:  # torch.optim keeps ``step`` on the CPU (a float32 beside the weight where
+                # the group is fused or capturable, as Optimizer.load_state_dict casts it), the rest beside the weight
+                opt.state[p] = {k: (v.to(p.device, torch.float32, copy=True) if id(p) in on_device else v.clone())
+                                if k == "step" else v.to(p.device, copy=True) for k, v in state[n].items()}
 
 
 class _Fused:
@@ -408,39 +411,64 @@ class _Fused:
     flat fp32. Raises ``KernelError`` for what the kernels do not implement."""
 
     def __init__(self, store: WeightStore, kernels):
-        from .kernels import KernelError, OptimizerSpec, init_state, ops
+        from .kernels import KernelError, init_state, ops
         from .kernels.errors import FLOAT_DTYPES, REFERENCE_DTYPES
 
         self.store = store
         layout = store.layout
         self.ops = ops(store.device, force=kernels)
         opt = store.optimizer
-        specs = [OptimizerSpec.from_group(opt, g) for g in opt.param_groups]
-        self.spec = specs[0]  # every group keeps the same state buffers (one optimizer class)
+        specs = self.specs()
+        kept = {spec.state_names for spec in specs}
+        if len(kept) > 1:
+            raise KernelError(f"the param groups keep different optimizer state ({' / '.join(map(str, sorted(kept)))}: "
+                              f"SGD with momentum in some groups only); the fused update keeps one set of flat "
+                              f"state buffers for a stage")
+        self.state_names = specs[0].state_names
+        # a trainable parameter the factory left out of every group is not stepped, as under torch.optim
         group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
         self.segments: list[tuple[torch.dtype, int, int, int]] = []  # (dtype, start, end, group)
         for s in layout.slots:
             p = store.opt_params.get(s.name)
-            if p is None:
+            g = group_of.get(id(p)) if p is not None else None
+            if g is None:
                 continue
-            g = group_of[id(p)]
             last = self.segments[-1] if self.segments else None
             if last and (last[0], last[2], last[3]) == (s.dtype, s.offset, g):
                 self.segments[-1] = (s.dtype, last[1], s.offset + s.numel, g)
             else:
                 self.segments.append((s.dtype, s.offset, s.offset + s.numel, g))
-        self.specs = specs
         # the Triton kernels take float32, bfloat16 and float16; their torch math float64 too
         allowed = REFERENCE_DTYPES if self.ops.name == "torch" else FLOAT_DTYPES
         unsupported = [dt for dt, _ in layout.sizes if dt not in allowed]
         if unsupported:
             raise KernelError(f"the {self.ops.name} kernels update {', '.join(str(d) for d in allowed)} weights, "
                               f"this stage holds {', '.join(map(str, unsupported))}")
-        self.state = {dt: init_state(self.spec, n, store.device, weights=dt) for dt, n in layout.sizes}
+        self.state = {dt: init_state(specs[0], n, store.device, weights=dt) for dt, n in layout.sizes}
         self.scratch = store.compute_layout.zeros_like()  # one micro-batch's gradient, flat, compute dtype
         self.scratch_views = store.compute_layout.views(self.scratch)
         self.names = [s.name for s in layout.slots if s.requires_grad]
         self.accumulated: dict[int, int] = {}  # batch -> micro-batches folded in so far
+
+    def specs(self) -> list:
+        """Each param group's hyper-parameters as they are now, read at every use: a scheduler
+        may change any of them, not only the lr (OneCycleLR and CyclicLR cycle Adam's beta1 and
+        SGD's momentum)."""
+        from .kernels import OptimizerSpec
+
+        opt = self.store.optimizer
+        return [OptimizerSpec.from_group(opt, g) for g in opt.param_groups]
+
+    def _state(self, spec, dt: torch.dtype, lo: int, hi: int) -> dict[str, torch.Tensor]:
+        """The slice ``[lo, hi)`` of the flat state of dtype ``dt`` that ``spec`` updates."""
+        from .kernels import KernelError
+
+        missing = [k for k in spec.state_names if k not in self.state[dt]]
+        if missing:
+            raise KernelError(f"the fused update needs optimizer state {missing} that this stage does not keep (a "
+                              f"scheduler turned SGD's momentum on from 0); compile with kernels='off' to step "
+                              f"with torch.optim")
+        return {k: self.state[dt][k][lo:hi] for k in spec.state_names}
 
     def backward(self, t, leaves, roots, seeds, boundary) -> None:
         params = [leaves[n] for n in self.names]
@@ -473,18 +501,17 @@ class _Fused:
 
     def update(self, t, step, grads, src, dst, coef) -> None:
         store = self.store
-        groups = store.optimizer.param_groups
+        specs = self.specs()
         low = store.precision.dtype
         with torch.no_grad():
             for dt, lo, hi, g in self.segments:
-                state = {k: v[lo:hi] for k, v in self.state[dt].items()}
+                state = self._state(specs[g], dt, lo, hi)
                 if store.master is None:  # W(t-1) in src -> W(t) in dst
-                    self.ops.update(self.specs[g], step, grads[dt][lo:hi], src[dt][lo:hi], dst[dt][lo:hi], state,
-                                    clip=coef, lr=float(groups[g]["lr"]))
+                    self.ops.update(specs[g], step, grads[dt][lo:hi], src[dt][lo:hi], dst[dt][lo:hi], state,
+                                    clip=coef)
                 else:  # the master in place, and its rounded copy into dst, in one pass
                     w = store.master[dt][lo:hi]
-                    self.ops.update(self.specs[g], step, grads[dt][lo:hi], w, w, state, clip=coef,
-                                    lr=float(groups[g]["lr"]), copy=dst[low][lo:hi])
+                    self.ops.update(specs[g], step, grads[dt][lo:hi], w, w, state, clip=coef, copy=dst[low][lo:hi])
         self.drop(t)
 
     def drop(self, t) -> None:
@@ -497,7 +524,7 @@ class _Fused:
     def _views(self) -> dict[str, dict[str, torch.Tensor]]:
         """Trainable parameter -> state name -> its slice of the flat state, shaped like it."""
         return {s.name: {k: self.state[s.dtype][k][s.offset:s.offset + s.numel].view(s.shape)
-                         for k in self.spec.state_names}
+                         for k in self.state_names}
                 for s in self.store.layout.slots if s.requires_grad}
 
     def per_param_state(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -530,7 +557,7 @@ class _AdamA(_Fused):
         super().__init__(store, kernels)
         from .kernels.reference import check_adama_spec
 
-        for spec in self.specs:
+        for spec in self.specs():
             check_adama_spec("AdamA", spec)
         self.finite: dict[int, torch.Tensor] = {}  # batch -> all its gradients finite so far (device bool)
 
@@ -538,25 +565,24 @@ class _AdamA(_Fused):
         """Fold the micro-batch's scratch gradient into Adam's moments (the first micro-batch of
         batch t decays them first), and note whether it was finite."""
         scratch = list(self.scratch.values())
+        specs = self.specs()
         for dt, lo, hi, group in self.segments:  # the compute buffers follow the master's order
-            state = {k: v[lo:hi] for k, v in self.state[dt].items()}
             g = scratch[self.store.layout.dtypes.index(dt)][lo:hi]
-            self.ops.adama_accumulate(self.specs[group], g, state, scale=1.0, first=first)
+            self.ops.adama_accumulate(specs[group], g, self._state(specs[group], dt, lo, hi), scale=1.0, first=first)
         ok = torch.stack([torch.isfinite(b).all() for b in scratch]).all() if scratch else torch.tensor(True)
         self.finite[t] = ok if first else self.finite[t] & ok
 
     def update(self, t, step, grads, src, dst, coef) -> None:
         store = self.store
-        groups = store.optimizer.param_groups
+        specs = self.specs()
         with torch.no_grad():
             for dt, lo, hi, g in self.segments:
-                state = {k: v[lo:hi] for k, v in self.state[dt].items()}
+                state = self._state(specs[g], dt, lo, hi)
                 if store.master is None:
-                    self.ops.adama_update(self.specs[g], step, src[dt][lo:hi], dst[dt][lo:hi], state,
-                                          lr=float(groups[g]["lr"]))
+                    self.ops.adama_update(specs[g], step, src[dt][lo:hi], dst[dt][lo:hi], state)
                 else:
                     w = store.master[dt][lo:hi]
-                    self.ops.adama_update(self.specs[g], step, w, w, state, lr=float(groups[g]["lr"]))
+                    self.ops.adama_update(specs[g], step, w, w, state)
             if store.master is not None:
                 store.round_into(dst)
         self.drop(t)

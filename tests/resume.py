@@ -49,7 +49,7 @@ def compile(schedule: str, stages: int, microbatches: int, *, width: int = 1, dr
     return fxpipe.compile(
         net, None if lazy else example, loss_fn=options.pop("loss_fn", lm_loss), microbatches=microbatches, schedule=schedule,
         stages=None if plan is not None else stages, plan=plan, max_grad_norm=0.5, verbose=False, kernels=kernels,
-        optimizer=functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+        optimizer=options.pop("optimizer", functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)),
         lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s)), **options,
     )
 

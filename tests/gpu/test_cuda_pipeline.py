@@ -78,6 +78,25 @@ def test_cuda_resume_is_bitwise_the_uninterrupted_run(tmp_path, schedule):
     assert all(torch.equal(v, resumed["state"][k]) for k, v in full["state"].items())
 
 
+@pytest.mark.parametrize("flag", ["fused", "capturable"])
+def test_cuda_resume_of_torch_optims_fused_or_capturable_adamw_is_bitwise(tmp_path, flag):
+    # torch.optim keeps such a group's ``step`` as a float32 on the GPU; the loaded state must too
+    import functools
+
+    from tests import resume
+
+    opt = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, **{flag: True})
+
+    def run(start, steps, **io):
+        return resume.run(resume.compile("2bw", 2, 2, kernels="off", device="cuda", optimizer=opt), start, steps, **io)
+
+    full = run(0, 6)
+    run(0, 3, save=str(tmp_path))
+    resumed = run(3, 3, load=str(tmp_path))
+    assert resumed["losses"] == full["losses"][3:]
+    assert all(torch.equal(v, resumed["state"][k]) for k, v in full["state"].items())
+
+
 def test_cuda_nonfinite_gradient_is_skipped_everywhere(monkeypatch):
     # The non-finite flag is read on the host at NORM_WAIT; on the GPU that is a sync, not a hang.
     from fxpipe.runtime import StageWorker
@@ -154,7 +173,8 @@ def test_cuda_adama_takes_its_triton_kernels():
 def test_cuda_calibrated_compile_times_every_node_on_the_gpu():
     # cost_mode="calibrated" on CUDA: the whole model, then every node alone forward and backward
     # (cost._roofs, the device synchronised around each), give both roofs and both backward
-    # ratios; the plan trains as the reference does
+    # ratios; the plan trains as the reference does. The model is built on the CPU, as a model
+    # too large for one GPU is: the calibration times a copy on the GPU (fxpipe.device.moved_copy)
     case = CASES["2bw_adamw_clip"]
     model, example, batches, loss_fn, opt = build(case)
     pipe = fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
@@ -163,6 +183,19 @@ def test_cuda_calibrated_compile_times_every_node_on_the_gpu():
     dev = pipe.plan.device
     assert dev.backward_ratio_bytes is not None
     assert all(v > 0 for v in (dev.peak_flops, dev.mem_bandwidth, dev.backward_ratio, dev.backward_ratio_bytes))
+    losses = [pipe.step(x, y) for x, y in batches]
+    mismatches = compare(case, losses, pipe.state_dict(), device="cuda")
+    assert not mismatches, "\n".join(mismatches)
+
+
+def test_cuda_measured_costs_of_a_model_built_on_the_cpu():
+    # cost_mode="measured" runs every node on the GPU: the demo GPT's trace bakes the CPU into its
+    # positions and causal mask, which must follow the copy timed there
+    case = CASES["2bw_adamw_clip"]
+    model, example, batches, loss_fn, opt = build(case)
+    pipe = fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
+                          schedule=case.schedule, stages=case.stages, max_grad_norm=case.max_grad_norm, device="cuda",
+                          cost_mode="measured", verbose=False)
     losses = [pipe.step(x, y) for x, y in batches]
     mismatches = compare(case, losses, pipe.state_dict(), device="cuda")
     assert not mismatches, "\n".join(mismatches)

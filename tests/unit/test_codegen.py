@@ -518,6 +518,32 @@ def test_stage_code_names_inputs_outputs_parameters(tmp_path):
     assert paths[1].read_text() == staged.stages[1].code
 
 
+def test_a_model_built_on_the_cpu_is_timed_as_a_copy_moved_to_the_device():
+    """``calibrate`` and measured costs time a model built on the CPU for a GPU as a copy on the
+    GPU (fxpipe.device.moved_copy, which cost._timing_setup calls). The meta device stands in for
+    the GPU here: the copy's weights and the devices tracing baked in (the demo GPT's positions and
+    causal mask) are there, it runs there, and the model is left where it was."""
+    from fxpipe.cost import _timing_setup
+    from fxpipe.demo import GPT, GPTConfig
+    from fxpipe.device import moved_copy
+
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+    x = torch.randint(0, 32, (2, 8))
+    gm = fxpipe.trace(net, (x,))
+    assert moved_copy(gm, torch.device("cpu")) is gm  # already there: no copy
+    timed, dev, flat, _ = _timing_setup(gm, (x,), "meta")
+    assert dev.type == "meta" and all(t.is_meta for t in flat)
+    assert {p.device.type for p in timed.parameters()} == {"meta"}
+    assert {p.device.type for p in gm.parameters()} == {"cpu"}
+    assert [n.name for n in timed.graph.nodes] == [n.name for n in gm.graph.nodes]
+    baked = [v for n in timed.graph.nodes for v in pytree.tree_leaves((n.args, n.kwargs)) if isinstance(v, torch.device)]
+    assert baked and set(baked) == {torch.device("meta")}
+    assert timed(x.to("meta"))[0].is_meta  # a copy whose baked devices stayed on the CPU fails here
+    with pytest.raises(RuntimeError, match="not on the expected device"):
+        copy.deepcopy(gm).to("meta")(x.to("meta"))
+
+
 def test_device_constants_follow_the_stage_into_higher_order_subgraphs():
     """Export records a ``torch.no_grad()`` or ``torch.autocast`` block as a higher-order op over a
     subgraph (Llama's rotary embedding is one): the devices tracing on the CPU baked in there, and

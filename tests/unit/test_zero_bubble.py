@@ -310,7 +310,7 @@ def test_calibration_times_the_split_against_a_whole_backward():
     model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
     x = torch.randn(16, 64)
     gm = fxpipe.trace(model, (x,))
-    i, w = _time_split(gm, _timing_setup(gm, (x,), None)[1], lambda: None, 3)
+    i, w = _time_split(gm, _timing_setup(gm, (x,), None)[2], lambda: None, 3)
     assert i > 0 and w > 0  # split (the fallback is (1, 0)); on so small a model the graph walk dominates
 
     class Twice(nn.Module):  # the second half applies one layer at two depths
@@ -322,7 +322,7 @@ def test_calibration_times_the_split_against_a_whole_backward():
             return self.shared(torch.tanh(self.shared(self.first(x))))
 
     twice = fxpipe.trace(Twice(), (torch.randn(4, 8),))
-    assert _time_split(twice, _timing_setup(twice, (torch.randn(4, 8),), None)[1], lambda: None, 1) == (1.0, 0.0)
+    assert _time_split(twice, _timing_setup(twice, (torch.randn(4, 8),), None)[2], lambda: None, 1) == (1.0, 0.0)
 
     dev = DeviceModel(backward_input_share=0.7, backward_weight_share=0.5)
     p = plan(model, (x[:4],), stages=2, microbatches=4, schedule="zb", device=dev, world_size=2)
