@@ -170,32 +170,23 @@ def test_cuda_adama_takes_its_triton_kernels():
     assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 1e-4
 
 
-def test_cuda_calibrated_compile_times_every_node_on_the_gpu():
-    # cost_mode="calibrated" on CUDA: the whole model, then every node alone forward and backward
-    # (cost._roofs, the device synchronised around each), give both roofs and both backward
-    # ratios; the plan trains as the reference does. The model is built on the CPU, as a model
-    # too large for one GPU is: the calibration times a copy on the GPU (fxpipe.device.moved_copy)
+@pytest.mark.parametrize("cost_mode", ["calibrated", "measured"])
+def test_cuda_costs_time_a_model_built_on_the_cpu_on_the_gpu(cost_mode):
+    # The model is built on the CPU, as a model too large for one GPU is; the costs are timed on a
+    # copy on the GPU (fxpipe.device.moved_copy), where the demo GPT's positions and causal mask,
+    # which its trace bakes on the CPU, must follow it. "calibrated": the whole model, then every
+    # node alone forward and backward (cost._roofs, the device synchronised around each), give both
+    # roofs and both backward ratios; "measured" runs every node there. Either plan trains as the
+    # reference does.
     case = CASES["2bw_adamw_clip"]
     model, example, batches, loss_fn, opt = build(case)
     pipe = fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
                           schedule=case.schedule, stages=case.stages, max_grad_norm=case.max_grad_norm, device="cuda",
-                          cost_mode="calibrated", verbose=False)
-    dev = pipe.plan.device
-    assert dev.backward_ratio_bytes is not None
-    assert all(v > 0 for v in (dev.peak_flops, dev.mem_bandwidth, dev.backward_ratio, dev.backward_ratio_bytes))
-    losses = [pipe.step(x, y) for x, y in batches]
-    mismatches = compare(case, losses, pipe.state_dict(), device="cuda")
-    assert not mismatches, "\n".join(mismatches)
-
-
-def test_cuda_measured_costs_of_a_model_built_on_the_cpu():
-    # cost_mode="measured" runs every node on the GPU: the demo GPT's trace bakes the CPU into its
-    # positions and causal mask, which must follow the copy timed there
-    case = CASES["2bw_adamw_clip"]
-    model, example, batches, loss_fn, opt = build(case)
-    pipe = fxpipe.compile(model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
-                          schedule=case.schedule, stages=case.stages, max_grad_norm=case.max_grad_norm, device="cuda",
-                          cost_mode="measured", verbose=False)
+                          cost_mode=cost_mode, verbose=False)
+    if cost_mode == "calibrated":
+        dev = pipe.plan.device
+        assert dev.backward_ratio_bytes is not None
+        assert all(v > 0 for v in (dev.peak_flops, dev.mem_bandwidth, dev.backward_ratio, dev.backward_ratio_bytes))
     losses = [pipe.step(x, y) for x, y in batches]
     mismatches = compare(case, losses, pipe.state_dict(), device="cuda")
     assert not mismatches, "\n".join(mismatches)
