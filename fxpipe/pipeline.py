@@ -686,6 +686,8 @@ class Pipeline:
             wk.drain()
         self._report_nonfinite(None)
         self._check_loss_sums(None)
+        if self.config.accumulate == "optimizer":
+            self._check_drained_updates(t)
         self.epoch_start = t
 
     def _report_nonfinite(self, through: int | None) -> None:
@@ -720,6 +722,30 @@ class Pipeline:
             f"pass nonfinite='skip' to drop such updates and train on."
         )
         raise self._stopped
+
+    def _check_drained_updates(self, t: int) -> None:
+        """AdamA at a flush: an ``UPDATE`` the drain ran after its batch's ``LOSS`` (under 2bw
+        every stage but the last updates batch t in the drain) has no later loss sum to carry its
+        flag. One more all-reduce over every rank (each calls ``flush``) carries them, so a
+        non-finite gradient folded in by step t stops the pipeline here, before a ``save``."""
+        posted = []
+        for wk in self.workers.values():
+            local = torch.zeros(1, dtype=torch.float64, device=wk.device)
+            if wk.updated_flags:
+                local += torch.stack(wk.updated_flags).sum().to(wk.device)
+                wk.updated_flags.clear()
+            posted.append((local, wk.comm.all_reduce(local, "all", f"the non-finite flags at the flush after step {t}")))
+        for _, handle in posted:
+            handle.wait()
+        if self._stopped is None and not all(bool(torch.isfinite(total).all()) for total, _ in posted):
+            self._stopped = NonFiniteError(
+                f"a non-finite (NaN or infinite) gradient by step {t}: with accumulate='optimizer' (AdamA) each "
+                f"micro-batch's gradient is folded into Adam's moments as soon as it exists, so the moments and "
+                f"weights took it in, and this pipeline is stopped. Load the last checkpoint and lower the learning "
+                f"rate or check the data of the last steps, or train with accumulate='gradients', which checks every "
+                f"step before updating."
+            )
+            raise self._stopped
 
     def _check_loss_sums(self, through: int | None) -> None:
         """AdamA (``accumulate="optimizer"``) has no per-step norm all-reduce: each rank adds a NaN

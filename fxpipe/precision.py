@@ -108,12 +108,16 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
 
     * export's dtype assertions (``x.to(...)`` records one): they no longer check the dtype,
       since under autocast values have other dtypes by design;
-    * moves to a device (``x.to(device)``, ``x.to(other)``), which export records with the
-      traced dtype: they keep their input's dtype now, so a 16-bit value stays 16-bit where the
-      model only moved it. Casts to a dtype alone (``x.to(torch.float32)``) are kept as traced:
-      an explicit upcast (Llama's RMSNorm computes its variance in fp32, which fp16 needs) stays
-      one, and a cast back to a dtype read at trace time (``x.to(input_dtype)``) stays fp32,
-      which autocast's next matmul rounds to the compute dtype again.
+    * moves to a device (``x.to(device)``, ``x.cpu()``, with or without ``non_blocking`` or
+      ``copy``), which export records as ``to.dtype_layout`` or ``_to_copy`` with the traced
+      dtype: they keep their input's dtype now, so a 16-bit value stays 16-bit where the model
+      only moved it. Casts that name a dtype (``x.to(torch.float32)``, ``x.to(device,
+      torch.float32)``) are kept as traced: an explicit upcast (Llama's RMSNorm computes its
+      variance in fp32, which fp16 needs) stays one, and a cast back to a dtype read at trace
+      time (``x.to(input_dtype)``) stays fp32, which autocast's next matmul rounds to the
+      compute dtype again. ``x.to(other)`` records as ``to.device`` with ``other``'s traced
+      dtype, exactly as ``x.to(device, dtype)`` does, so it is kept as traced too: a cast to
+      float32 where ``other`` would be 16-bit under autocast (the safe side of the two).
 
     Then every compute node is annotated (``node.meta[AUTOCAST_META]``) with the spec its output
     has under ``torch.autocast`` on ``device``, parameters as compute copies, found on fake
@@ -131,7 +135,8 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
     _annotate(gm, precision, device)
 
 
-_MOVES = {torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default, torch.ops.aten.to.device}
+# not aten.to.device: export records x.to(device, dtype) with it, an explicit cast (prepare's docstring)
+_MOVES = {torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default}
 
 
 def _bound(n: fx.Node) -> dict:
@@ -236,10 +241,16 @@ class LossScaler:
             raise ConfigError(
                 f"fxpipe.compile: scaler must be a torch.amp.GradScaler (its init_scale, growth_factor, "
                 f"backoff_factor and growth_interval are used), found {type(scaler).__name__}; pass e.g. "
-                f"torch.amp.GradScaler('cuda', init_scale=2.**12), or None for its defaults"
+                f"torch.amp.GradScaler('cuda', init_scale=2.**12) ('cpu' on the CPU), or None for its defaults"
             )
-        return cls(scaler.get_scale() if scaler.is_enabled() else 2.0 ** 16, scaler.get_growth_factor(),
-                   scaler.get_backoff_factor(), scaler.get_growth_interval())
+        if not scaler.is_enabled():  # it keeps none of its settings (e.g. GradScaler("cuda") without CUDA)
+            raise ConfigError(
+                "fxpipe.compile: scaler is a disabled torch.amp.GradScaler (enabled=False, or built for a device this "
+                "machine does not have), which keeps none of the settings fxpipe reads; pass an enabled one, e.g. "
+                "torch.amp.GradScaler('cpu', init_scale=2.**12) on the CPU, or None for its defaults"
+            )
+        return cls(scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(),
+                   scaler.get_growth_interval())
 
     def scale_for(self, version: int) -> float:
         """The scale in force after update ``version`` (what a backward on that version uses)."""
@@ -262,6 +273,12 @@ class LossScaler:
     def state_dict(self) -> dict:
         return {"scale": self.scale, "growth_tracker": self.growth_tracker,
                 "history": sorted(self.history.items())}
+
+    def start_at(self, version: int) -> None:
+        """Put the current scale in force for the weight versions a run resumed at ``version``
+        reads (it and the two before it, the window :meth:`update` keeps): the resume of a
+        checkpoint that kept no scale (another precision's)."""
+        self.history = {v: self.scale for v in range(max(version - 2, 0), version + 1)}
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

@@ -101,7 +101,9 @@ class StageWorker:
         # accumulates into the other. In one process the replicas of a stage share its generated
         # module: each worker owns its weights and module buffers (BatchNorm statistics), as a
         # rank of its own would.
-        adama = cfg.accumulate == "optimizer"
+        # AdamA keeps none (its moments take each micro-batch's gradient); a stage with nothing
+        # to train has no optimizer to fold into and keeps its empty two
+        adama = cfg.accumulate == "optimizer" and any(s.requires_grad for s in stage.flat.layout.slots)
         self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=0 if adama else 2,
                                  accumulation=cfg.accumulate,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
@@ -486,7 +488,7 @@ class StageWorker:
         skip = t in self.dropped or self.halted
         self.dropped.discard(t)
         self.store.update(t, self.clip_coef.pop(t, None), skip=skip)
-        if self.cfg.accumulate == "optimizer":
+        if self.cfg.accumulate == "optimizer" and self.store.optimizer is not None:
             self.updated_flags.append(self.store.strategy.nonfinite(t))
 
     # ------------------------------------------------------------------ checkpoints
@@ -512,9 +514,14 @@ class StageWorker:
 
     def load_scaler_state(self, state: dict | None) -> None:
         """Resume the loss scale (fp16); a checkpoint without one (another precision) leaves the
-        scaler as built, at its initial scale."""
-        if self.scaler is not None and state is not None:
+        scaler at its initial scale, in force from the resumed weight version on (call it after
+        the weights are loaded)."""
+        if self.scaler is None:
+            return
+        if state is not None:
             self.scaler.load_state_dict(state)
+        else:
+            self.scaler.start_at(self.store.updates)
 
     def load_local_state(self, sd: dict[str, torch.Tensor]) -> None:
         """Load weights into every slot (all versions equal) and the buffers."""

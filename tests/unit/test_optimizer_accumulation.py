@@ -3,6 +3,7 @@ at once and no gradient buffer — against tests/reference.train_adama (the pape
 
 import copy
 import functools
+import math
 
 import pytest
 import torch
@@ -88,6 +89,47 @@ def test_a_non_finite_gradient_stops_every_rank_a_step_later():
         for b in batches:
             pipe.step(*b)
     assert pipe.t == bad + 1  # found in the next step's segment, when every rank holds the sum
+
+
+def test_a_non_finite_gradient_in_the_last_step_before_a_flush_stops_it():
+    # Under 2bw the first stage updates batch t in the flush's drain, after batch t's loss sum:
+    # the flush carries that update's flag in one more all-reduce, so a save never writes it
+    class SqrtAbs(torch.nn.Module):  # finite forward; d/dw sqrt|x w| is NaN where x = 0
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            return torch.sqrt((x * self.w).abs())
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(SqrtAbs(), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    xs, y = [torch.rand(8, 8) + 0.5 for _ in range(3)], torch.randn(8, 1)
+    xs[2][0, 0] = 0.0  # step 3: NaN in the first stage's gradient only; every loss is finite
+    pipe = fxpipe.compile(net, (xs[0][:2],), loss_fn=torch.nn.functional.mse_loss, microbatches=4, stages=2,
+                          schedule="2bw", optimizer=functools.partial(torch.optim.Adam, lr=1e-3),
+                          accumulate="optimizer", verbose=False)
+    losses = [pipe.step(x, y) for x in xs]
+    assert all(math.isfinite(v) for v in losses)
+    with pytest.raises(NonFiniteError, match=r"gradient by step 3: with accumulate='optimizer' \(AdamA\)"):
+        pipe.flush()
+
+
+@pytest.mark.parametrize("frozen", [0, 1], ids=["first-stage", "last-stage"])
+def test_a_stage_with_nothing_to_train_runs_under_adama(frozen):
+    # fine-tuning with one stage frozen: that stage has no optimizer to fold into
+    net, batches = gpt(steps=3)
+    planned = compile_adama(net, batches, schedule="1f1b")
+    keys = {k for n in planned.workers[frozen].store.opt_params for k in planned.staged.originals[n]}
+    for n, p in net.named_parameters():
+        p.requires_grad_(n not in keys)
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    pipe = compile_adama(net, batches, schedule="1f1b", plan=planned.plan, stages=None)  # the same cut
+    assert not pipe.workers[frozen].store.opt_params and pipe.workers[1 - frozen].store.opt_params
+    losses = [pipe.step(*b) for b in batches]
+    ref_losses, ref = train_adama(net, batches, 4, lm_loss, lr=LR, weight_decay=WD, schedule="1f1b")
+    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 1e-4
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5
 
 
 def test_what_adama_cannot_do_is_rejected_at_compile():

@@ -207,6 +207,9 @@ def test_configuration_errors_say_what_to_do():
         fxpipe.compile(net, example, loss_fn=loss_fn, precision="bf16", scaler=torch.amp.GradScaler("cpu"))
     with pytest.raises(ConfigError, match=r"scaler must be a torch.amp.GradScaler"):
         fxpipe.compile(net, example, loss_fn=loss_fn, precision="fp16", scaler={"init_scale": 8})
+    for disabled in (torch.amp.GradScaler("cpu", enabled=False),):  # it keeps none of its settings
+        with pytest.raises(ConfigError, match=r"scaler is a disabled torch.amp.GradScaler .*pass an enabled one"):
+            fxpipe.compile(net, example, loss_fn=loss_fn, precision="fp16", scaler=disabled)
     double = copy.deepcopy(net).double()
     with pytest.raises(ConfigError, match=r"keeps fp32 master weights .* is torch.float64 .*Build the model in float32"):
         fxpipe.compile(double, example, loss_fn=loss_fn, precision="bf16", stages=1, verbose=False)
@@ -247,3 +250,52 @@ def test_fp16_checkpoint_resumes_the_loss_scale_exactly(tmp_path):
     assert [second.step(*b) for b in batches[3:]] == expected[3:]
     a, b = whole.state_dict(), second.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_an_explicit_upcast_that_names_a_device_stays_an_upcast():
+    # Export records x.to(device, torch.float32) as aten.to.device, as it records x.to(other):
+    # both stay the traced cast, so the fp32 upcast the model writes (here before a square that
+    # overflows fp16) still happens, as under eager autocast; a move alone keeps the 16-bit dtype.
+    class Square(torch.nn.Module):
+        def forward(self, h):
+            moved = h.to(h.device)  # a move: stays fp16 under autocast
+            wide = moved.to(h.device, torch.float32)  # an explicit upcast: fp32
+            return (wide * wide).mean(-1), moved
+
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), Square())
+    with torch.no_grad():
+        net[0].weight.copy_(torch.eye(8)), net[0].bias.zero_()
+        net[1].weight.copy_(torch.eye(8) * 300), net[1].bias.zero_()
+    x, y = torch.ones(4, 8), torch.zeros(4)
+    loss_fn = lambda out, y: out[0].mean()  # noqa: E731
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        eager = net(x)
+        assert eager[1].dtype == torch.float16 and float(loss_fn(eager, y)) == 90000.0  # > fp16's 65504
+    pipe = fxpipe.compile(net, (x[:1],), loss_fn=loss_fn, microbatches=4, stages=2, schedule="1f1b", precision="fp16",
+                          scaler=torch.amp.GradScaler("cpu", init_scale=1.0), verbose=False,
+                          optimizer=lambda named: torch.optim.SGD([p for _, p in named], lr=1e-9))
+    assert pipe.step(x, y) == 90000.0
+    pipe.flush()
+    assert pipe.skipped_steps == []
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+def test_fp16_resumes_a_checkpoint_of_another_precision_at_its_initial_scale(tmp_path, schedule):
+    net, example, batches, loss_fn, opt = build_mixed("gpt", steps=5)
+
+    def pipe(precision, **kw):
+        return fxpipe.compile(copy.deepcopy(net), example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2,
+                              schedule=schedule, precision=precision, verbose=False, **kw)
+
+    first = pipe("bf16")
+    for b in batches[:3]:
+        first.step(*b)
+    first.save(str(tmp_path))
+    first.wait_for_checkpoint()
+    second = pipe("fp16", scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 10))
+    second.load(str(tmp_path))
+    assert second.loss_scale == 2.0 ** 10
+    losses = [second.step(*b) for b in batches[3:]]
+    second.flush()
+    assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(losses, [first.step(*b) for b in batches[3:]]))
+    assert second.skipped_steps == []
