@@ -1343,7 +1343,7 @@ def plan(
         cost_mode=costs.mode,
         device=device,
         memory_limit=limit,
-        graph_hash=graph_fingerprint(gm),
+        graph_hash=_fingerprint_at(model_or_gm, gm, example_inputs, costs.batch_size, best.b),
         precision=precision,
         cluster=cluster if given_cluster else None,
         placement=placement(cluster, best.d, best.w, best.layout),
@@ -1439,6 +1439,33 @@ def _on_meta(gm: fx.GraphModule) -> bool:
     return any(t.is_meta for t in (*gm.parameters(), *gm.buffers()))
 
 
+def _resized(example_inputs, traced: int, b: int):
+    """The example with every tensor whose dim 0 is the traced batch size cut or repeated to ``b``
+    (a tensor passed twice, as a Hugging Face model's ``input_ids`` and ``labels``, stays one:
+    the trace tells them apart)."""
+    done: dict[int, torch.Tensor] = {}
+
+    def resize(x):
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == traced:
+            if id(x) not in done:
+                done[id(x)] = x[:b] if b <= traced else torch.cat([x] * -(-b // traced))[:b]
+            return done[id(x)]
+        return x
+
+    return pytree.tree_map(resize, example_inputs)
+
+
+def _fingerprint_at(model_or_gm, gm: fx.GraphModule, example_inputs, traced: int | None, b: int) -> str:
+    """The fingerprint of the graph a rank traces from an example micro-batch of the plan's
+    ``b`` samples (what ``compile(plan=)`` checks): ``gm``'s where it was traced at ``b`` (or
+    from a GraphModule, which cannot be traced again), else the model's traced at ``b``."""
+    if traced is None or b == traced or isinstance(model_or_gm, fx.GraphModule) or example_inputs is None:
+        return graph_fingerprint(gm)
+    from .trace import trace
+
+    return graph_fingerprint(trace(model_or_gm, _resized(example_inputs, traced, b)))
+
+
 def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, costs: GraphCosts,
                          device: DeviceModel, torch_device) -> GraphCosts:
     """The planner is about to search b: trace and measure the model at a second micro-batch
@@ -1446,13 +1473,7 @@ def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, c
     from .trace import trace
 
     big = costs.batch_size
-
-    def resize(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == big:
-            return x[: big // 2] if big > 1 else torch.cat([x, x])
-        return x
-
-    second = pytree.tree_map(resize, example_inputs)
+    second = _resized(example_inputs, big, big // 2 if big > 1 else 2)
     gm2 = trace(model, second)
     other = annotate(gm2, second, mode="measured", device=device, torch_device=torch_device)
     return fit_two_sizes(gm, costs, other)

@@ -36,8 +36,9 @@ from .comm import DistComm, LocalHub
 from .cost import DeviceModel
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
-from .errors import ConfigError, FxpipeError, NonFiniteError, RuntimeMismatchError
-from .inputs import InputSignature, batch_inputs, check_first_batch
+from . import errors as errors_module
+from .errors import ConfigError, FxpipeError, NonFiniteError, PlanError, RuntimeMismatchError
+from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig
 from .schedule import SCHEDULES, Action, Program, format_actions, rank_of, stage_and_replica
@@ -306,6 +307,7 @@ class Pipeline:
         self._loss_sums: dict = {}  # AdamA: batch -> (all-reduced loss sum, handle), read a step later
         self._stopped: Exception | None = None  # nonfinite="raise" stopped the pipeline
         self._broken = False  # an action raised: what this rank has in flight may never be matched
+        self._failure = ""  # what raised then, for the error every later call gets
         self._saving = None  # (directory, future) of the checkpoint being written, if any
         self._checkpoint_group = None  # the gloo group checkpoint writers coordinate over
         self._saving_registered = False
@@ -344,6 +346,8 @@ class Pipeline:
             self._source = Materializer(self.model, gm, weights=o.weights, seed=o.seed, device=self.device)
             self._source.check()
         self.trace_info = gm.meta["fxpipe"]
+        if o.loss_fn is None:  # the output must be the loss: found now, alike on every rank
+            check_model_loss(gm)
         self.inputs = InputSignature.record(self.trace_info, args, kwargs)  # checks every later batch
         m = o.microbatches or DEFAULT_MICROBATCHES
         kernels = _kernel_backend(o.kernels, self.device)
@@ -366,35 +370,56 @@ class Pipeline:
                 # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are
                 # broadcast), so the planner prices a cut with this machine's links.
                 device_model = (device_model or DeviceModel.for_device(self.device)).measure_p2p()
+            failed: tuple[str, str] | None = None  # rank 0's planning error, for every rank to raise
             if self.rank == 0:
-                from .partition import plan as make_plan
+                try:
+                    from .partition import plan as make_plan
 
-                world = self.world_size if self.distributed else (o.stages or 1)
-                made = make_plan(
-                    gm,
-                    self._example,
-                    stages=o.stages if o.stages is not None else (None if self.distributed else 1),
-                    microbatches=m,
-                    schedule=o.schedule,
-                    world_size=world,
-                    cost_mode=cost_mode,
-                    device=device_model,
-                    recompute=o.recompute,
-                    torch_device=self.device,
-                    # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
-                    clip=o.accumulate != "optimizer",
-                    accumulation=("optimizer" if o.accumulate == "optimizer" else
-                                  "autograd" if kernels is None else "fused"),
-                    precision=o.precision,
-                )
-                plan_json = made.to_json()
+                    world = self.world_size if self.distributed else (o.stages or 1)
+                    made = make_plan(
+                        gm,
+                        self._example,
+                        stages=o.stages if o.stages is not None else (None if self.distributed else 1),
+                        microbatches=m,
+                        schedule=o.schedule,
+                        world_size=world,
+                        cost_mode=cost_mode,
+                        device=device_model,
+                        recompute=o.recompute,
+                        torch_device=self.device,
+                        # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
+                        clip=o.accumulate != "optimizer",
+                        accumulation=("optimizer" if o.accumulate == "optimizer" else
+                                      "autograd" if kernels is None else "fused"),
+                        precision=o.precision,
+                    )
+                    plan_json = made.to_json()
+                except Exception as e:
+                    if not self.distributed:
+                        raise
+                    failed, error = (type(e).__name__, str(e)), e
             if self.distributed:
-                box = [plan_json]
+                # rank 0 plans alone; the others wait here for its plan, or for its error
+                box = [plan_json, failed]
                 dist.broadcast_object_list(box, src=0)
-                plan_json = box[0]
+                plan_json, failed = box
+                if failed is not None:
+                    if self.rank == 0:
+                        raise error
+                    name, message = failed
+                    kind = getattr(errors_module, name, None)
+                    kind = kind if isinstance(kind, type) and issubclass(kind, FxpipeError) else PlanError
+                    raise kind(f"rank 0 could not plan the pipeline ({name}): {message}")
             plan = Plan.from_json(plan_json)
         elif isinstance(plan, str):
             plan = Plan.from_json(plan)
+        traced = self.trace_info.batch_size
+        if traced is not None and plan.microbatch_size != traced:  # every rank has this plan: all raise
+            raise ConfigError(
+                f"fxpipe.compile: the plan runs micro-batches of {plan.microbatch_size} samples (b), but the example "
+                f"micro-batch has {traced}; pass an example of {plan.microbatch_size} samples (the plan's global batch "
+                f"is b*m*w = {plan.microbatch_size}*{plan.microbatches}*{plan.width})"
+            )
         mine = graph_fingerprint(gm)
         if plan.graph_hash != mine:
             raise RuntimeMismatchError(
@@ -536,6 +561,7 @@ class Pipeline:
         :class:`~fxpipe.errors.InputError` before anything is split or communicated."""
         if self._stopped is not None:
             raise self._stopped
+        self._check_not_broken("step")
         if self.profile is None:
             return self._step(inputs, target, sync)
         start, waited = time.perf_counter(), self._waited()
@@ -551,13 +577,14 @@ class Pipeline:
         args, kwargs = batch_inputs(inputs, "step()")
         if not self._setup_done:  # the lazy path: the first micro-batch defines the signature
             m, w = self.config.microbatches or DEFAULT_MICROBATCHES, self._width_hint()
-            check_first_batch(args, kwargs, target, microbatches=m, width=w, device=self.device, what="step()")
+            check_first_batch(args, kwargs, target, microbatches=m, width=w, device=self.device,
+                              needs_target=self.config.loss_fn is not None, what="step()")
             self._setup(*_split_batch((args, kwargs), m * w)[0])
         plan = self.plan
         m, w = plan.microbatches, plan.width
         # Before anything is split or communicated: a bad batch fails alike on every rank.
         args, kwargs = self.inputs.check(args, kwargs, target, microbatches=m, width=w, device=self.device,
-                                         what="step()")
+                                         needs_target=self.config.loss_fn is not None, what="step()")
         chunks = _split_batch((args, kwargs, target), m * w)
         if self.t == 0 and self.config.check_batch and self.distributed:
             _check_same_batch((args, kwargs, target), self.rank, self.world_size, self.device)
@@ -601,14 +628,17 @@ class Pipeline:
         it straight through (a wait blocks); in one process the ranks are interleaved, each run
         until its next action waits for an operation that has not completed."""
         lists = {r: segment(self.topology.locate(r)[0]) for r in self.workers}
+        try:
+            self._run_lists(lists, what)
+        except BaseException as e:
+            self._broken, self._failure = True, f"{what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            raise
+
+    def _run_lists(self, lists: dict[int, list[Action]], what: str) -> None:
         if self.distributed:
             (r, wk), = self.workers.items()
-            try:
-                for i in range(len(lists[r])):
-                    self._run(r, wk, lists[r], i)
-            except BaseException:
-                self._broken = True
-                raise
+            for i in range(len(lists[r])):
+                self._run(r, wk, lists[r], i)
             return
         pos = dict.fromkeys(lists, 0)
         progress = True
@@ -678,6 +708,7 @@ class Pipeline:
         the next step fills it again, with the same weight-version rule), and wait for every send
         and loss all-reduce this rank has in flight: after it, this rank's part is done, so a
         group the script created may be destroyed."""
+        self._check_not_broken("flush")
         if not self._setup_done or self.epoch_start == self.t:
             return
         t = self.t
@@ -778,7 +809,8 @@ class Pipeline:
         plan = self.plan
         m, w = plan.microbatches, plan.width
         args, kwargs = self.inputs.check(*batch_inputs(inputs, "eval_step()"), target, microbatches=m, width=w,
-                                         device=self.device, what="eval_step()")
+                                         device=self.device, needs_target=self.config.loss_fn is not None,
+                                         what="eval_step()")
         self.flush()
         if self._eval is None:
             self._eval = self._build_eval()
@@ -868,14 +900,18 @@ class Pipeline:
         return out
 
     def load_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
-        """Load weights saved under the original model's keys (by fxpipe or plain PyTorch)."""
+        """Load weights saved under the original model's keys (by fxpipe or plain PyTorch): every
+        key :meth:`state_dict` has, the parameters no node reads included; a non-persistent
+        buffer is in no state dict and keeps its value, as in PyTorch."""
         self._require_setup("load_state_dict")
         self.flush()
-        for wk in self.workers.values():
-            local = {}
-            missing = []
-            for name in list(wk.layout_names()):
+
+        def pick(names, where: str) -> dict[str, torch.Tensor]:
+            local, missing = {}, []
+            for name in names:
                 keys = self.staged.originals.get(name, [name])
+                if not keys:  # a non-persistent buffer
+                    continue
                 key = next((k for k in keys if k in sd), None)
                 if key is None:
                     missing.append(keys[0])
@@ -883,9 +919,17 @@ class Pipeline:
                     local[name] = sd[key]
             if missing:
                 raise KeyError(
-                    f"load_state_dict: stage {wk.index} needs {len(missing)} keys the state dict lacks, "
+                    f"load_state_dict: {where} needs {len(missing)} keys the state dict lacks, "
                     f"e.g. {missing[:3]}. Pass a state dict of the same model (model.state_dict())."
                 )
+            return local
+
+        unused = pick(self.staged.unused_state, "the model's state that no node reads")
+        stages = [(wk, pick(wk.layout_names(), f"stage {wk.index}")) for wk in self.workers.values()]
+        with torch.no_grad():
+            for name, t in unused.items():
+                self.staged.unused_state[name].copy_(t)
+        for wk, local in stages:
             wk.load_local_state(local)
 
     @property
@@ -951,22 +995,67 @@ class Pipeline:
         resolved = checkpoint.resolve(path)
         meta = checkpoint.read_meta(resolved)
         if not self._setup_done:
-            self._setup_from_checkpoint(meta)
-        self.flush()
+            self._setup_from_checkpoint(meta, resolved)
+        try:  # what is in flight finishes (a collective: every rank drains the same steps)
+            self.flush()
+        except NonFiniteError as e:  # found in the state about to be replaced
+            if e is not self._stopped:
+                raise
         extra = checkpoint.load(self, resolved, meta, self._checkpoint_pg())
+        self._revive()
         self.t = self.epoch_start = meta["steps"]
         return extra
 
-    def _setup_from_checkpoint(self, meta: dict) -> None:
+    def _revive(self) -> None:
+        """After a load, nothing of the steps before it is kept: a stop by a non-finite step
+        (which tells the user to load a checkpoint) ends, and the per-step records the flush left
+        go (a stopped step's loss, AdamA's non-finite flags). The flush finished every action of
+        every step given so far on every rank, so no communication of those steps is pending."""
+        self._stopped = None
+        for _, handle in self._loss_sums.values():
+            handle.wait()
+        self._loss_sums.clear()
+        for wk in self.workers.values():
+            wk.halted = False
+            wk.nonfinite.clear()
+            wk.dropped.clear()
+            wk.batch_loss.clear()
+            wk.updated_flags.clear()
+
+    def _setup_from_checkpoint(self, meta: dict, path: str) -> None:
+        """Build a lazily compiled pipeline from the checkpoint's traced example: with its plan,
+        unless this pipeline asks for another layout; then with the example re-cut so that a step
+        takes the saving run's global batch (``microbatches=None`` takes the checkpoint's count;
+        ``stages=None`` under torchrun a pure pipeline, as the lazy step does)."""
+        from .checkpoint import CheckpointError
         from .plan import Plan
 
         o = self.config
         saved = Plan.from_json(meta["plan"])
+        example = meta["example"]
         world = self.world_size if self.distributed else saved.stages * saved.width
         if (o.plan is None and o.stages is None and saved.schedule == o.schedule
                 and o.microbatches in (None, saved.microbatches) and saved.stages * saved.width == world):
             self.config = replace(o, plan=saved)
-        self._setup(*normalize_inputs(meta["example"]))
+        elif o.plan is not None:  # its micro-batch size, which its graph was traced with
+            given = Plan.from_json(o.plan) if isinstance(o.plan, str) else o.plan
+            example = _resize_example(example, given.microbatch_size)
+        else:
+            if o.microbatches is None:
+                self.config = o = replace(o, microbatches=saved.microbatches)
+            m, w = o.microbatches, self._width_hint()
+            batch = saved.microbatch_size * saved.microbatches * saved.width
+            if batch % (m * w):
+                fits = [k for k in range(1, batch // w + 1) if batch % (k * w) == 0]
+                raise CheckpointError(
+                    f"load: {path} was trained on global batches of {batch} samples ({saved.microbatch_size} per "
+                    f"micro-batch x {saved.microbatches} micro-batches x {saved.width} replicas); this pipeline "
+                    f"splits a batch into {m} micro-batches x {w} replicas, which does not divide {batch}. Pass "
+                    f"microbatches= one of {fits} to fxpipe.compile, or an example_inputs micro-batch for "
+                    f"another global batch."
+                )
+            example = _resize_example(example, batch // (m * w))
+        self._setup(*normalize_inputs(example))
 
     def _checkpoint_pg(self):
         """A gloo group of all ranks for checkpoint writers (None in one process): the writer
@@ -975,6 +1064,16 @@ class Pipeline:
         if self.distributed and self._checkpoint_group is None:
             self._checkpoint_group = dist.new_group(backend="gloo")
         return self._checkpoint_group
+
+    def _check_not_broken(self, what: str) -> None:
+        """After an action raised, the ranks may be part-way through a step (some updated, some
+        not, messages in flight): nothing can run on from there."""
+        if self._broken:
+            raise FxpipeError(
+                f"{what}() after {self._failure} failed: this pipeline's ranks stopped part-way through it, with "
+                f"weights, optimizer state and messages of different steps, so it cannot go on. Compile a new "
+                f"pipeline and load the last checkpoint (pipe.load) to resume."
+            )
 
     def _require_setup(self, what: str) -> None:
         if not self._setup_done:
@@ -1180,6 +1279,19 @@ def _kernel_backend(choice: str, device: torch.device):
     if choice == "auto":
         return "triton" if device.type == "cuda" else None
     return None if choice == "off" else choice
+
+
+def _resize_example(example, b: int):
+    """The traced micro-batch ``example`` with ``b`` samples in dim 0 (every tensor with a dim 0
+    has the same count): its first ``b``, or its samples repeated, so that tracing sees real
+    values (token ids in range)."""
+
+    def resize(x):
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] == b:
+            return x
+        return x.repeat(-(-b // x.shape[0]), *[1] * (x.dim() - 1))[:b]
+
+    return pytree.tree_map(resize, example)
 
 
 def _split_batch(batch, n: int) -> list:

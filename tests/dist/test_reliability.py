@@ -160,6 +160,24 @@ def test_a_rank_that_raises_makes_its_peer_raise_not_hang():
     assert re.search(r"rank 0 (waited \d+ s for|waited for) 0RECV_GRAD3 from rank 1", seen["message"]), seen["message"]
 
 
+def plan_error(rank: int, world: int) -> dict:
+    """Rank 0 plans alone; a plan it cannot make (1f1b needs m >= d) must reach every rank."""
+    start = time.monotonic()
+    try:
+        resume.compile("1f1b", 2, 1, world=2, timeout=30)
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"type": None}
+
+
+def test_a_plan_rank_0_cannot_make_fails_every_rank_at_once():
+    rank0, rank1 = run_function(2, "tests.dist.test_reliability:plan_error", timeout=120)
+    assert rank0["value"]["type"] == rank1["value"]["type"] == "PlanError", (rank0, rank1)
+    assert rank1["value"]["message"].startswith("rank 0 could not plan the pipeline (PlanError): ")
+    assert rank0["value"]["message"] in rank1["value"]["message"]
+    assert rank1["value"]["seconds"] < 15, rank1  # not compile(timeout=30)
+
+
 # --------------------------------------------------------------------------- the end of a script
 
 # A torchrun-style script (fxpipe.compile creates the group, and destroys it at exit) that ends

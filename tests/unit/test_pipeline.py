@@ -400,3 +400,30 @@ def test_the_runtime_places_ranks_by_the_plans_layout(name):
     losses = [pipe.step(x, y) for x, y in batches]
     mismatches = compare(case, losses, pipe.state_dict())
     assert not mismatches, "\n".join(mismatches)
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_after_a_step_that_failed_midway_every_later_call_says_to_rebuild(schedule):
+    # one process: a loss function that raises in step 2 leaves the stages part-way through it
+    calls = [0]
+
+    def loss_fn(out, y):
+        calls[0] += 1
+        if calls[0] == 5:  # step 2's first micro-batch
+            raise ValueError("a bug in the user's loss")
+        return torch.nn.functional.mse_loss(out, y)
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(net, (x[:2],), loss_fn=loss_fn, microbatches=4, stages=2, schedule=schedule, verbose=False)
+    pipe.step(x, y)
+    with pytest.raises(RuntimeError, match="failed running action") as failed:
+        pipe.step(x, y)
+    assert "a bug in the user's loss" in repr(failed.value.__cause__)
+    expected = (r"after step 2 \(RuntimeError: rank 1 failed running action 1F\d+v\d+:\) failed: this pipeline's "
+                r"ranks stopped part-way through it.*Compile a new pipeline and load the last checkpoint")
+    for call in (lambda: pipe.step(x, y), pipe.flush, pipe.state_dict):
+        with pytest.raises(FxpipeError, match=expected):
+            call()

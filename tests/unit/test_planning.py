@@ -1,6 +1,7 @@
 """Planning for a cluster: meta-device models, the search, block costing, capacity, the CLI."""
 
 import json
+import math
 import os
 import threading
 import time
@@ -247,3 +248,24 @@ def test_cluster_plan_errors(gpt4, kw, match):
     gm, inputs = gpt4
     with pytest.raises(PlanError, match=match):
         fxpipe.plan(gm, inputs, **kw)
+
+
+def test_a_plan_that_picks_another_micro_batch_size_compiles_from_an_example_of_that_size():
+    # global_batch= lets the planner pick b; the plan's fingerprint is the graph traced at that b
+    # (a Hugging Face model's input_ids and labels, one tensor, stay one), so compile(plan=) takes
+    # an example of b samples and trains, and an example of another size is told what to pass
+    from fxpipe.errors import ConfigError
+    from tests.models import gpt2_tiny
+
+    model, example = gpt2_tiny(batch=2, seq=8, labels=True)
+    ids = example["input_ids"]
+    plan = fxpipe.plan(model, {"input_ids": ids, "labels": ids}, global_batch=8, world_size=1, stages=1)
+    b = plan.microbatch_size
+    assert b != 2 and plan.global_batch == 8
+    with pytest.raises(ConfigError, match=rf"the plan runs micro-batches of {b} samples \(b\), but the example "
+                                          rf"micro-batch has 2; pass an example of {b} samples"):
+        fxpipe.compile(model, {"input_ids": ids, "labels": ids}, plan=plan.to_json(), verbose=False)
+    one = torch.randint(0, 100, (b, 8))
+    pipe = fxpipe.compile(model, {"input_ids": one, "labels": one}, plan=plan.to_json(), verbose=False)
+    batch = torch.randint(0, 100, (8, 8))
+    assert math.isfinite(pipe.step({"input_ids": batch, "labels": batch}))
