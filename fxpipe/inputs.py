@@ -22,7 +22,14 @@ alike and leaves no half-run step behind. The rules:
   second GPU, ``meta``) is refused: a copy across GPUs behind the user's back would hide a
   mistake (under torchrun each rank's batch belongs on the CPU or on its ``cuda:LOCAL_RANK``);
 * **non-tensor inputs** (ints, flags) are constants baked into the graph: they must equal the
-  example's.
+  example's;
+* **target**: given exactly when ``compile`` got a ``loss_fn`` (``loss_fn(output, target)``);
+  with ``loss_fn=None`` the model's output is the loss and a target would go unread.
+
+With ``loss_fn=None`` the traced output itself must be a loss: :func:`check_model_loss` reads
+the trace's output structure at set-up (a scalar tensor, or an output whose ``.loss``/``["loss"]``
+is one: a Hugging Face model traced with ``labels``) and raises
+:class:`~fxpipe.errors.ConfigError` before anything is planned or communicated.
 
 The lazy path (``fxpipe.compile(model)`` without example inputs) has no signature before its
 first step: :func:`check_first_batch` checks only what that step needs to cut its first
@@ -38,10 +45,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from .errors import InputError
+from .errors import ConfigError, InputError
 from .trace import normalize_inputs
 
-__all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch"]
+__all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch", "check_model_loss"]
 
 _SCALARS = (bool, int, float, str, type(None))
 _CASTS = {
@@ -94,12 +101,14 @@ class InputSignature:
         return cls(len(args), tuple(kwargs), spec, tuple(inputs), trace_info.batch_size)
 
     def check(self, args: tuple, kwargs: dict, target, *, microbatches: int, width: int, device: torch.device,
-              what: str = "step()") -> tuple[tuple, dict]:
+              needs_target: bool, what: str = "step()") -> tuple[tuple, dict]:
         """Check one global batch (module docstring); return ``(args, kwargs)`` with the keyword
-        inputs in the traced order. Raises :class:`InputError` naming every problem found."""
+        inputs in the traced order. ``needs_target``: a ``loss_fn`` was given (it takes the
+        target), else the model's output is the loss (and a target would go unused). Raises
+        :class:`InputError` naming every problem found."""
         args, kwargs = self._structure(args, kwargs, what)
         m, w = microbatches, width
-        problems: list[str] = []
+        problems: list[str] = _target_problem(target, needs_target)
         leaves = pytree.tree_leaves((args, kwargs))
         sizes: list[tuple[InputSpec, int]] = []  # (spec, dim 0) of every batched input
         for s, x in zip(self.inputs, leaves):
@@ -212,15 +221,17 @@ def batch_inputs(inputs, what: str = "step()") -> tuple[tuple, dict]:
 
 
 def check_first_batch(args: tuple, kwargs: dict, target, *, microbatches: int, width: int,
-                      device: torch.device, what: str = "step()") -> None:
-    """The lazy path's first batch (no signature yet): every tensor is on the CPU or ``device``,
-    and every tensor with a dim 0 has the same number of samples there, a multiple of
-    ``microbatches * width``: the first micro-batch, that fraction of it, is what gets traced."""
+                      device: torch.device, needs_target: bool, what: str = "step()") -> None:
+    """The lazy path's first batch (no signature yet): a target exactly when a ``loss_fn`` was
+    given (``needs_target``), every tensor on the CPU or ``device``, and every tensor with a
+    dim 0 has the same number of samples there, a multiple of ``microbatches * width``: the
+    first micro-batch, that fraction of it, is what gets traced."""
     m, w = microbatches, width
     found = [(where, x) for where, x in zip(_wheres(args, kwargs, None), pytree.tree_leaves((args, kwargs)))
              if isinstance(x, torch.Tensor)]
     targets = list(_target_leaves(target))
-    problems = [p for where, x in found + targets for p in _device_problem(where, x, device)]
+    problems = _target_problem(target, needs_target)
+    problems += [p for where, x in found + targets for p in _device_problem(where, x, device)]
     if problems:
         _raise(what, problems)
     batched = [(where, int(x.shape[0])) for where, x in found + targets if x.dim() > 0]
@@ -242,6 +253,58 @@ def check_first_batch(args: tuple, kwargs: dict, target, *, microbatches: int, w
             f"{_split_clause(m, w)}; the first step traces the model on one micro-batch of it. Pass a multiple "
             f"of {m * w} samples, e.g. {max(1, round(n / (m * w))) * m * w}."
         )
+
+
+def check_model_loss(gm) -> None:
+    """``loss_fn=None``: the traced output of ``gm`` (its ``TraceInfo.out_spec`` and the output
+    nodes' recorded shapes) must be what the last stage reads as the loss, a scalar tensor or an
+    output with a scalar ``.loss`` (or ``["loss"]``). A Hugging Face model has ``.loss`` only when
+    traced with ``labels``. Raises :class:`ConfigError` saying what was found and what to pass."""
+    info = gm.meta["fxpipe"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    leaves = [_meta_value(x) for x in pytree.tree_leaves(output.args[0])]
+    if any(x is _UNKNOWN for x in leaves):
+        return  # a value the trace recorded no shape for: the last stage's own check reports it
+    out = info.unflatten_output(leaves)
+    if isinstance(out, torch.Tensor):
+        if out.dim() == 0:
+            return
+        found = f"a tensor of shape {list(out.shape)}"
+    else:
+        loss = getattr(out, "loss", None)
+        if loss is None and isinstance(out, dict):
+            loss = out.get("loss")
+        if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+            return
+        kind = type(out).__name__
+        kind += f" with fields {list(out.keys())}" if isinstance(out, dict) else \
+            f" of {len(out)} values" if isinstance(out, (tuple, list)) else ""
+        found = f"a {kind}, without a .loss" if loss is None else f"a {kind}, whose .loss is {_show(loss)}"
+    labels = (" Or, for a Hugging Face model, pass labels among the example inputs and in every batch: its output "
+              "then has .loss." if hasattr(out, "logits") else "")
+    raise ConfigError(
+        f"fxpipe.compile: loss_fn=None means the model's output is the loss: expected a scalar tensor or an output "
+        f"with a scalar .loss, but {info.model_class} returns {found}. Pass loss_fn=lambda output, target: ... "
+        f"(and the target to step()), or make the model return its loss.{labels}"
+    )
+
+
+_UNKNOWN = object()
+
+
+def _meta_value(x):
+    """A traced output leaf as a meta tensor of its recorded shape and dtype (constants as they are)."""
+    import torch.fx as fx
+
+    if not isinstance(x, fx.Node):
+        return x
+    info, val = x.meta.get("fxpipe"), x.meta.get("val")
+    if info is not None and len(info.outputs) == 1:
+        spec = info.outputs[0]
+        return torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta")
+    if isinstance(val, torch.Tensor):
+        return torch.empty(val.shape, dtype=val.dtype, device="meta")
+    return _UNKNOWN
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,6 +331,22 @@ def _target_leaves(target):
     for path, x in pytree.tree_flatten_with_path(target)[0]:
         if isinstance(x, torch.Tensor):
             yield "target" + "".join(str(k) for k in path), x
+
+
+def _target_problem(target, needs_target: bool) -> list[str]:
+    """A target missing although ``loss_fn`` takes one, or given although there is no ``loss_fn``
+    to take it (either would otherwise surface only in the last stage's forward, mid-step, or not
+    at all)."""
+    if needs_target and target is None:
+        return ["target: expected a target, since loss_fn(output, target) computes the loss, got None; pass the "
+                "target of the same samples as the second argument (it is split along dim 0 like the inputs), "
+                "or compile with loss_fn=None if the model's output is the loss"]
+    if not needs_target and target is not None:
+        return [f"target: expected None, since with loss_fn=None the model's output (or its .loss) is the loss "
+                f"and nothing reads a target, got a {type(target).__name__}; pass loss_fn=... to compute the loss "
+                f"from the output and the target, or leave the target out (a Hugging Face model takes labels "
+                f"among its inputs)"]
+    return []
 
 
 def _device_problem(where: str, x: torch.Tensor, device: torch.device) -> list[str]:

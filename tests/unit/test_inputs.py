@@ -69,6 +69,11 @@ def _tokens(n=2 * M, seq=8):
     return {"input_ids": torch.randint(0, 50, (n, seq)), "mask": torch.ones(n, seq)}
 
 
+def _unread(n=2 * M):
+    """A target for the tagger's loss, which reads none (a loss_fn always gets one)."""
+    return torch.zeros(n)
+
+
 # ------------------------------------------------------------------------- structure
 
 
@@ -78,7 +83,7 @@ def test_missing_keyword_input_is_named(tagger):
     with pytest.raises(InputError, match=re.escape(
             "step(): missing keyword input ['mask']; the model was traced with keyword inputs "
             "['input_ids', 'mask']. Pass the same inputs as the example, by the same names.")):
-        tagger.step(batch)
+        tagger.step(batch, _unread())
 
 
 def test_unexpected_keyword_input_is_named(tagger):
@@ -86,7 +91,7 @@ def test_unexpected_keyword_input_is_named(tagger):
     with pytest.raises(InputError, match=re.escape(
             "step(): unexpected keyword input ['labels']; the model was traced with keyword inputs "
             "['input_ids', 'mask']")):
-        tagger.step(batch)
+        tagger.step(batch, _unread())
 
 
 def test_wrong_number_of_positional_inputs(pipe):
@@ -107,7 +112,7 @@ def test_keyword_order_does_not_matter():
     a = _compile(Tagger(), example, loss_fn=lambda out, y: out.pow(2).mean())
     b = _compile(Tagger(), example, loss_fn=lambda out, y: out.pow(2).mean())
     batch = _tokens()
-    assert a.step(batch) == b.step({"mask": batch["mask"], "input_ids": batch["input_ids"]})
+    assert a.step(batch, _unread()) == b.step({"mask": batch["mask"], "input_ids": batch["input_ids"]}, _unread())
 
 
 # ------------------------------------------------------------------------- shapes, dtypes, devices
@@ -128,7 +133,7 @@ def test_sequence_length_that_differs(tagger):
     with pytest.raises(InputError, match=re.escape(
             "step(): input 'input_ids': expected size 8 in dim 1 (traced shape [2, 8] per micro-batch), "
             "got 6 (shape [8, 6])")):
-        tagger.step(batch)
+        tagger.step(batch, _unread())
 
 
 def test_number_of_dims_that_differs(pipe):
@@ -148,7 +153,7 @@ def test_dtype_that_differs(pipe, tagger):
     batch["input_ids"] = batch["input_ids"].int()
     with pytest.raises(InputError, match=re.escape(
             "input 'input_ids': expected torch.int64 as traced, got torch.int32; convert with .long()")):
-        tagger.step(batch)
+        tagger.step(batch, _unread())
 
 
 def test_every_problem_is_listed(tagger):
@@ -156,7 +161,7 @@ def test_every_problem_is_listed(tagger):
     batch["input_ids"] = batch["input_ids"][:, :6].int()
     batch["mask"] = batch["mask"].double()
     with pytest.raises(InputError, match=r"step\(\): 3 problems with the batch:\n  - input 'input_ids'") as e:
-        tagger.step(batch)
+        tagger.step(batch, _unread())
     assert "got 6" in str(e.value) and "got torch.int32" in str(e.value) and "got torch.float64" in str(e.value)
 
 
@@ -234,7 +239,7 @@ def test_inputs_that_disagree_on_the_batch_size(tagger):
     batch["mask"] = batch["mask"][:4]
     with pytest.raises(InputError, match=re.escape(
             "step(): pass 8 samples (2 per micro-batch x 4 micro-batches), got 4 in input 'mask'.")):
-        tagger.step(batch)
+        tagger.step(batch, _unread())
 
 
 def test_target_batch_must_match_the_inputs(pipe):
@@ -253,6 +258,84 @@ def test_eval_step_checks_its_batch_too(pipe):
     x, y = _batch(8)
     with pytest.raises(InputError, match=re.escape("eval_step(): pass 16 samples")):
         pipe.eval_step(x, y)
+
+
+# ------------------------------------------------------------------------- the target and the loss
+
+
+def test_a_missing_target_is_named_before_anything_runs(pipe):
+    x, _ = _batch()
+    message = ("step(): target: expected a target, since loss_fn(output, target) computes the loss, got None; pass "
+               "the target of the same samples as the second argument (it is split along dim 0 like the inputs), "
+               "or compile with loss_fn=None if the model's output is the loss")
+    with pytest.raises(InputError, match=re.escape(message)):
+        pipe.step(x)
+    with pytest.raises(InputError, match=re.escape("eval_step(): target: expected a target")):
+        pipe.eval_step(x)
+    assert pipe.t == 0  # nothing was fed or run (test_rejected_step_leaves_no_state: nor under 2bw)
+    lazy = fxpipe.compile(_mlp(), loss_fn=_mse, optimizer=SGD, microbatches=M, stages=2, verbose=False)
+    with pytest.raises(InputError, match=re.escape(message)):
+        lazy.step(x)
+    assert lazy.plan is None  # nothing was traced or planned
+
+
+class Scalar(nn.Module):
+    """Its output is its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x)).pow(2).mean()
+
+
+class Pair(nn.Module):
+    """Two outputs, neither of them a loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.a(x), x.sum()
+
+
+def test_a_target_without_a_loss_fn_is_refused():
+    p = _compile(Scalar(), loss_fn=None)
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "step(): target: expected None, since with loss_fn=None the model's output (or its .loss) is the loss "
+            "and nothing reads a target, got a Tensor; pass loss_fn=... to compute the loss from the output and the "
+            "target, or leave the target out (a Hugging Face model takes labels among its inputs)")):
+        p.step(x, y)
+    assert p.t == 0
+    assert isinstance(p.step(x), float)
+
+
+def test_loss_fn_none_needs_a_model_that_returns_its_loss():
+    expected = ("fxpipe.compile: loss_fn=None means the model's output is the loss: expected a scalar tensor or an "
+                "output with a scalar .loss, but {} returns {}. Pass loss_fn=lambda output, target: ... (and the "
+                "target to step()), or make the model return its loss.")
+    with pytest.raises(ConfigError, match=re.escape(expected.format("Sequential", "a tensor of shape [4, 4]"))):
+        _compile(loss_fn=None)
+    with pytest.raises(ConfigError, match=re.escape(expected.format("Pair", "a tuple of 2 values, without a .loss"))):
+        _compile(Pair(), loss_fn=None)
+    lazy = fxpipe.compile(_mlp(), optimizer=SGD, microbatches=M, stages=2, verbose=False)  # found at the first step
+    with pytest.raises(ConfigError, match=re.escape(expected.format("Sequential", "a tensor of shape [4, 4]"))):
+        lazy.step(_batch()[0])
+    assert lazy.plan is None
+
+
+def test_a_hugging_face_model_without_labels_is_told_to_pass_them():
+    from tests.models import gpt2_tiny
+
+    model, example = gpt2_tiny(batch=1, seq=4)
+    with pytest.raises(ConfigError, match=re.escape(
+            "but GPT2LMHeadModel returns a CausalLMOutputWithCrossAttentions with fields ['logits'], without a "
+            ".loss.")) as e:
+        fxpipe.compile(model, example, microbatches=2, stages=2, verbose=False)
+    assert "pass labels among the example inputs and in every batch" in str(e.value)
 
 
 # ------------------------------------------------------------------------- the lazy path
@@ -293,7 +376,7 @@ def test_rejected_step_leaves_no_state():
         losses = []
         for i, (x, y) in enumerate(batches):
             if reject:
-                for bad in ((x[:8], y[:8]), (x.double(), y), (x, y[:8])):
+                for bad in ((x[:8], y[:8]), (x.double(), y), (x, y[:8]), (x, None)):
                     with pytest.raises(InputError):
                         p.step(*bad)
                 assert p.t == i
