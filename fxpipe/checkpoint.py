@@ -9,15 +9,19 @@ another (d = 2 into d = 3, d = 1 or w = 2). Every key is the ORIGINAL model's (w
     model.<key>                 W(t): the newest weights (the fp32 master under mixed precision), and the module buffers
     model_previous.<key>        W(t-1): the older 2bw weight version (2bw only; the 16-bit compute copy under mixed precision)
     optim.state.<key>.<name>    the optimizer state as torch.optim keys it (step, exp_avg, ...)
-    optim.param_groups.<key>    the hyper-parameters of the parameter's group (lr as scheduled)
-    lr_scheduler                the scheduler's state, less its per-group lists
+    optim.param_groups.<key>    the hyper-parameters of the parameter's group (lr as scheduled); only
+                                parameters in a group (a factory may leave some out: not stepped)
+    optimizer_steps             the updates applied (a skipped non-finite step applies none); SGD's
+                                state has no ``step`` to count them, and the fused update needs it
+    lr_scheduler                the scheduler's state, less its per-group lists (nested ones too)
     rng.rank<r>                 each rank's torch RNG state (the only per-rank entry)
     fxpipe                      steps, plan, schedule, seed, version, the traced example
     extra                       the caller's dict (e.g. a data loader position)
 
 Objects (everything but tensors) are pickled by DCP, one value per key: an entry that differs
-between ranks would silently keep one rank's value, so :func:`save` checks that ``fxpipe``,
-``lr_scheduler`` and ``extra`` agree on every rank, and keys the RNG state by rank.
+between ranks would silently keep one rank's value, so :func:`save` checks that ``fxpipe`` and
+``extra`` agree on every rank and ``optimizer_steps`` and ``lr_scheduler`` on every rank that has
+them (a stage with nothing to train has no optimizer), and keys the RNG state by rank.
 
 ``ROOT/latest`` names the newest complete checkpoint. DCP writes its ``.metadata`` last, after
 every rank's data, and only then does rank 0 replace ``latest`` (write a temporary file, rename:
@@ -51,10 +55,12 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 
 FORMAT = 1  # bumped when the layout above changes
 LATEST = "latest"
-_SHARED = ("fxpipe", "lr_scheduler", "extra")  # objects that must be equal on every rank
+_SHARED = ("fxpipe", "extra")  # objects that must be equal on every rank
+_OPTIMIZER = ("optimizer_steps", "lr_scheduler")  # equal on every rank whose stage has an optimizer
 # A scheduler's lists with one entry per param group: the factory rebuilds them on load, and
-# stages may hold different numbers of groups (the lr itself is saved per parameter).
-_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas")
+# stages may hold different numbers of groups (the lr itself is saved per parameter). CyclicLR
+# keeps max_lrs and its momenta, ReduceLROnPlateau min_lrs.
+_PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "min_lrs", "base_momentums", "max_momentums")
 
 
 class CheckpointError(FxpipeError):
@@ -124,9 +130,18 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
     sd: dict[str, Any] = {"model": model, "optim": {"state": opt_state, "param_groups": groups}}
     if two_versions:
         sd["model_previous"] = previous
-    scheduler = next((wk.store.lr_scheduler for wk in pipe.workers.values()), None)
-    if scheduler is not None:
-        sd["lr_scheduler"] = _pack({k: v for k, v in scheduler.state_dict().items() if k not in _PER_GROUP})
+    # Of the stages that have an optimizer (a fully frozen one has none): every one applied the
+    # same updates and steps a scheduler built alike, so one value each stands for all of them.
+    trains = [wk for wk in pipe.workers.values() if wk.store.optimizer is not None]
+    for name, values in (("optimizer_steps", [(wk.index, wk.store.optimizer_steps) for wk in trains]),
+                         ("lr_scheduler", [(wk.index, _scheduler_state(wk.store.lr_scheduler.state_dict()))
+                                           for wk in trains if wk.store.lr_scheduler is not None])):
+        packed = [(i, _pack(v)) for i, v in values]
+        differ = sorted({i for i, v in packed if v != packed[0][1]})
+        if differ:
+            _differs(name, f"stage {packed[0][0]}", f"stages {differ}")
+        if packed:
+            sd[name] = packed[0][1]
     from . import __version__
 
     meta = {
@@ -143,20 +158,74 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
 
 
 def check_shared(pipe: "Pipeline", sd: dict[str, Any]) -> None:
-    """Raise on every rank if an object DCP keeps once differs between ranks (a collective)."""
+    """Raise on every rank if an object DCP keeps once differs between ranks (a collective):
+    ``_SHARED`` on every rank, ``_OPTIMIZER`` among the ranks that hold one."""
     if not pipe.distributed:
         return
-    mine = [sd.get(k) for k in _SHARED]
+    names = _SHARED + _OPTIMIZER
+    mine = [sd.get(k) for k in names]
     everyone: list = [None] * pipe.world_size
     dist.all_gather_object(everyone, mine)
-    for i, name in enumerate(_SHARED):
-        differ = [r for r in range(pipe.world_size) if everyone[r][i] != everyone[0][i]]
+    for i, name in enumerate(names):
+        having = [r for r in range(pipe.world_size) if name in _SHARED or everyone[r][i] is not None]
+        differ = [r for r in having if everyone[r][i] != everyone[having[0]][i]]
         if differ:
-            what = "the extra dict passed to save()" if name == "extra" else f"fxpipe's {name!r} entry"
-            raise CheckpointError(
-                f"save: {what} differs between rank 0 and ranks {differ}; a checkpoint keeps ONE value of "
-                f"it. Pass the same extra on every rank (keep per-rank values in files of your own)."
-            )
+            _differs(name, f"rank {having[0]}", f"ranks {differ}")
+
+
+def _differs(name: str, one: str, others: str) -> None:
+    """Raise for an object that a checkpoint keeps once but ``one`` and ``others`` hold apart."""
+    if name == "extra":
+        raise CheckpointError(
+            f"save: the extra dict passed to save() differs between {one} and {others}; a checkpoint keeps ONE "
+            f"value of it. Pass the same extra on every rank (keep per-rank values in files of your own)."
+        )
+    if name == "lr_scheduler":
+        raise CheckpointError(
+            f"save: the lr scheduler's state (less its per-group lists) differs between {one} and {others}; a "
+            f"checkpoint keeps ONE scheduler state for every stage. Make the lr_scheduler factory build the same "
+            f"scheduler (type and arguments) for every stage's optimizer, whatever parameters it holds."
+        )
+    raise CheckpointError(
+        f"save: fxpipe's {name!r} entry differs between {one} and {others}, but every stage computes it alike; "
+        f"a checkpoint keeps ONE value of it. This is a bug in fxpipe: please report it with the plan."
+    )
+
+
+def _scheduler_state(state: dict) -> dict:
+    """A scheduler's ``state_dict()`` less its per-group lists (``_PER_GROUP``), also in the
+    schedulers that SequentialLR and ChainedScheduler nest under ``_schedulers``."""
+    out = {k: v for k, v in state.items() if k not in _PER_GROUP}
+    if isinstance(out.get("_schedulers"), list):
+        out["_schedulers"] = [_scheduler_state(s) if isinstance(s, dict) else s for s in out["_schedulers"]]
+    return out
+
+
+def _load_scheduler(scheduler, saved: dict, lrs: list[float], path: str) -> None:
+    """Load ``saved`` (:func:`_scheduler_state`'s) into ``scheduler``: its own per-group lists
+    (the factory's, at any depth) stay, and every ``_last_lr`` becomes ``lrs`` (the groups' lr
+    as loaded)."""
+
+    def merge(current: dict, saved: dict, where: str) -> dict:
+        out = {**current, **_scheduler_state(saved)}  # an old checkpoint may hold per-group lists
+        mine, theirs = current.get("_schedulers"), saved.get("_schedulers")
+        if isinstance(mine, list) and isinstance(theirs, list):
+            if len(mine) != len(theirs):
+                raise CheckpointError(
+                    f"load: {path} holds an lr scheduler of {len(theirs)} nested schedulers{where}, this pipeline's "
+                    f"lr_scheduler factory builds {len(mine)}. Resume with the scheduler the checkpoint was "
+                    f"trained with."
+                )
+            out["_schedulers"] = [merge(c, s, f" (in nested scheduler {i})")
+                                  for i, (c, s) in enumerate(zip(mine, theirs))]
+        return out
+
+    scheduler.load_state_dict(merge(scheduler.state_dict(), saved, ""))
+    todo = [scheduler]
+    while todo:
+        s = todo.pop()
+        s._last_lr = list(lrs)
+        todo.extend(getattr(s, "_schedulers", []))
 
 
 def save(pipe: "Pipeline", root: str, extra: dict | None, group) -> tuple[str, Any]:
@@ -241,8 +310,9 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
     sd: dict[str, Any] = {"model": {}, "optim": {"state": {}, "param_groups": {}}, "extra": None}
     if want_previous:
         sd["model_previous"] = {}
-    if "lr_scheduler" in stored:
-        sd["lr_scheduler"] = None
+    for name in _OPTIMIZER:  # optimizer_steps is absent from checkpoints written before it was saved
+        if name in stored:
+            sd[name] = None
     rng = f"rng.rank{pipe.rank}."  # the RNG state of this rank, when the world is the same
     if meta["world_size"] == pipe.world_size:
         sd["rng"] = {f"rank{pipe.rank}": {x[len(rng):]: _empty(stored[x]) for x in stored if x.startswith(rng)}}
@@ -254,12 +324,19 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
         for n, b in wk.buffers.items():
             if n in key:
                 sd["model"][key[n]] = torch.empty_like(b, device="cpu")
-        for n in wk.store.opt_params:
+        for n in wk.store.stepped():
             prefix = f"optim.state.{key[n]}."  # step, exp_avg, ...: whatever the optimizer kept
             sd["optim"]["state"][key[n]] = {x[len(prefix):]: _empty(stored[x]) for x in stored if x.startswith(prefix)}
             sd["optim"]["param_groups"][key[n]] = None
+    unused = {n: t for n, t in pipe.staged.unused_state.items() if n in key}  # what no node reads
+    for n, t in unused.items():
+        sd["model"][key[n]] = torch.empty_like(t, device="cpu")
     dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed)
     scheduler_state = _unpack(sd["lr_scheduler"]) if sd.get("lr_scheduler") is not None else None
+    optimizer_steps = _unpack(sd["optimizer_steps"]) if sd.get("optimizer_steps") is not None else None
+    with torch.no_grad():
+        for n, t in unused.items():
+            t.copy_(sd["model"][key[n]])
     for wk in pipe.workers.values():
         newest = {s.name: sd["model"][key[s.name]] for s in wk.store.layout.slots}
         previous = {n: sd["model_previous"][key[n]] for n in newest} if want_previous else None
@@ -268,14 +345,13 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
             for n, b in wk.buffers.items():
                 if n in key:
                     b.copy_(sd["model"][key[n]])
-        names = wk.store.opt_params
+        names = wk.store.stepped()
         wk.store.load_optimizer({n: sd["optim"]["state"][key[n]] for n in names if sd["optim"]["state"][key[n]]},
-                                {n: _unpack(sd["optim"]["param_groups"][key[n]]) for n in names})
+                                {n: _unpack(sd["optim"]["param_groups"][key[n]]) for n in names}, optimizer_steps)
         wk.load_scaler_state(meta.get("scaler"))
         scheduler = wk.store.lr_scheduler
         if scheduler is not None and scheduler_state is not None:
-            scheduler.load_state_dict({**scheduler.state_dict(), **scheduler_state})
-            scheduler._last_lr = [g["lr"] for g in wk.store.optimizer.param_groups]
+            _load_scheduler(scheduler, scheduler_state, [g["lr"] for g in wk.store.optimizer.param_groups], path)
     if sd.get("rng", {}).get(f"rank{pipe.rank}"):
         rng = sd["rng"][f"rank{pipe.rank}"]
         torch.set_rng_state(rng["cpu"])
@@ -303,30 +379,36 @@ def _check_keys(pipe: "Pipeline", path: str, stored: dict) -> None:
     have = {k[len("model."):] for k in stored if k.startswith("model.")}
     missing = sorted(keys[0] for keys in originals.values() if keys and not any(k in have for k in keys))
     unexpected = sorted(have - expected)
-    trainable = {n for wk in pipe.workers.values() for n in wk.store.opt_params}
-    no_optim = sorted(originals[n][0] for n in trainable
+    stepped = {n for wk in pipe.workers.values() for n in wk.store.stepped()}
+    no_optim = sorted(originals[n][0] for n in stepped
                       if f"optim.param_groups.{originals[n][0]}" not in stored and originals[n][0] not in missing)
     mine = {}
     for wk in pipe.workers.values():
         mine.update({s.name: (s.shape, s.dtype) for s in wk.store.layout.slots})
         mine.update({n: (tuple(b.shape), b.dtype) for n, b in wk.buffers.items()})
+    mine.update({n: (tuple(t.shape), t.dtype) for n, t in pipe.staged.unused_state.items()})
     differ = []
     for n, (shape, dtype) in sorted(mine.items()):
         md = stored.get(f"model.{originals[n][0]}") if originals.get(n) else None
         if md is not None and (tuple(md.size), md.properties.dtype) != (tuple(shape), dtype):
             differ.append(f"{originals[n][0]} is {list(md.size)} {md.properties.dtype} there, {list(shape)} {dtype} here")
-    if missing or unexpected or no_optim or differ:
+    if missing or unexpected or differ:
         parts = []
         if missing:
             parts.append(f"missing {len(missing)} model keys: {missing}")
         if unexpected:
             parts.append(f"unexpected {len(unexpected)} model keys: {unexpected}")
-        if no_optim:
-            parts.append(f"no optimizer state for {no_optim}")
         if differ:
             parts.append(f"{len(differ)} tensors of another shape or dtype: {differ}")
         raise CheckpointError(
             f"load: {path} does not fit this model ({pipe.trace_info.model_class}): " + "; ".join(parts)
             + ". Load a checkpoint saved from the same model (for weights alone, load_state_dict takes a "
               "plain state dict)."
+        )
+    if no_optim:
+        raise CheckpointError(
+            f"load: this pipeline's optimizer steps {len(no_optim)} parameters that {path} holds no optimizer "
+            f"hyper-parameters for: {no_optim}. The run that saved it did not step them (frozen, or left out of "
+            f"every param group by its optimizer factory). Resume with the same requires_grad flags and optimizer "
+            f"factory (for weights alone, load_state_dict takes a plain state dict)."
         )

@@ -33,7 +33,6 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .backward import PendingWeights, SplitCache, backward_input
-from .errors import FxpipeError
 from .precision import Precision, compute_dtype
 
 __all__ = ["WeightStore", "weight_bytes", "versions_of"]
@@ -278,8 +277,17 @@ class WeightStore:
         ``exp_avg``, ...); empty before the first update."""
         return self.strategy.per_param_state() if self.optimizer is not None else {}
 
+    def stepped(self) -> list[str]:
+        """The trainable parameters in one of the optimizer's param groups, in layout order: the
+        ones it steps. A factory may leave a trainable parameter out of every group; it is then
+        not stepped, as under ``torch.optim``, and has no optimizer state or hyper-parameters."""
+        if self.optimizer is None:
+            return []
+        grouped = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        return [n for n, p in self.opt_params.items() if id(p) in grouped]
+
     def hyperparameters(self) -> dict[str, dict]:
-        """Trainable parameter -> the hyper-parameters of its param group (``lr`` as the
+        """Parameter of :meth:`stepped` -> the hyper-parameters of its param group (``lr`` as the
         scheduler left it, ``betas``, ``weight_decay``, ...)."""
         if self.optimizer is None:
             return {}
@@ -287,33 +295,53 @@ class WeightStore:
         return {names[id(p)]: {k: v for k, v in g.items() if k not in _STRUCTURE}
                 for g in self.optimizer.param_groups for p in g["params"]}
 
-    def load_optimizer(self, state: dict[str, dict[str, torch.Tensor]], hyper: dict[str, dict]) -> None:
-        """Restore :meth:`optimizer_state` and :meth:`hyperparameters` (per parameter; the
-        param groups are the factory's, each must find one set of values among its members)."""
+    def load_optimizer(self, state: dict[str, dict[str, torch.Tensor]], hyper: dict[str, dict],
+                       steps: int | None = None) -> None:
+        """Restore :meth:`optimizer_state` and :meth:`hyperparameters` (per parameter of
+        :meth:`stepped`; the param groups are the factory's, each must find one set of values
+        among its members) and the count of updates applied, ``steps`` (None, from a checkpoint
+        that did not save it: the largest ``step`` in ``state``, which SGD does not keep).
+
+        Of the hyper-parameters, those both sides hold are applied. The checkpoint must hold
+        every one this optimizer has by default (``optimizer.defaults``): one it lacks means
+        another optimizer. Others may be on one side only: a scheduler adds its own to the
+        groups (``initial_lr``; ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum`` for
+        OneCycleLR and CyclicLR), so a run may resume with a scheduler added or removed."""
+        from .checkpoint import CheckpointError
+
         if self.optimizer is None:
             return
         names = {id(p): n for n, p in self.opt_params.items()}
+        own = set(self.optimizer.defaults)
         for i, g in enumerate(self.optimizer.param_groups):
             members = [names[id(p)] for p in g["params"]]
-            values = [hyper[n] for n in members]
-            differ = [n for n, v in zip(members, values) if v != values[0]]
+            if not members:
+                continue
+            saved = hyper[members[0]]
+            lacking = sorted(own - set(saved))
+            if lacking:
+                raise CheckpointError(
+                    f"load: this pipeline's {type(self.optimizer).__name__} has hyper-parameters {lacking} that the "
+                    f"checkpoint's param groups lack (they hold {sorted(saved)}): it was trained with another "
+                    f"optimizer. Resume with the optimizer the checkpoint was trained with."
+                )
+            shared = [k for k in g if k not in _STRUCTURE and k in saved]
+            values = {n: {k: hyper[n][k] for k in shared} for n in members}
+            differ = [n for n in members if values[n] != values[members[0]]]
             if differ:
-                raise FxpipeError(
+                raise CheckpointError(
                     f"load: the optimizer's param group {i} holds {members[0]!r} and {differ[0]!r}, whose "
-                    f"saved hyper-parameters differ ({values[0]} vs {hyper[differ[0]]}). Build the param "
-                    f"groups the checkpoint was trained with (the same optimizer factory)."
+                    f"saved hyper-parameters differ ({values[members[0]]} vs {values[differ[0]]}). Build the "
+                    f"param groups the checkpoint was trained with (the same optimizer factory)."
                 )
-            mine = {k for k in g if k not in _STRUCTURE}
-            if values and set(values[0]) != mine:
-                raise FxpipeError(
-                    f"load: the checkpoint's optimizer has hyper-parameters {sorted(values[0])}, this "
-                    f"pipeline's {type(self.optimizer).__name__} has {sorted(mine)}. "
-                    f"Resume with the optimizer the checkpoint was trained with."
-                )
-            if values:
-                g.update(values[0])
+            g.update(values[members[0]])
         self.strategy.load_per_param_state(state)
-        self.optimizer_steps = max((int(st["step"]) for st in state.values() if "step" in st), default=0)
+        if not state:  # nothing stepped these parameters yet: the next update is their first
+            self.optimizer_steps = 0
+        elif steps is not None:
+            self.optimizer_steps = steps
+        else:
+            self.optimizer_steps = max((int(st["step"]) for st in state.values() if "step" in st), default=0)
 
     def nbytes(self) -> int:
         """Bytes this store holds: versions, gradient buffers, optimizer state, scratch."""
@@ -522,10 +550,11 @@ class _Fused:
                 + sum(b.nbytes for b in self.scratch.values()))
 
     def _views(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Trainable parameter -> state name -> its slice of the flat state, shaped like it."""
+        """Stepped parameter -> state name -> its slice of the flat state, shaped like it."""
+        stepped = set(self.store.stepped())  # a parameter in no group has no state, as under torch.optim
         return {s.name: {k: self.state[s.dtype][k][s.offset:s.offset + s.numel].view(s.shape)
                          for k in self.state_names}
-                for s in self.store.layout.slots if s.requires_grad}
+                for s in self.store.layout.slots if s.name in stepped}
 
     def per_param_state(self) -> dict[str, dict[str, torch.Tensor]]:
         steps = self.store.optimizer_steps

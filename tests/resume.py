@@ -32,7 +32,8 @@ def batch(step: int):
 
 def compile(schedule: str, stages: int, microbatches: int, *, width: int = 1, dropout: float = 0.1, lazy: bool = False,
             kernels: str = "off", world: int | None = None, dtype: torch.dtype = torch.float32, **options):
-    """The pipeline of one layout. ``world``: ranks of the process group (None: one process,
+    """The pipeline of one layout (``optimizer``, ``lr_scheduler``, ``loss_fn``: the defaults
+    above unless given). ``world``: ranks of the process group (None: one process,
     where ``width`` > 1 comes from a plan made for ``stages * width`` ranks). Runs of different
     layouts are compared in float64 (``dtype``): the attention key bias has a zero gradient, and
     Adam turns float32 rounding noise there into lr-sized steps that depend on summation order."""
@@ -50,8 +51,13 @@ def compile(schedule: str, stages: int, microbatches: int, *, width: int = 1, dr
         net, None if lazy else example, loss_fn=options.pop("loss_fn", lm_loss), microbatches=microbatches, schedule=schedule,
         stages=None if plan is not None else stages, plan=plan, max_grad_norm=0.5, verbose=False, kernels=kernels,
         optimizer=options.pop("optimizer", functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1)),
-        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s)), **options,
+        lr_scheduler=options.pop("lr_scheduler", schedule_lr), **options,
     )
+
+
+def schedule_lr(opt):
+    """The default lr schedule: ``lr / (1 + 0.3 s)`` after ``s`` updates."""
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.3 * s))
 
 
 def run(pipe, start: int, steps: int, *, load: str | None = None, save: str | None = None) -> dict:

@@ -144,3 +144,310 @@ def test_a_checkpoint_converts_to_one_torch_save_file_the_plain_model_loads(tmp_
     model.load_state_dict(sd["model"])  # strict: every key, tied aliases included
     newest = pipe.state_dict()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in newest.items())
+
+
+# ------------------------------------------------------------------ what a resume must keep
+
+
+def _resumes_as_uninterrupted(tmp_path, make, at: int = 3, total: int = 5) -> tuple[dict, dict]:
+    """``make()`` trained ``total`` steps straight, and trained ``at`` steps, saved, loaded into
+    a fresh ``make()`` that finishes: (uninterrupted, resumed), comparable with :func:`_equal`."""
+    full = resume.run(make(), 0, total)
+    resume.run(make(), 0, at, save=str(tmp_path))
+    resumed = resume.run(make(), at, total - at, load=str(tmp_path))
+    return {"losses": full["losses"][at:], "state": full["state"]}, resumed
+
+
+def _no_bias(named):
+    # the README: a trainable parameter the factory puts in no group is not stepped
+    return torch.optim.AdamW([p for n, p in named if "bias" not in n], lr=1e-2)
+
+
+@pytest.mark.parametrize("kernels", ["off", "torch"])
+def test_parameters_left_out_of_every_group_save_and_resume(tmp_path, kernels):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    def make():
+        return resume.compile("1f1b", 2, 2, kernels=kernels, optimizer=_no_bias)
+
+    full, resumed = _resumes_as_uninterrupted(tmp_path, make)
+    _equal(full, resumed)
+    dcp_to_torch_save(tmp_path / "step-00000003", tmp_path / "ckpt.pt")
+    optim = torch.load(tmp_path / "ckpt.pt", weights_only=False)["optim"]
+    for section in ("state", "param_groups"):  # as torch.optim keeps them: nothing for a parameter never stepped
+        assert "blocks.0.fc.weight" in optim[section] and not any("bias" in k for k in optim[section]), section
+    # the other way round: a parameter stepped here that the checkpoint's run did not step
+    with pytest.raises(CheckpointError, match=r"this pipeline's optimizer steps 13 parameters that .* holds no optimizer "
+                                              r"hyper-parameters for: \['blocks\.0\.attn\.proj\.bias'.*Resume with the "
+                                              r"same requires_grad flags and optimizer factory"):
+        resume.compile("1f1b", 2, 2, kernels=kernels).load(str(tmp_path))
+
+
+def _sgd(named):
+    return torch.optim.SGD([p for _, p in named], lr=0.05, momentum=0.9)
+
+
+def test_sgd_momentum_of_a_torch_optim_checkpoint_resumes_on_the_fused_path(tmp_path):
+    # torch's SGD keeps no `step`: the update count is saved apart, so the fused update (CUDA's
+    # default; "torch" here) does not take its next step for the first and overwrite the momentum
+    layout = dict(optimizer=_sgd, dropout=0.0, dtype=torch.float64)
+    full = resume.run(resume.compile("1f1b", 2, 2, **layout), 0, 5)
+    resume.run(resume.compile("1f1b", 2, 2, **layout), 0, 3, save=str(tmp_path))
+    fused = resume.compile("1f1b", 2, 2, kernels="torch", **layout)
+    resumed = resume.run(fused, 3, 2, load=str(tmp_path))
+    assert [wk.store.path for wk in fused.workers.values()] == ["fused (torch)"] * 2
+    assert [wk.store.optimizer_steps for wk in fused.workers.values()] == [5, 5]
+    assert resume.max_rel_diff(resumed, {"losses": full["losses"][3:], "state": full["state"]}) < 1e-12
+
+
+def test_a_checkpoint_without_the_update_count_counts_adams_step(tmp_path, monkeypatch):
+    # checkpoints written before optimizer_steps was saved still resume: Adam's `step` counts
+    from fxpipe import checkpoint
+
+    state = checkpoint.state
+
+    def without_count(pipe, extra):
+        sd = state(pipe, extra)
+        del sd["optimizer_steps"]
+        return sd
+
+    monkeypatch.setattr(checkpoint, "state", without_count)
+    resume.run(resume.compile("1f1b", 2, 2), 0, 3, save=str(tmp_path))
+    fused = resume.compile("1f1b", 2, 2, kernels="torch")
+    fused.load(str(tmp_path))
+    assert [wk.store.optimizer_steps for wk in fused.workers.values()] == [3, 3]
+
+
+def _groups(named):
+    # stage 0 holds two param groups (wte/wpe, blocks.0), stage 1 three (blocks.1, ln_f, the tied wte)
+    rules = [(("wte", "wpe"), 5e-3), (("blocks.0.",), 1e-2), (("blocks.1.",), 4e-2), (("ln_f",), 2e-2)]
+    groups = [{"params": [p for n, p in named if n.startswith(prefixes)], "lr": lr} for prefixes, lr in rules]
+    return torch.optim.AdamW([g for g in groups if g["params"]])
+
+
+def _warmup_cosine(opt):
+    L = torch.optim.lr_scheduler
+    return L.SequentialLR(opt, [L.LinearLR(opt, start_factor=0.5, total_iters=2), L.CosineAnnealingLR(opt, T_max=10)],
+                          milestones=[2])
+
+
+def _chained(opt):
+    L = torch.optim.lr_scheduler
+    # CosineAnnealingLR reads its base_lrs where a period ends (at step 3 of T_max=2)
+    return L.ChainedScheduler([L.LinearLR(opt, start_factor=0.5, total_iters=2), L.CosineAnnealingLR(opt, T_max=2)])
+
+
+@pytest.mark.parametrize("scheduler", [_warmup_cosine, _chained], ids=["SequentialLR", "ChainedScheduler"])
+def test_nested_lr_schedulers_resume_with_each_stages_own_groups(tmp_path, scheduler):
+    # the nested schedulers' per-group lists (base_lrs, _last_lr) are each stage's own, as at the top level
+    pipes = []
+
+    def make():
+        pipes.append(resume.compile("1f1b", 2, 2, dropout=0.0, dtype=torch.float64, optimizer=_groups,
+                                    lr_scheduler=scheduler))
+        return pipes[-1]
+
+    full, resumed = _resumes_as_uninterrupted(tmp_path, make, at=1)
+    _equal(full, resumed)
+    lrs = [[[g["lr"] for g in wk.store.optimizer.param_groups] for wk in p.workers.values()] for p in (pipes[0], pipes[2])]
+    assert lrs[0] == lrs[1] and len(lrs[1][1]) == 3
+
+
+def test_a_nested_scheduler_of_another_shape_is_named(tmp_path):
+    def three(opt):
+        L = torch.optim.lr_scheduler
+        return L.SequentialLR(opt, [L.LinearLR(opt, total_iters=2), L.ConstantLR(opt, total_iters=2),
+                                    L.CosineAnnealingLR(opt, T_max=10)], milestones=[2, 4])
+
+    resume.run(resume.compile("1f1b", 2, 2, lr_scheduler=_warmup_cosine), 0, 1, save=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"holds an lr scheduler of 2 nested schedulers, this pipeline's "
+                                              r"lr_scheduler factory builds 3\. Resume with the scheduler the"):
+        resume.compile("1f1b", 2, 2, lr_scheduler=three).load(str(tmp_path))
+
+
+def test_a_fully_frozen_first_stage_keeps_the_lr_schedule(tmp_path):
+    # stage 0 trains nothing, so it has no optimizer and no scheduler: the last stage's is saved
+    pipes = []
+
+    def make():
+        net = resume.model(0.0).double()
+        for n, p in net.named_parameters():
+            p.requires_grad_(n.startswith("ln_f"))
+        import fxpipe
+        from fxpipe.demo import lm_loss
+
+        pipes.append(fxpipe.compile(net, (resume.batch(0)[0][:4],), loss_fn=lm_loss, microbatches=2, stages=2,
+                                    schedule="1f1b", verbose=False, lr_scheduler=resume.schedule_lr))
+        return pipes[-1]
+
+    full, resumed = _resumes_as_uninterrupted(tmp_path, make)
+    assert pipes[0].workers[0].store.optimizer is None
+    _equal(full, resumed)
+    assert pipes[2].workers[1].store.lr_scheduler.last_epoch == 5
+
+
+def test_schedulers_that_differ_between_stages_cannot_be_saved(tmp_path):
+    # a checkpoint keeps one scheduler state for every stage
+    def by_size(opt):
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=len(opt.param_groups[0]["params"]))
+
+    pipe = resume.compile("1f1b", 2, 2, lr_scheduler=by_size)
+    pipe.step(*resume.batch(1))
+    with pytest.raises(CheckpointError, match=r"the lr scheduler's state \(less its per-group lists\) differs between "
+                                              r"stage 0 and stages \[1\].*Make the lr_scheduler factory build the same "
+                                              r"scheduler"):
+        pipe.save(str(tmp_path))
+
+
+def test_a_run_resumes_with_an_lr_scheduler_added_or_removed(tmp_path):
+    # a scheduler adds initial_lr (OneCycleLR also max_lr, min_lr, the momenta) to the param groups
+    import functools
+
+    def one_cycle(opt):
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=2e-2, total_steps=20)
+
+    resume.run(resume.compile("1f1b", 2, 2, lr_scheduler=None), 0, 2, save=str(tmp_path / "plain"))
+    added = resume.compile("1f1b", 2, 2, lr_scheduler=one_cycle)
+    resume.run(added, 2, 1, load=str(tmp_path / "plain"), save=str(tmp_path / "cycled"))
+    assert added.workers[0].store.optimizer.param_groups[0]["max_lr"] == 2e-2
+    removed = resume.compile("1f1b", 2, 2, lr_scheduler=None)
+    resume.run(removed, 3, 1, load=str(tmp_path / "cycled"))
+    assert "max_lr" not in removed.workers[0].store.optimizer.param_groups[0]
+    # what remains an error is another optimizer, named as the cause
+    sgd = resume.compile("1f1b", 2, 2, optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))
+    with pytest.raises(CheckpointError, match=r"this pipeline's SGD has hyper-parameters \['dampening', 'momentum', "
+                                              r"'nesterov'\] that the checkpoint's param groups lack .*trained with "
+                                              r"another optimizer\. Resume with the optimizer the checkpoint was"):
+        sgd.load(str(tmp_path / "plain"))
+
+
+# the per-micro-batch and per-step records of a worker, which a flush leaves empty
+_IN_FLIGHT = ("inputs", "targets", "recv_act", "recv_grad", "ctx", "sends", "loss_posts", "reductions", "norm_sq",
+              "clip_coef", "loss_check", "nonfinite", "dropped", "losses", "batch_loss", "batch_scale", "updated_flags")
+
+
+def _mlp(accumulate: str):
+    import functools
+
+    import fxpipe
+
+    poison = [False]
+
+    def loss_fn(out, y):
+        loss = torch.nn.functional.mse_loss(out, y)
+        return loss * float("nan") if poison[0] else loss
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                              torch.nn.Linear(16, 4))
+    pipe = fxpipe.compile(net, (torch.zeros(2, 8),), loss_fn=loss_fn, microbatches=4, stages=2, verbose=False,
+                          schedule="2bw", accumulate=accumulate, optimizer=functools.partial(torch.optim.Adam, lr=1e-2),
+                          lr_scheduler=resume.schedule_lr)
+    return pipe, poison
+
+
+def _mlp_batch(t: int):
+    g = torch.Generator().manual_seed(t)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+@pytest.mark.parametrize("accumulate", ["gradients", "optimizer"], ids=["2bw", "2bw-AdamA"])
+def test_load_revives_a_pipeline_a_non_finite_step_stopped(tmp_path, accumulate):
+    # NonFiniteError says to load the last checkpoint: into the same pipeline, which then trains
+    # as a fresh one loaded from it (nothing of the failed steps stays: no AdamA flag, no loss)
+    from fxpipe.errors import NonFiniteError
+
+    pipe, poison = _mlp(accumulate)
+    for t in (1, 2):
+        pipe.step(*_mlp_batch(t))
+    pipe.save(str(tmp_path))
+    poison[0] = True
+    with pytest.raises(NonFiniteError):
+        for t in (3, 4, 5):
+            pipe.step(*_mlp_batch(t))
+    with pytest.raises(NonFiniteError):  # stopped
+        pipe.step(*_mlp_batch(t + 1))
+    poison[0] = False
+    pipe.load(str(tmp_path))
+    assert pipe.steps == 2
+    for wk in pipe.workers.values():
+        assert not wk.halted and not any(getattr(wk, name) for name in _IN_FLIGHT), wk.index
+    fresh, _ = _mlp(accumulate)
+    fresh.load(str(tmp_path))
+    for t in (3, 4, 5):
+        assert float(pipe.step(*_mlp_batch(t))) == float(fresh.step(*_mlp_batch(t)))
+    got, want = pipe.state_dict(), fresh.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+class _Pooled(torch.nn.Module):
+    """A pooler no node reads (a head the loss does not use) and a non-persistent buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.pooler = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.full((8,), 0.5), persistent=False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)) * self.scale)
+
+
+def _pooled(seed: int):
+    import fxpipe
+
+    torch.manual_seed(seed)
+    return fxpipe.compile(_Pooled(), (torch.randn(2, 8),), loss_fn=torch.nn.functional.mse_loss, microbatches=2,
+                          stages=2, schedule="1f1b", verbose=False)
+
+
+def test_parameters_no_node_reads_are_loaded_too(tmp_path):
+    pipe = _pooled(0)
+    pipe.step(torch.randn(4, 8), torch.randn(4, 8))
+    pipe.save(str(tmp_path))
+    pipe.wait_for_checkpoint()
+    restarted = _pooled(1)  # another random init, as a restarted job builds its model
+    assert not torch.equal(restarted.state_dict()["pooler.weight"], pipe.state_dict()["pooler.weight"])
+    restarted.load(str(tmp_path))
+    got, want = restarted.state_dict(), pipe.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    again = _pooled(2)
+    again.load_state_dict(want)
+    got = again.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_load_state_dict_takes_a_model_with_a_non_persistent_buffer():
+    # the buffer is in no state dict and keeps its value, as in PyTorch
+    pipe = _pooled(0)
+    other = _Pooled()
+    sd = other.state_dict()
+    assert "scale" not in sd
+    pipe.load_state_dict(sd)
+    got = pipe.state_dict()
+    assert got.keys() == sd.keys() and all(torch.equal(got[k], sd[k]) for k in sd)
+    assert all(torch.equal(b, torch.full((8,), 0.5)) for wk in pipe.workers.values() for b in wk.buffers.values())
+    del sd["pooler.bias"]
+    with pytest.raises(KeyError, match=r"the model's state that no node reads needs 1 keys the state dict lacks, "
+                                       r"e\.g\. \['pooler\.bias'\]\. Pass a state dict of the same model"):
+        pipe.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("saved_m,m", [(2, 4), (4, 2)])
+def test_a_lazy_resume_into_another_micro_batch_count_keeps_the_global_batch(tmp_path, saved_m, m):
+    # the traced micro-batch is re-cut from the checkpoint's (4 samples -> 2, or 2 -> 4 repeated)
+    layout = dict(dropout=0.0, dtype=torch.float64)
+    resume.run(resume.compile("2bw", 2, saved_m, **layout), 0, 3, save=str(tmp_path))
+    full = resume.run(resume.compile("2bw", 2, m, **layout), 0, 5)
+    pipe = resume.compile("2bw", 2, m, lazy=True, **layout)
+    resumed = resume.run(pipe, 3, 2, load=str(tmp_path))
+    assert (pipe.plan.microbatches, pipe.plan.microbatch_size) == (m, resume.GLOBAL_BATCH // m)
+    assert resume.max_rel_diff(resumed, {"losses": full["losses"][3:], "state": full["state"]}) < 1e-5
+
+
+def test_a_lazy_resume_into_a_micro_batch_count_that_does_not_divide_the_batch_says_which_do(tmp_path):
+    resume.run(resume.compile("1f1b", 2, 2), 0, 1, save=str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"trained on global batches of 8 samples \(4 per micro-batch x 2 micro-"
+                                              r"batches x 1 replicas\); this pipeline splits a batch into 3 micro-"
+                                              r"batches x 1 replicas, which does not divide 8\. Pass microbatches= one "
+                                              r"of \[1, 2, 4, 8\]"):
+        resume.compile("1f1b", 2, 3, lazy=True).load(str(tmp_path))
