@@ -34,18 +34,22 @@ def _load_factory(spec: str, cmd: str = "inspect"):
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    from .errors import FxpipeError
     from .inspect import inspect
 
     model, example_inputs = _load_factory(args.factory)
-    paths = inspect(model, example_inputs, args.out, stages=args.stages or None,
-                    microbatches=args.microbatches, schedule=args.schedule)
+    try:
+        paths = inspect(model, example_inputs, args.out, stages=args.stages or None,
+                        microbatches=args.microbatches, schedule=args.schedule)
+    except FxpipeError as e:  # what the user can fix (--stages, the model): its message, no traceback
+        raise SystemExit(f"fxpipe inspect: {e}") from None
     for p in paths:
         print(p)
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .errors import PlanError
+    from .errors import FxpipeError, PlanError
     from .partition import _resolve_cluster, plan
 
     try:
@@ -56,7 +60,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         p = plan(model, example_inputs, cluster=cluster, global_batch=args.global_batch, schedule=args.schedule,
                  precision=args.precision, world_size=args.world_size, stages=args.stages, top=args.top)
-    except PlanError as e:
+    except FxpipeError as e:  # a PlanError, or a TraceError: its message, no traceback
         raise SystemExit(f"fxpipe plan: {e}") from None
     print(p)
     if args.json:

@@ -226,6 +226,70 @@ class PipelineConfig:
         if not _known_device(self.device):
             bad("device", "'auto', 'cpu' or 'cuda[:i]' (or None, or a torch.device of those)", self.device,
                 "fxpipe computes on the CPU or on CUDA GPUs")
+        if self.recompute is not None and not isinstance(self.recompute, bool):
+            bad("recompute", "True, False or None", self.recompute,
+                "True recomputes activations in the backward where that saves memory, False never, None lets the "
+                "planner decide")
+        if self.device_model is not None and not isinstance(self.device_model, DeviceModel):
+            bad("device_model", "a fxpipe.cost.DeviceModel (or None)", self.device_model,
+                "pass e.g. fxpipe.cost.DeviceModel.for_device(torch.device('cpu')) with your figures replaced, or "
+                "None for the device's defaults; the device to compute on is device=")
+        if self.plan is not None:
+            object.__setattr__(self, "plan", _read_plan(self.plan))  # frozen: a Plan from here on
+
+    def check_plan(self) -> None:
+        """The arguments a given ``plan`` fixes must not say otherwise (each would be silently
+        overridden): ``stages`` and ``recompute`` (the plan's run), ``precision`` (compile's runs,
+        on a plan whose memory and time model priced another). ``schedule`` and
+        ``microbatches`` are checked against it where the plan is read (``Pipeline._setup``)."""
+        p = self.plan
+        if p is None:
+            return
+        if self.stages is not None and self.stages != p.stages:
+            raise ConfigError(
+                f"fxpipe.compile: stages={self.stages} contradicts the plan, which has {p.stages} stages (width "
+                f"{p.width}); the plan's would run. Pass stages=None (or {p.stages}) to run the plan, or make a plan "
+                f"for {self.stages} stages (fxpipe.plan(..., stages={self.stages}))."
+            )
+        if self.recompute is not None and self.recompute != any(p.recompute):
+            where = [s for s, r in enumerate(p.recompute) if r]
+            has = f"recomputes on stage(s) {where}" if where else "recomputes on no stage"
+            raise ConfigError(
+                f"fxpipe.compile: recompute={self.recompute} contradicts the plan, which {has}; the plan's "
+                f"recomputation would run. Pass recompute=None to run the plan as it is, or make a plan with "
+                f"fxpipe.plan(..., recompute={self.recompute})."
+            )
+        if self.precision != p.precision:
+            raise ConfigError(
+                f"fxpipe.compile: precision={self.precision!r} contradicts the plan, made for precision="
+                f"{p.precision!r}: compile's precision would run on stages whose memory and time were priced for "
+                f"another. Pass precision={p.precision!r}, or make a plan for it (fxpipe.plan(..., "
+                f"precision={self.precision!r}))."
+            )
+
+
+def _read_plan(plan):
+    """compile's ``plan=``: a :class:`fxpipe.Plan`, or its JSON (``Plan.to_json()``)."""
+    from .plan import Plan
+
+    if isinstance(plan, Plan):
+        return plan
+    if not isinstance(plan, str):
+        raise ConfigError(
+            f"fxpipe.compile: plan must be a fxpipe.Plan or its JSON (Plan.to_json()), or None, found a "
+            f"{type(plan).__name__}; pass fxpipe.plan(model, example_inputs, ...)'s result or the text of "
+            f"`fxpipe plan --json PATH` (to ask for a depth alone, pass stages= instead)"
+        )
+    try:
+        return Plan.from_json(plan)
+    except Exception as e:  # noqa: BLE001 - whatever the text is, it is not a plan
+        path = os.path.isfile(plan) if len(plan) < 4096 else False
+        hint = ("; this is a file's path: pass fxpipe.Plan.from_json(open(path).read())" if path else
+                "; pass the text Plan.to_json() or `fxpipe plan --json PATH` wrote")
+        raise ConfigError(
+            f"fxpipe.compile: plan must be a fxpipe.Plan or its JSON (Plan.to_json()), found a string that is no "
+            f"plan's JSON ({type(e).__name__}: {str(e)[:200]}){hint}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -296,6 +360,7 @@ class Pipeline:
             raise TypeError(f"fxpipe.compile expects an nn.Module, found {type(model).__name__}")
         self.model = model
         self.config = config = config or PipelineConfig()
+        config.check_plan()
         self._setup_done = False
         self.distributed, self.device, self.timeout = _init_distributed(config.device, config.timeout)
         self.rank = dist.get_rank() if self.distributed else 0
@@ -535,6 +600,7 @@ class Pipeline:
         return staged
 
     def describe(self) -> str:
+        self._require_setup("describe")
         o = self.config
         opt = getattr(o.optimizer, "func", o.optimizer)
         opt_name = getattr(opt, "__name__", type(opt).__name__)
@@ -617,7 +683,10 @@ class Pipeline:
     def _width_hint(self) -> int:
         """Data-parallel width before planning, to cut the first micro-batch at the right size:
         world / stages when stages is given; with stages=None the lazy path plans a pure
-        pipeline (d = world size, w = 1), since the micro-batch size must be known to trace."""
+        pipeline (d = world size, w = 1), since the micro-batch size must be known to trace. A
+        given plan has its own width."""
+        if self.config.plan is not None:
+            return self.config.plan.width
         if self.config.stages is None:
             self.config = replace(self.config, stages=self.world_size if self.distributed else 1)
         return max(1, self.world_size // self.config.stages) if self.distributed else 1

@@ -117,6 +117,12 @@ class WeightStore:
             raise ConfigError(f"optimizer factory returned {type(self.optimizer).__name__}, expected a torch.optim."
                               f"Optimizer; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
         self.lr_scheduler = lr_scheduler(self.optimizer) if (lr_scheduler and self.optimizer) else None
+        if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
+            from .errors import ConfigError  # found here, at set-up, not at the first UPDATE mid-step
+            raise ConfigError(f"fxpipe.compile: the lr_scheduler factory returned {type(self.lr_scheduler).__name__}, "
+                              f"expected a scheduler with a .step() method (a torch.optim.lr_scheduler.LRScheduler), "
+                              f"stepped once per step; pass e.g. lambda optimizer: "
+                              f"torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)")
         # The fused kernels where they implement the optimizer; torch.optim otherwise, with the
         # reason in ``fallback`` (``strict_kernels``, i.e. kernels="triton": raise it instead).
         self.fallback: str | None = None

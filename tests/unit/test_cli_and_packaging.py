@@ -50,6 +50,15 @@ def test_inspect_bad_factory_says_what_is_expected(tmp_path):
     assert r.returncode != 0 and "expected MODULE:FACTORY" in r.stderr
 
 
+def test_inspect_a_plan_error_is_one_line_without_a_traceback(tmp_path):
+    from fxpipe.cli import main  # in this process: a PlanError is raised before anything is written
+
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "fxpipe.demo:demo_factory", "--stages", "500", "--out", str(tmp_path / "out")])
+    assert str(e.value).startswith("fxpipe inspect: cannot cut ") and "into 500 stages" in str(e.value)
+    assert "use stages <= " in str(e.value) and e.value.__cause__ is None and e.value.__suppress_context__
+
+
 @pytest.mark.parametrize("editable", [False, True], ids=["regular", "editable"])
 def test_kernels_import_as_fxpipe_kernels_from_an_install(tmp_path, editable):
     """``kernels/`` installs as ``fxpipe.kernels`` (never the generic top-level ``kernels``)."""

@@ -407,6 +407,18 @@ def test_rejected_step_leaves_no_state():
                       "timeout=600, or None for 300 s (or the process group's own)"),
     (dict(nonfinite="ignore"), "fxpipe.compile: nonfinite must be 'raise' or 'skip' (or None), found 'ignore'; 'raise' stops "
                                "at a NaN/inf loss or gradient, 'skip' drops that step's update and trains on"),
+    (dict(recompute="yes"), "fxpipe.compile: recompute must be True, False or None, found 'yes'; True recomputes "
+                            "activations in the backward where that saves memory, False never, None lets the planner "
+                            "decide"),
+    (dict(device_model="cpu"), "fxpipe.compile: device_model must be a fxpipe.cost.DeviceModel (or None), found 'cpu'; "
+                               "pass e.g. fxpipe.cost.DeviceModel.for_device(torch.device('cpu')) with your figures "
+                               "replaced, or None for the device's defaults; the device to compute on is device="),
+    (dict(plan={"stages": 2}), "fxpipe.compile: plan must be a fxpipe.Plan or its JSON (Plan.to_json()), or None, found a "
+                               "dict; pass fxpipe.plan(model, example_inputs, ...)'s result or the text of `fxpipe plan "
+                               "--json PATH` (to ask for a depth alone, pass stages= instead)"),
+    (dict(plan="not json"), "fxpipe.compile: plan must be a fxpipe.Plan or its JSON (Plan.to_json()), found a string that "
+                            "is no plan's JSON (JSONDecodeError: Expecting value: line 1 column 1 (char 0)); pass the "
+                            "text Plan.to_json() or `fxpipe plan --json PATH` wrote"),
 ])
 def test_compile_rejects_bad_arguments(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
@@ -419,6 +431,44 @@ def test_optimizer_factory_must_return_an_optimizer():
             "optimizer factory returned list, expected a torch.optim.Optimizer; pass e.g. "
             "functools.partial(torch.optim.AdamW, lr=1e-3)")):
         _compile(optimizer=lambda named: [p for _, p in named])
+
+
+def test_arguments_that_contradict_the_plan_are_refused():
+    model, example = _mlp(), (torch.randn(B, 16),)
+    plan = fxpipe.plan(model, example, stages=2, microbatches=M, schedule="1f1b", recompute=False)
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: stages=3 contradicts the plan, which has 2 stages (width 1); the plan's would run. Pass "
+            "stages=None (or 2) to run the plan, or make a plan for 3 stages (fxpipe.plan(..., stages=3)).")):
+        _compile(model, example, plan=plan, stages=3)
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: recompute=True contradicts the plan, which recomputes on no stage; the plan's "
+            "recomputation would run. Pass recompute=None to run the plan as it is, or make a plan with "
+            "fxpipe.plan(..., recompute=True).")):
+        _compile(model, example, plan=plan.to_json(), stages=None, recompute=True)
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: precision='bf16' contradicts the plan, made for precision='fp32': compile's precision "
+            "would run on stages whose memory and time were priced for another. Pass precision='fp32', or make a "
+            "plan for it (fxpipe.plan(..., precision='bf16')).")):
+        _compile(model, example, plan=plan, precision="bf16")
+    assert _compile(model, example, plan=plan, stages=2, recompute=False).plan == plan
+
+
+def test_a_lazy_pipeline_cuts_its_first_micro_batch_by_the_plans_width():
+    model, example = _mlp(), (torch.randn(B, 16),)
+    plan = fxpipe.plan(model, example, stages=2, microbatches=M, schedule="1f1b", world_size=4)
+    assert plan.width == 2
+    lazy = fxpipe.compile(model, loss_fn=_mse, optimizer=SGD, microbatches=M, schedule="1f1b", plan=plan,
+                          verbose=False)
+    assert isinstance(lazy.step(*_batch(B * M * 2)), float)
+    assert lazy.plan == plan
+
+
+def test_lr_scheduler_factory_must_return_a_scheduler():
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: the lr_scheduler factory returned int, expected a scheduler with a .step() method (a "
+            "torch.optim.lr_scheduler.LRScheduler), stepped once per step; pass e.g. lambda optimizer: "
+            "torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)")):
+        _compile(lr_scheduler=lambda optimizer: 5)
 
 
 def test_input_errors_are_fxpipe_and_value_errors(pipe):

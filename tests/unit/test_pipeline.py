@@ -109,6 +109,9 @@ def test_state_dict_before_any_step_explains():
     pipe = fxpipe.compile(model, stages=2, verbose=False)
     with pytest.raises(FxpipeError, match="pass example_inputs to fxpipe.compile or call step"):
         pipe.state_dict()
+    with pytest.raises(FxpipeError, match=re.escape(
+            "describe() before the pipeline was built: pass example_inputs to fxpipe.compile or call step() first")):
+        pipe.describe()
 
 
 def test_saved_plan_for_another_model_is_rejected():
@@ -315,7 +318,8 @@ def test_dropout_masks_do_not_depend_on_recomputation():
     plan = fxpipe.plan(model, example, stages=case.stages, microbatches=case.microbatches, recompute=True)
     assert plan.recompute[0]  # (the last stage, one micro-batch in flight, never recomputes)
     with_r = single_process(case, plan=plan)
-    without_r = single_process(case, plan=dataclasses.replace(plan, recompute=(False,) * plan.stages))
+    without_r = single_process(dataclasses.replace(case, recompute=False),  # the plan says: none recomputes
+                               plan=dataclasses.replace(plan, recompute=(False,) * plan.stages))
     no_dropout = single_process(dataclasses.replace(case, dropout=0.0))
     assert with_r[0] == without_r[0]
     assert all(torch.equal(with_r[1][k], without_r[1][k]) for k in with_r[1])
