@@ -1028,6 +1028,7 @@ class Pipeline:
         from . import checkpoint
 
         self._require_setup("save")
+        self._check_not_broken("save")
         if self._stopped is not None:  # its step count would not match its weights
             raise self._stopped
         self.wait_for_checkpoint()
@@ -1055,11 +1056,15 @@ class Pipeline:
         """Restore what :meth:`save` wrote and return its ``extra``. ``path``: a folder given to
         ``save`` (its ``latest`` checkpoint) or one checkpoint directory. A collective under
         torchrun. Right after a lazy ``compile(model)`` (no example inputs) the pipeline is
-        built from the checkpoint's traced example and, unless ``stages``/``plan`` were given,
-        its plan. The layout may differ from the saving run's (other d, w): tensors are read
-        by key. Reports every missing and unexpected key of a checkpoint of another model."""
+        built from the checkpoint's traced example and, unless ``stages``/``plan``/another
+        ``microbatches`` were given, its plan; in another layout the example is re-cut so that a
+        step takes the saving run's global batch. The layout may differ from the saving run's
+        (other d, w, m): tensors are read by key. Reports every missing and unexpected key of a
+        checkpoint of another model. A pipeline a non-finite step stopped trains on after it;
+        one whose step failed part-way (an action raised) cannot, and raises."""
         from . import checkpoint
 
+        self._check_not_broken("load")  # a half-run step cannot be drained, nor its messages matched
         self.wait_for_checkpoint()
         resolved = checkpoint.resolve(path)
         meta = checkpoint.read_meta(resolved)

@@ -31,16 +31,20 @@ def batch(step: int):
 
 
 def compile(schedule: str, stages: int, microbatches: int, *, width: int = 1, dropout: float = 0.1, lazy: bool = False,
-            kernels: str = "off", world: int | None = None, dtype: torch.dtype = torch.float32, **options):
+            kernels: str = "off", world: int | None = None, dtype: torch.dtype = torch.float32, trainable=None,
+            **options):
     """The pipeline of one layout (``optimizer``, ``lr_scheduler``, ``loss_fn``: the defaults
-    above unless given). ``world``: ranks of the process group (None: one process,
-    where ``width`` > 1 comes from a plan made for ``stages * width`` ranks). Runs of different
-    layouts are compared in float64 (``dtype``): the attention key bias has a zero gradient, and
-    Adam turns float32 rounding noise there into lr-sized steps that depend on summation order."""
+    above unless given; ``trainable(name)``: whether a parameter trains, by default all).
+    ``world``: ranks of the process group (None: one process, where ``width`` > 1 comes from a
+    plan made for ``stages * width`` ranks). Runs of different layouts are compared in float64
+    (``dtype``): the attention key bias has a zero gradient, and Adam turns float32 rounding noise
+    there into lr-sized steps that depend on summation order."""
     import fxpipe
     from fxpipe.demo import lm_loss
 
     net = model(dropout).to(dtype)
+    for n, p in net.named_parameters():
+        p.requires_grad_(trainable is None or trainable(n))
     b = GLOBAL_BATCH // (microbatches * width)
     example = (batch(0)[0][:b],)
     plan = None

@@ -93,6 +93,41 @@ def test_four_ranks_resume_bitwise_and_reshard(tmp_path, monkeypatch):
     _check_resume(4, tmp_path, monkeypatch)
 
 
+def frozen_first_stage(rank: int, world: int) -> dict:
+    """Stage 0 trains nothing, so its rank has no optimizer and no lr scheduler: 5 steps straight,
+    and 3 steps saved and resumed for 2 more; then schedulers that differ between the stages."""
+    root = os.environ[DIR]
+    options = dict(world=world, dropout=0.0, dtype=torch.float64, trainable=lambda n: n.startswith("ln_f"))
+    out = {"full": resume.run(resume.compile("1f1b", 2, 2, **options), 0, 5)}
+    resume.run(resume.compile("1f1b", 2, 2, **options), 0, 3, save=os.path.join(root, "frozen"))
+    out["resumed"] = resume.run(resume.compile("1f1b", 2, 2, lazy=True, **options), 3, 2,
+                                load=os.path.join(root, "frozen"))
+
+    def by_size(opt):  # another step size on each stage
+        return torch.optim.lr_scheduler.StepLR(opt, step_size=len(opt.param_groups[0]["params"]))
+
+    pipe = resume.compile("1f1b", 2, 2, world=world, lr_scheduler=by_size)
+    pipe.step(*resume.batch(1))
+    try:
+        pipe.save(os.path.join(root, "differ"))
+    except Exception as e:
+        out["differ"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def test_a_checkpoint_of_a_fully_frozen_first_stage_saves_and_resumes(tmp_path, monkeypatch):
+    # the rank comparison of the scheduler state skips a rank without one, and names the scheduler
+    monkeypatch.setenv(DIR, str(tmp_path))
+    ranks = run_function(2, "tests.dist.test_reliability:frozen_first_stage", timeout=300)
+    for rank, result in enumerate(ranks):
+        assert result["error"] is None, result["error"]
+        got = result["value"]
+        assert got["resumed"]["losses"] == got["full"]["losses"][3:], rank
+        assert all(torch.equal(v, got["resumed"]["state"][k]) for k, v in got["full"]["state"].items()), rank
+        assert re.fullmatch(r"CheckpointError: save: the lr scheduler's state \(less its per-group lists\) differs "
+                            r"between rank 0 and ranks \[1\].*the same scheduler .*", got["differ"]), got["differ"]
+
+
 # ------------------------------------------------------------------------------------- faults
 
 TIMEOUT = 1.0  # seconds: compile(timeout=...) of the fault tests

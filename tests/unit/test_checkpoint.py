@@ -270,14 +270,8 @@ def test_a_fully_frozen_first_stage_keeps_the_lr_schedule(tmp_path):
     pipes = []
 
     def make():
-        net = resume.model(0.0).double()
-        for n, p in net.named_parameters():
-            p.requires_grad_(n.startswith("ln_f"))
-        import fxpipe
-        from fxpipe.demo import lm_loss
-
-        pipes.append(fxpipe.compile(net, (resume.batch(0)[0][:4],), loss_fn=lm_loss, microbatches=2, stages=2,
-                                    schedule="1f1b", verbose=False, lr_scheduler=resume.schedule_lr))
+        pipes.append(resume.compile("1f1b", 2, 2, dropout=0.0, dtype=torch.float64,
+                                    trainable=lambda n: n.startswith("ln_f")))
         return pipes[-1]
 
     full, resumed = _resumes_as_uninterrupted(tmp_path, make)
@@ -451,3 +445,31 @@ def test_a_lazy_resume_into_a_micro_batch_count_that_does_not_divide_the_batch_s
                                               r"batches x 1 replicas, which does not divide 8\. Pass microbatches= one "
                                               r"of \[1, 2, 4, 8\]"):
         resume.compile("1f1b", 2, 3, lazy=True).load(str(tmp_path))
+
+
+def test_load_into_a_pipeline_whose_step_failed_part_way_says_to_compile_a_new_one(tmp_path):
+    # unlike a non-finite step, an action that raised leaves the ranks part-way through a step
+    calls = [0]
+
+    def loss_fn(out, y):
+        from fxpipe.demo import lm_loss
+
+        calls[0] += 1
+        if calls[0] == 3:  # step 2's first micro-batch
+            raise ValueError("a bug in the user's loss")
+        return lm_loss(out, y)
+
+    pipe = resume.compile("1f1b", 2, 2, loss_fn=loss_fn)
+    pipe.step(*resume.batch(1))
+    pipe.save(str(tmp_path))
+    with pytest.raises(RuntimeError, match="failed running action"):
+        pipe.step(*resume.batch(2))
+    from fxpipe.errors import FxpipeError
+
+    for call in (pipe.load, pipe.save):
+        with pytest.raises(FxpipeError, match=rf"^{call.__name__}\(\) after step 2 \(RuntimeError: .*\) failed: this "
+                                              r"pipeline's ranks stopped part-way through it.*Compile a new pipeline "
+                                              r"and load the last checkpoint"):
+            call(str(tmp_path))
+    fresh = resume.compile("1f1b", 2, 2)
+    assert fresh.load(str(tmp_path)) is None and fresh.steps == 1
