@@ -975,15 +975,19 @@ class Pipeline:
         self._require_setup("load_state_dict")
         self.flush()
 
-        def pick(names, where: str) -> dict[str, torch.Tensor]:
-            local, missing = {}, []
-            for name in names:
+        def pick(shapes: Mapping[str, torch.Size], where: str) -> dict[str, torch.Tensor]:
+            """Every name's tensor in ``sd``, checked against its shape here before anything is
+            written (nn.Module.load_state_dict's rule: a copy would broadcast a smaller one)."""
+            local, missing, wrong = {}, [], []
+            for name, shape in shapes.items():
                 keys = self.staged.originals.get(name, [name])
                 if not keys:  # a non-persistent buffer
                     continue
                 key = next((k for k in keys if k in sd), None)
                 if key is None:
                     missing.append(keys[0])
+                elif tuple(sd[key].shape) != tuple(shape):
+                    wrong.append(f"{key}: expected {list(shape)}, found {list(sd[key].shape)}")
                 else:
                     local[name] = sd[key]
             if missing:
@@ -991,10 +995,18 @@ class Pipeline:
                     f"load_state_dict: {where} needs {len(missing)} keys the state dict lacks, "
                     f"e.g. {missing[:3]}. Pass a state dict of the same model (model.state_dict())."
                 )
+            if wrong:
+                raise ValueError(
+                    f"load_state_dict: {where} has {len(wrong)} tensors of another shape in the state dict "
+                    f"({'; '.join(wrong[:3])}); nothing was loaded. Pass a state dict of the same model, built with "
+                    f"the same configuration (model.state_dict())."
+                )
             return local
 
-        unused = pick(self.staged.unused_state, "the model's state that no node reads")
-        stages = [(wk, pick(wk.layout_names(), f"stage {wk.index}")) for wk in self.workers.values()]
+        unused = pick({n: t.shape for n, t in self.staged.unused_state.items()}, "the model's state that no node reads")
+        stages = [(wk, pick({**{sl.name: sl.shape for sl in wk.store.layout.slots},
+                             **{n: b.shape for n, b in wk.buffers.items()}}, f"stage {wk.index}"))
+                  for wk in self.workers.values()]
         with torch.no_grad():
             for name, t in unused.items():
                 self.staged.unused_state[name].copy_(t)

@@ -1,6 +1,7 @@
 """Pipeline.save / Pipeline.load in one process: exact resume, resharding, and the errors."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -424,6 +425,21 @@ def test_load_state_dict_takes_a_model_with_a_non_persistent_buffer():
     with pytest.raises(KeyError, match=r"the model's state that no node reads needs 1 keys the state dict lacks, "
                                        r"e\.g\. \['pooler\.bias'\]\. Pass a state dict of the same model"):
         pipe.load_state_dict(sd)
+
+
+def test_load_state_dict_refuses_tensors_of_another_shape_before_loading_any():
+    # copy_ would broadcast a one-element bias or a one-row weight into the whole tensor
+    pipe = _pooled(0)
+    before = pipe.state_dict()
+    key = next(k for k in before if k.endswith("bias") and before[k].numel() > 1)
+    for wrong in (before[key][:1], torch.zeros(before[key].numel() + 1)):
+        bad = {**before, key: wrong}
+        with pytest.raises(ValueError, match=rf"has 1 tensors of another shape in the state dict \({re.escape(key)}: "
+                                             rf"expected \[{before[key].numel()}\], found \[{wrong.numel()}\]\); "
+                                             r"nothing was loaded"):
+            pipe.load_state_dict(bad)
+        after = pipe.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 @pytest.mark.parametrize("saved_m,m", [(2, 4), (4, 2)])
