@@ -676,8 +676,15 @@ class Pipeline:
                 wk.targets[first + j] = target
 
     def _microbatch(self, chunk) -> tuple[dict[str, torch.Tensor], Any]:
-        """(model input name -> tensor, target) of one micro-batch chunk of ``_split_batch``."""
-        args, kwargs, target = to_device(chunk, self.device)
+        """(model input name -> tensor, target) of one micro-batch chunk of ``_split_batch``.
+        Under 2bw batch t's last backwards run in step t+1, after ``step`` returned: they must
+        not read the caller's tensors, which a loop may refill, so a chunk already on the device
+        (a view of the caller's batch) is copied; elsewhere the batch is done with by then."""
+        moved = to_device(chunk, self.device)
+        if self.plan.schedule == "2bw":
+            moved = pytree.tree_map(lambda x, given: x.clone() if isinstance(x, torch.Tensor) and x is given else x,
+                                    moved, chunk)
+        args, kwargs, target = moved
         return dict(zip(self.trace_info.input_names, self.trace_info.flatten_inputs(args, kwargs))), target
 
     def _width_hint(self) -> int:

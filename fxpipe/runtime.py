@@ -156,8 +156,14 @@ class StageWorker:
     @contextlib.contextmanager
     def _rng(self, k: int):
         """Dropout and other randomness: one stream per (seed, micro-batch, stage), so the same
-        numbers come out in one process, in many, and when a forward is recomputed."""
-        digest = hashlib.sha256(f"{self.cfg.seed}:{k}:{self.index}".encode()).digest()
+        numbers come out in one process, in many, and when a forward is recomputed. Micro-batches
+        are counted over the whole global batch, as it is split among the replicas (replica r's
+        j-th of batch t is the ((t-1)·m·w + r·m + j)-th): replicas draw different numbers, and
+        with one replica the count is k."""
+        m, w = self.cfg.microbatches, self.cfg.width
+        t = self._batch(k)
+        index = (t - 1) * m * w + self.replica * m + (k - (t - 1) * m)
+        digest = hashlib.sha256(f"{self.cfg.seed}:{index}:{self.index}".encode()).digest()
         with torch.random.fork_rng(devices=rng_devices(self.device)):
             seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1), self.device)
             yield

@@ -431,3 +431,57 @@ def test_after_a_step_that_failed_midway_every_later_call_says_to_rebuild(schedu
     for call in (lambda: pipe.step(x, y), pipe.flush, pipe.state_dict):
         with pytest.raises(FxpipeError, match=expected):
             call()
+
+
+def test_replicas_draw_their_own_dropout_masks_as_one_replica_would():
+    # Micro-batches are counted over the global batch for the random streams: two replicas of
+    # m = 2 draw what one replica of m = 4 draws for the same samples (before, both replicas drew
+    # micro-batch j's masks), so the two layouts train alike with dropout on.
+    import dataclasses
+
+    from fxpipe.demo import lm_loss
+    from tests import resume
+
+    net = resume.model(dropout=0.3).double()
+    example = (resume.batch(0)[0][:2],)
+    wide = fxpipe.plan(net, example, stages=2, microbatches=2, schedule="1f1b", world_size=4, clip=True)
+    assert wide.width == 2
+    one = dataclasses.replace(wide, width=1, microbatches=4)
+    runs = []
+    for plan in (wide, one):
+        pipe = fxpipe.compile(net, example, loss_fn=lm_loss, plan=plan, schedule="1f1b", microbatches=plan.microbatches,
+                              max_grad_norm=1.0, verbose=False, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        losses = [pipe.step(*resume.batch(t)) for t in range(1, 4)]
+        runs.append((losses, pipe.state_dict()))
+    (wide_losses, wide_sd), (one_losses, one_sd) = runs
+    assert wide_losses == pytest.approx(one_losses, rel=1e-12)
+    assert all(torch.allclose(wide_sd[k], one_sd[k], rtol=1e-10, atol=1e-12) for k in one_sd)
+
+
+def test_a_2bw_step_keeps_no_view_of_the_callers_batch():
+    # batch t's last backwards run in step t+1: a loop that refills one batch buffer in place
+    # (here behind autograd's back, through numpy) must train as fresh batches do
+    import numpy as np
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (8,), generator=g))
+               for _ in range(4)]
+
+    def train(refill: bool):
+        pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=torch.nn.functional.cross_entropy, microbatches=4,
+                              stages=2, schedule="2bw", verbose=False, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+        xs, ys = np.empty((8, 8)), np.empty(8, dtype=np.int64)
+        losses = []
+        for x, y in batches:
+            if refill:
+                xs[:], ys[:] = x.numpy(), y.numpy()
+                x, y = torch.from_numpy(xs), torch.from_numpy(ys)
+            losses.append(float(pipe.step(x, y)))
+        return losses, pipe.state_dict()
+
+    (fresh_losses, fresh), (refilled_losses, refilled) = train(False), train(True)
+    assert refilled_losses == fresh_losses
+    assert all(torch.equal(fresh[k], refilled[k]) for k in fresh)
