@@ -901,13 +901,13 @@ class Pipeline:
                     f"eval-mode trace differs from the training one beyond dropout. Evaluate with the "
                     f"state_dict() loaded into the plain model instead, and report the model to fxpipe."
                 )
-            with torch.no_grad():
-                eval_buffers = dict(stage.module.named_buffers())
-                for name, buf in wk.buffers.items():  # e.g. BatchNorm statistics
-                    if name in eval_buffers:
-                        eval_buffers[name].copy_(buf)
             newest = wk.store.compute(wk.store.updates)  # what a training forward would read next
-            wk.eval_stage, wk.eval_weights = stage, {n: newest[n].detach() for n in stage.param_names}
+            # this worker's own buffers (BatchNorm statistics), passed in as its weights are: in one
+            # process the replicas of a stage share one eval module
+            eval_buffers = {n for n, _ in stage.module.named_buffers()}
+            wk.eval_stage = stage
+            wk.eval_weights = {**{n: newest[n].detach() for n in stage.param_names},
+                               **{n: b for n, b in wk.buffers.items() if n in eval_buffers}}
             wk.eval_loss.zero_()
             self._give(wk, stage, chunks, first=1)
         try:

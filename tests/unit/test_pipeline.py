@@ -485,3 +485,51 @@ def test_a_2bw_step_keeps_no_view_of_the_callers_batch():
     (fresh_losses, fresh), (refilled_losses, refilled) = train(False), train(True)
     assert refilled_losses == fresh_losses
     assert all(torch.equal(fresh[k], refilled[k]) for k in fresh)
+
+
+def test_eval_step_reads_each_replicas_own_batchnorm_statistics():
+    # In one process the replicas of a stage share one eval module: each must evaluate its part
+    # of the batch with its own statistics, as its own rank would (before, every replica read the
+    # last replica's). The expected loss: each replica's micro-batches through the plain model
+    # holding the newest weights and that replica's buffers.
+    import copy
+
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.bn, self.l2, self.bn2, self.l3 = (nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 16),
+                                                             nn.BatchNorm1d(16), nn.Linear(16, 4))
+
+        def forward(self, x):
+            return self.l3(torch.relu(self.bn2(self.l2(torch.relu(self.bn(self.l1(x)))))))
+
+    torch.manual_seed(0)
+    net = Net().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (16,), generator=g))
+               for _ in range(3)]
+    example, m, w = (batches[0][0][:2],), 4, 2
+    plan = fxpipe.plan(net, example, stages=2, microbatches=m, schedule="1f1b", world_size=4, clip=True)
+    pipe = fxpipe.compile(net, example, loss_fn=torch.nn.functional.cross_entropy, plan=plan, schedule="1f1b",
+                          microbatches=m, verbose=False, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    for b in batches:
+        pipe.step(*b)
+    weights = pipe.state_dict()
+    x, y = batches[0]
+    xs, ys = x.chunk(m * w), y.chunk(m * w)
+    expected = 0.0
+    for r in range(w):
+        own = dict(weights)
+        for wk in pipe.workers.values():
+            if wk.replica == r:
+                own.update({k: b for n, b in wk.buffers.items() for k in pipe.staged.originals[n]})
+        ref = copy.deepcopy(net)
+        ref.load_state_dict(own)
+        ref.eval()
+        with torch.no_grad():
+            expected += sum(float(torch.nn.functional.cross_entropy(ref(xs[j]), ys[j])) for j in range(r * m, (r + 1) * m))
+    assert any(not torch.equal(a.buffers[n], b.buffers[n]) for a in pipe.workers.values() for b in pipe.workers.values()
+               if a.index == b.index and a.replica != b.replica for n in a.buffers)  # the replicas' statistics differ
+    assert pipe.eval_step(x, y) == pytest.approx(expected / (m * w), rel=1e-12)
