@@ -164,13 +164,14 @@ class FlatLayout:
             out[s.dtype][s.offset : s.offset + s.numel].view(s.shape).copy_(tensors[s.name])
         return out
 
-    def cast(self, dtype: torch.dtype) -> "FlatLayout":
-        """The same parameters in ``dtype`` (floating ones; others keep theirs): the layout of a
-        mixed-precision stage's compute copies, whose master keeps this one."""
+    def cast(self, dtype: torch.dtype, keep: Collection[str] = ()) -> "FlatLayout":
+        """The same parameters in ``dtype`` (floating ones but those named in ``keep``; others keep
+        theirs): the layout of a mixed-precision stage's compute copies, whose master keeps this
+        one (``keep``: :func:`fxpipe.precision.fp32_params`)."""
         offsets: dict[torch.dtype, int] = {}
         slots = []
         for sl in self.slots:
-            dt = dtype if sl.dtype.is_floating_point else sl.dtype
+            dt = dtype if sl.dtype.is_floating_point and sl.name not in keep else sl.dtype
             off = offsets.setdefault(dt, 0)
             slots.append(ParamSlot(sl.name, dt, off, sl.numel, sl.shape, sl.requires_grad))
             offsets[dt] = off + sl.numel

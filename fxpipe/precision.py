@@ -9,6 +9,11 @@ does with ``torch.autocast``:
 * each stage runs its forward (and the loss) under ``torch.autocast`` for the device it runs on,
   so which ops stay in fp32 is autocast's policy *for that device type* (CPU's lists differ from
   CUDA's: on the CPU, softmax and layer_norm follow their inputs into bf16);
+* but batch norm's weight and bias (:func:`fp32_params`) keep an fp32 compute copy, as they are
+  under eager autocast: ``batch_norm`` is on neither device's cast list, so eager autocast runs
+  it on the fp32 parameters, and its kernels take the parameters in the dtype of the fp32
+  running statistics (a 16-bit weight beside them fails: "expected scalar type BFloat16 but
+  found Float"), whatever the input's dtype;
 * gradients accumulate over micro-batches in fp32, the optimizer state is fp32, losses are
   reported in fp32;
 * a boundary value travels in the dtype the policy gives it (:func:`prepare` finds it with fake
@@ -39,7 +44,7 @@ from .device import follow_call, follow_device
 from .errors import ConfigError
 from .trace import TensorSpec, graph_modules
 
-__all__ = ["Precision", "LossScaler", "compute_dtype", "prepare", "PRECISIONS", "AUTOCAST_META"]
+__all__ = ["Precision", "LossScaler", "compute_dtype", "fp32_params", "prepare", "PRECISIONS", "AUTOCAST_META"]
 
 #: ``node.meta`` key of a compute node's output spec under the precision policy (set by
 #: :func:`annotate`, read by codegen for the specs of the values crossing a cut).
@@ -120,7 +125,8 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
       float32 where ``other`` would be 16-bit under autocast (the safe side of the two).
 
     Then every compute node is annotated (``node.meta[AUTOCAST_META]``) with the spec its output
-    has under ``torch.autocast`` on ``device``, parameters as compute copies, found on fake
+    has under ``torch.autocast`` on ``device``, parameters as compute copies (16-bit but for
+    :func:`fp32_params`), found on fake
     tensors (nothing is computed or allocated); codegen gives each value crossing a cut that
     dtype. The plan is made before: node names, and so the plan's assignment, are unchanged."""
     if not precision.mixed:
@@ -133,6 +139,37 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
                 _follow_input_dtype(n)
         sub.recompile()
     _annotate(gm, precision, device)
+
+
+def fp32_params(gm: fx.GraphModule) -> frozenset[str]:
+    """The parameters of ``gm`` (names as ``gm.named_parameters()`` gives them) whose compute
+    copy stays fp32 under mixed precision: the weight and bias of every op that takes running
+    statistics (``batch_norm`` and its lowerings, ``instance_norm``; a ``BatchNorm``/``InstanceNorm``
+    leaf module of a ``symbolic_trace`` graph). Eager autocast runs these ops on the fp32
+    parameters, and their kernels want the parameters in the statistics' dtype (module docstring).
+    A parameter read elsewhere too stays fp32 as well: autocast's cast lists round it where eager
+    autocast would."""
+    import inspect
+
+    from torch.nn.modules.batchnorm import _NormBase
+
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    keep: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _NormBase):
+            keep.update(f"{n.target}.{name}" for name, _ in gm.get_submodule(n.target).named_parameters())
+        elif n.op == "call_function":
+            if isinstance(n.target, torch._ops.OpOverload):
+                bound = _bound(n)
+            else:  # a symbolic_trace graph's torch.nn.functional.batch_norm
+                try:
+                    bound = inspect.signature(n.target).bind(*n.args, **n.kwargs).arguments
+                except (TypeError, ValueError):
+                    continue
+            if "running_mean" in bound:
+                keep.update(a.target for a in (bound.get("weight"), bound.get("bias"))
+                            if isinstance(a, fx.Node) and a.op == "get_attr" and a.target in params)
+    return frozenset(keep & params)
 
 
 # not aten.to.device: export records x.to(device, dtype) with it, an explicit cast (prepare's docstring)
@@ -173,7 +210,7 @@ def _follow_input_dtype(n: fx.Node) -> None:
 def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)} - fp32_params(gm)  # the 16-bit copies
     info = gm.meta.get("fxpipe")  # a meta model traces as if on its device (TraceInfo.device)
     src = getattr(info, "device", None) or next((p.device for p in gm.parameters()), torch.device("cpu"))
     mode = FakeTensorMode(allow_non_fake_inputs=True)

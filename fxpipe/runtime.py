@@ -31,7 +31,7 @@ from torch.func import functional_call
 from .backward import SavedTensors
 from .comm import Comm, Handle
 from .device import rng_devices, seed
-from .precision import LossScaler, Precision
+from .precision import LossScaler, Precision, fp32_params
 from .schedule import Action, Kind, waits_for
 from .weights import WeightStore
 
@@ -108,7 +108,8 @@ class StageWorker:
                                  accumulation=cfg.accumulate,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
                                  strict_kernels=cfg.strict_kernels, precision=cfg.precision,
-                                 device=self.device, share_initial=replica == 0)
+                                 device=self.device, share_initial=replica == 0,
+                                 keep_fp32=fp32_params(stage.module) if cfg.precision.mixed else ())
         self.autocast = cfg.precision.autocast  # the forward's and the loss's context, per device type
         self.scaler = copy.deepcopy(cfg.scaler) if cfg.scaler is not None else None
         self.batch_scale: dict[int, float] = {}  # fp16: batch -> the loss scale its backwards used

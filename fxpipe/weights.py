@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import torch
 from torch.autograd.graph import get_gradient_edge
@@ -59,7 +59,9 @@ def weight_bytes(numel: int, itemsize: int, *, requires_grad: bool, schedule: st
 
     ``precision="bf16"``/``"fp16"``: the versions and the scratch gradient are 2-byte compute
     copies, and one master copy in the tensor's own dtype (``itemsize``) is held beside them;
-    the gradient accumulators keep the master's dtype.
+    the gradient accumulators keep the master's dtype. (Batch norm's weight and bias keep fp32
+    versions and scratch gradient, :func:`fxpipe.precision.fp32_params`, which this counts at 2
+    bytes: two numbers per channel, a rounding error beside any layer's weights.)
     """
     nbytes = numel * itemsize
     low = compute_dtype(precision)
@@ -75,7 +77,8 @@ class WeightStore:
 
     def __init__(self, flat, *, schedule: str, grad_buffers: int, optimizer: Callable,
                  lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True,
-                 strict_kernels: bool = False, precision: Precision = Precision(), accumulation: str = "gradients"):
+                 strict_kernels: bool = False, precision: Precision = Precision(), accumulation: str = "gradients",
+                 keep_fp32: Collection[str] = ()):
         self.layout = layout = flat.layout  # the master's (the model's dtypes)
         self.device = device
         self.precision = precision
@@ -86,8 +89,10 @@ class WeightStore:
         own = flat.buffers if share_initial else flat.clone_buffers()
         if precision.mixed:
             self.master = own
-            self.compute_layout = layout.cast(precision.dtype)
+            # ``keep_fp32`` (batch norm's weight and bias, fxpipe.precision.fp32_params): fp32 copies
+            self.compute_layout = layout.cast(precision.dtype, keep=keep_fp32)
             self.slots = [self.compute_layout.pack(layout.views(own)) for _ in range(n)]
+            self._rounding = _runs(layout, self.compute_layout)
         else:
             self.master = None
             self.compute_layout = layout
@@ -241,10 +246,11 @@ class WeightStore:
 
     def round_into(self, dst: dict[torch.dtype, torch.Tensor]) -> None:
         """Write the master, rounded to the compute dtype, into compute slot ``dst`` (mixed
-        precision: the master is one fp32 buffer, :meth:`Precision.check_master`)."""
+        precision: the master is one fp32 buffer, :meth:`Precision.check_master`; one copy per
+        run of neighbouring parameters of one compute dtype, one in all without fp32 copies)."""
         (master,) = self.master.values()
-        (compute,) = dst.values()
-        compute.copy_(master)
+        for dt, lo, hi, at in self._rounding:
+            dst[dt][at:at + hi - lo].copy_(master[lo:hi])
 
     def newest(self) -> dict[str, torch.Tensor]:
         """Views of the newest weights (after the last UPDATE), detached: the fp32 master under
@@ -355,6 +361,19 @@ class WeightStore:
         total += sum(b.nbytes for b in self.master.values()) if self.master is not None else 0
         total += sum(b.nbytes for g in self.grad_pool for b in g.values())
         return total + self.strategy.nbytes()
+
+
+def _runs(master, compute) -> list[tuple[torch.dtype, int, int, int]]:
+    """``(compute dtype, master start, master end, compute start)`` of each run of neighbouring
+    parameters that lie next to each other in both layouts (``master`` one buffer)."""
+    runs: list[tuple[torch.dtype, int, int, int]] = []
+    for m, c in zip(master.slots, compute.slots):
+        last = runs[-1] if runs else None
+        if last and last[0] == c.dtype and last[2] == m.offset and last[3] + last[2] - last[1] == c.offset:
+            runs[-1] = (c.dtype, last[1], m.offset + m.numel, last[3])
+        else:
+            runs.append((c.dtype, m.offset, m.offset + m.numel, c.offset))
+    return runs
 
 
 class _TorchOptim:
@@ -479,8 +498,14 @@ class _Fused:
             raise KernelError(f"the {self.ops.name} kernels update {', '.join(str(d) for d in allowed)} weights, "
                               f"this stage holds {', '.join(map(str, unsupported))}")
         self.state = {dt: init_state(specs[0], n, store.device, weights=dt) for dt, n in layout.sizes}
-        self.scratch = store.compute_layout.zeros_like()  # one micro-batch's gradient, flat, compute dtype
+        self.scratch = store.compute_layout.zeros_like()  # one micro-batch's gradient, flat, compute dtypes
         self.scratch_views = store.compute_layout.views(self.scratch)
+        # mixed precision: where each run of the master (one fp32 buffer) lies in the scratch (one
+        # run, unless batch norm's fp32 copies lie among the 16-bit ones: fxpipe.precision.fp32_params)
+        self.runs = store._rounding if store.master is not None else None
+        # the new weights' compute copy in the update's own pass where it is one 16-bit buffer laid
+        # out as the master; else the update rounds the master into it after (WeightStore.round_into)
+        self.one_pass = self.runs is not None and len(self.runs) == 1
         self.names = [s.name for s in layout.slots if s.requires_grad]
         self.accumulated: dict[int, int] = {}  # batch -> micro-batches folded in so far
 
@@ -530,8 +555,24 @@ class _Fused:
         """Add the micro-batch's scratch gradient into batch t's accumulator (the first one
         overwrites it)."""
         acc = self.store.grads(t)  # the master's dtypes, in the same order as the compute ones
-        for a, buf in zip(acc.values(), self.scratch.values()):
-            self.ops.accumulate(a, buf, 1.0, overwrite=first)
+        if self.runs is None:
+            for a, buf in zip(acc.values(), self.scratch.values()):
+                self.ops.accumulate(a, buf, 1.0, overwrite=first)
+            return
+        (a,) = acc.values()
+        for dt, lo, hi, at in self.runs:
+            self.ops.accumulate(a[lo:hi], self.scratch[dt][at:at + hi - lo], 1.0, overwrite=first)
+
+    def _grad_pieces(self, dt: torch.dtype, lo: int, hi: int):
+        """The scratch gradient of the master's ``[lo, hi)`` of dtype ``dt``, as ``(start, end,
+        slice)`` pieces: one per run of compute dtype it crosses (one where the layouts agree)."""
+        if self.runs is None:
+            yield lo, hi, self.scratch[dt][lo:hi]
+            return
+        for cdt, a, b, at in self.runs:
+            start, end = max(a, lo), min(b, hi)
+            if start < end:
+                yield start, end, self.scratch[cdt][at + start - a:at + end - a]
 
     def update(self, t, step, grads, src, dst, coef) -> None:
         store = self.store
@@ -545,7 +586,10 @@ class _Fused:
                                     clip=coef)
                 else:  # the master in place, and its rounded copy into dst, in one pass
                     w = store.master[dt][lo:hi]
-                    self.ops.update(specs[g], step, grads[dt][lo:hi], w, w, state, clip=coef, copy=dst[low][lo:hi])
+                    self.ops.update(specs[g], step, grads[dt][lo:hi], w, w, state, clip=coef,
+                                    copy=dst[low][lo:hi] if self.one_pass else None)
+            if store.master is not None and not self.one_pass:
+                store.round_into(dst)
         self.drop(t)
 
     def drop(self, t) -> None:
@@ -601,9 +645,10 @@ class _AdamA(_Fused):
         batch t decays them first), and note whether it was finite."""
         scratch = list(self.scratch.values())
         specs = self.specs()
-        for dt, lo, hi, group in self.segments:  # the compute buffers follow the master's order
-            g = scratch[self.store.layout.dtypes.index(dt)][lo:hi]
-            self.ops.adama_accumulate(specs[group], g, self._state(specs[group], dt, lo, hi), scale=1.0, first=first)
+        for dt, lo, hi, group in self.segments:
+            for start, end, g in self._grad_pieces(dt, lo, hi):
+                self.ops.adama_accumulate(specs[group], g, self._state(specs[group], dt, start, end), scale=1.0,
+                                          first=first)
         ok = torch.stack([torch.isfinite(b).all() for b in scratch]).all() if scratch else torch.tensor(True)
         self.finite[t] = ok if first else self.finite[t] & ok
 

@@ -99,12 +99,15 @@ def train_2bw(model, batches, m, loss_fn, optimizer_factory, max_grad_norm=None)
 
 
 def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedule="2bw", device_type="cpu",
-                scaler=None, max_grad_norm=None):
+                scaler=None, max_grad_norm=None, cast_params=True):
     """Mixed precision as a careful single-device script does it: the optimizer steps fp32 master
     weights; each batch's forwards run a ``dtype`` copy of them under
     ``torch.autocast(device_type, dtype)`` (the loss too); each micro-batch's gradient (of the
     16-bit copy) is added into an fp32 sum. Batch t computes on the copy of the master after
-    ``max(t-2, 0)`` updates under 2bw, ``t-1`` otherwise.
+    ``max(t-2, 0)`` updates under 2bw, ``t-1`` otherwise. ``cast_params=False``: the copy stays
+    fp32 and autocast alone rounds what its cast lists say, as in plain eager autocast (a
+    BatchNorm model, whose batch_norm autocast runs on the fp32 parameters, needs it). The
+    returned master holds the buffers after the last forward (BatchNorm statistics).
 
     ``scaler``: None, or ``(init_scale, growth_factor, backoff_factor, growth_interval)`` for
     dynamic loss scaling with ``torch.amp.GradScaler``'s rule: a batch's backwards use the scale
@@ -114,7 +117,7 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
     opt = optimizer_factory(list(master.named_parameters()))
     probe = copy.deepcopy(model)  # the compute copy; owns the buffers
     for p in probe.parameters():
-        p.data = p.data.to(dtype)
+        p.data = p.data.to(dtype if cast_params else p.dtype)
     names = [n for n, _ in probe.named_parameters()]
     snapshots = [{n: p.detach().clone() for n, p in master.named_parameters()}]
     scale, tracker = (float(scaler[0]), 0) if scaler else (1.0, 0)
@@ -158,6 +161,9 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
             skipped.append(t)
         snapshots.append({n: p.detach().clone() for n, p in master.named_parameters()})
         losses.append(total / m)
+    with torch.no_grad():
+        for (_, b), (_, pb) in zip(master.named_buffers(), probe.named_buffers()):
+            b.copy_(pb)
     return losses, master, skipped
 
 

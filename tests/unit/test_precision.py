@@ -2,15 +2,18 @@
 autocast policy, fp32 accumulation, fp16 loss scaling — against tests/reference.train_mixed."""
 
 import copy
+import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fxpipe
 from fxpipe import precision as precision_module
 from fxpipe.errors import ConfigError
 from fxpipe.weights import weight_bytes
 from tests.cases import build_mixed, relative_update_error
+from tests.models import cnn_bn
 from tests.reference import train_2bw, train_flush, train_mixed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -62,6 +65,84 @@ def test_matches_the_mixed_precision_reference(model_name, schedule, precision):
 @pytest.mark.parametrize("model_name", ["gpt", "gpt2", "llama"])
 def test_matches_the_mixed_precision_reference_everywhere(model_name, schedule, precision):
     check_against_reference(model_name, schedule, precision)
+
+
+def _bn_batches(steps=6, n=8):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("schedule,precision,kernels", [("2bw", "bf16", "off"), ("1f1b", "fp16", "torch")])
+def test_batch_norm_trains_as_eager_autocast(schedule, precision, kernels):
+    # Conv + BatchNorm2d failed at the first forward ("expected scalar type BFloat16 but found
+    # Float": a 16-bit weight beside the fp32 running statistics). Eager autocast runs batch_norm
+    # on the fp32 parameters; so does fxpipe now (fp32_params), against plain eager autocast.
+    net, example = cnn_bn(batch=2)
+    batches, opt = _bn_batches(), functools.partial(torch.optim.AdamW, lr=1e-2)
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER[0]) if precision == "fp16" else None
+    pipe = fxpipe.compile(net, example, loss_fn=F.cross_entropy, optimizer=opt, microbatches=4, stages=2,
+                          schedule=schedule, precision=precision, scaler=scaler, kernels=kernels, verbose=False)
+    losses = [pipe.step(*b) for b in batches]
+    ref_losses, ref, skipped = train_mixed(net, batches, 4, F.cross_entropy, opt, dtype=DTYPES[precision],
+                                           schedule=schedule, scaler=SCALER if scaler else None, cast_params=False)
+    sd = pipe.state_dict()
+    assert skipped == pipe.skipped_steps == []
+    # the same numbers: every op sees what eager autocast gives it (the fused path's scratch
+    # gradient of batch norm's weights is fp32 too)
+    assert relative_update_error(initial, sd, dict(ref.named_parameters())) <= 1e-4
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for name, buf in ref.named_buffers():  # the running statistics advanced as eager's did
+        assert torch.allclose(sd[name].float(), buf.float(), rtol=1e-5, atol=1e-6), name
+    low = DTYPES[precision]
+    for wk in pipe.workers.values():  # batch norm's copies are fp32, the rest 16-bit, each the master rounded
+        newest, master = wk.store.compute(wk.store.updates), wk.store.newest()
+        for name, w in newest.items():
+            assert w.dtype == (torch.float32 if ".bn" in f".{name}" else low), name
+            assert torch.equal(w, master[name].to(w.dtype)), name
+    assert {n.split(".")[0] for wk in pipe.workers.values() for n in wk.store.compute_layout.views(
+        wk.store.slots[0]) if wk.store.compute(0)[n].dtype == torch.float32} == {"bn1", "bn2"}
+    assert precision_module.fp32_params(pipe.staged_graph) == {"bn1.weight", "bn1.bias", "bn2.weight", "bn2.bias"}
+
+
+def test_batch_norm_weights_are_found_in_either_kind_of_graph():
+    # export's aten.batch_norm / instance_norm (the ops that take running statistics), a
+    # symbolic_trace graph's BatchNorm leaf module, and its torch.nn.functional.batch_norm call
+    class Functional(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w, self.b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.zeros(4))
+            self.register_buffer("mean", torch.zeros(4))
+            self.register_buffer("var", torch.ones(4))
+
+        def forward(self, x):
+            return F.batch_norm(x, self.mean, self.var, self.w, self.b, training=True)
+
+    norms = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.InstanceNorm2d(4, affine=True),
+                                torch.nn.GroupNorm(2, 4), torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4))
+    fp32 = precision_module.fp32_params
+    assert fp32(fxpipe.trace(norms, (torch.randn(2, 3, 8, 8),))) == {"1.weight", "1.bias", "4.weight", "4.bias"}
+    assert fp32(torch.fx.symbolic_trace(norms)) == {"1.weight", "1.bias", "4.weight", "4.bias"}
+    assert fp32(torch.fx.symbolic_trace(Functional())) == fp32(fxpipe.trace(Functional(), (torch.randn(2, 4),))) \
+        == {"w", "b"}
+
+
+def test_batch_norm_with_adama_rounds_every_other_weight():
+    # AdamA writes each new version from the master (WeightStore.round_into): run by run, where
+    # batch norm's fp32 copies sit between the 16-bit ones.
+    net, example = cnn_bn(batch=2)
+    pipe = fxpipe.compile(net, example, loss_fn=F.cross_entropy, optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                          microbatches=4, stages=2, schedule="1f1b", precision="bf16", accumulate="optimizer",
+                          kernels="torch", verbose=False)
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    losses = [pipe.step(*b) for b in _bn_batches(steps=3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    sd = pipe.state_dict()
+    assert all(not torch.equal(sd[n], w) for n, w in initial.items())  # every weight trained, batch norm's too
+    for wk in pipe.workers.values():
+        newest, master = wk.store.compute(wk.store.updates), wk.store.newest()
+        assert set(wk.store.slots[0]) == {torch.bfloat16, torch.float32}  # a 16-bit and an fp32 buffer
+        assert all(torch.equal(w, master[n].to(w.dtype)) for n, w in newest.items())
 
 
 def _poisoned_loss(vocab=64, bad=4):
