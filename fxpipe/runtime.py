@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import operator
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -143,6 +144,7 @@ class StageWorker:
         self.eval_loss = torch.zeros((), dtype=torch.float64, device=self.device)
         self.input_specs = list(stage.input_specs)
         self._written_args = _written_args(stage.module)
+        self._written_buffers: set[str] | None = None  # the buffers a forward updates (first forward)
         self.output_specs = list(stage.output_specs)
         # Gradients flow through floating-point boundary values only; both ends agree from specs.
         self.float_out = [s is not None and s.torch_dtype.is_floating_point for s in self.output_specs]
@@ -172,13 +174,31 @@ class StageWorker:
     def _run_module(self, k: int, version: int, args: Sequence[torch.Tensor], buffers=None):
         """The stage's forward on weight ``version`` and this worker's buffers, or ``buffers``
         (name -> tensor; a recomputation reads private copies of what its forward saw)."""
-        tensors = {**self.store.compute(version), **(self.buffers if buffers is None else buffers)}
-        # An argument the stage writes in place (``x += residual`` right after a cut) is passed
-        # as a copy: the boundary leaf autograd differentiates to, and the inputs a recomputation
-        # reads again, must stay as they arrived.
+        fresh = None
+        if buffers is None:
+            # A forward writes fresh copies of the buffers it updates (BatchNorm statistics, a
+            # running average), which then become this worker's: an earlier micro-batch's output
+            # that is such a buffer, still to be sent, or a buffer autograd saved for its
+            # backward, keeps the values that micro-batch saw. Which buffers the stage writes is
+            # found on its first forward, which runs on copies of them all: those whose version
+            # counter moved or whose values changed (batch norm writes its running statistics
+            # without moving the counter).
+            first = self._written_buffers is None
+            fresh = {n: b.clone() if first or n in self._written_buffers else b for n, b in self.buffers.items()}
+            versions = {n: b._version for n, b in fresh.items()}
+            buffers = fresh
+        tensors = {**self.store.compute(version), **buffers}
+        # An argument the stage writes in place (``x += residual`` right after a cut, or through
+        # a view of it) is passed as a copy: the boundary leaf autograd differentiates to, and
+        # the inputs a recomputation reads again, must stay as they arrived.
         args = [x.clone() if i in self._written_args else x for i, x in enumerate(args)]
         with self._rng(k), self.autocast(self.device):
             out = functional_call(self.stage.module, tensors, tuple(args))
+        if fresh is not None:
+            if self._written_buffers is None:
+                self._written_buffers = {n for n, b in fresh.items()
+                                         if b._version != versions[n] or not torch.equal(b, self.buffers[n])}
+            self.buffers.update({n: fresh[n] for n in self._written_buffers})
         return tuple(out)
 
     def _loss(self, k: int, outputs: Sequence[torch.Tensor], *, last_use: bool) -> torch.Tensor:
@@ -552,16 +572,34 @@ class _Multi(Handle):
 
 
 def _written_args(module: torch.fx.GraphModule) -> set[int]:
-    """Positions of the module's arguments that some operation writes in place (per its schema)."""
-    placeholders = {n: i for i, n in enumerate(n for n in module.graph.nodes if n.op == "placeholder")}
-    written = set()
+    """Positions of the module's arguments that some operation writes in place, directly or
+    through a view (``h[:, :8] += 1`` is a ``slice`` then a ``copy_``), per the operators'
+    schemas: an argument annotated ``Tensor(a!)`` is written; an output that carries an alias
+    annotation (a view, or the ``self`` an in-place op returns; ``getitem`` of a ``split``'s
+    views) aliases the annotated arguments it was computed from."""
+    aliases: dict[torch.fx.Node, set[int]] = {
+        n: {i} for i, n in enumerate(n for n in module.graph.nodes if n.op == "placeholder")}
+    written: set[int] = set()
     for node in module.graph.nodes:
-        schema = getattr(node.target, "_schema", None)
-        if node.op != "call_function" or schema is None or not schema.is_mutable:
+        if node.op != "call_function":
             continue
-        for arg, value in zip(schema.arguments, node.args):
-            if arg.alias_info is not None and arg.alias_info.is_write and value in placeholders:
-                written.add(placeholders[value])
+        if node.target is operator.getitem:
+            if node.args[0] in aliases:
+                aliases[node] = aliases[node.args[0]]
+            continue
+        schema = getattr(node.target, "_schema", None)
+        if schema is None:
+            continue
+        touched: set[int] = set()
+        for i, arg in enumerate(schema.arguments):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if arg.alias_info is None or not isinstance(value, torch.fx.Node) or value not in aliases:
+                continue
+            touched |= aliases[value]
+            if arg.alias_info.is_write:
+                written |= aliases[value]
+        if touched and any(r.alias_info is not None for r in schema.returns):
+            aliases[node] = touched
     return written
 
 
