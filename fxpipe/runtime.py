@@ -109,7 +109,7 @@ class StageWorker:
                                  accumulation=cfg.accumulate,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
                                  strict_kernels=cfg.strict_kernels, precision=cfg.precision,
-                                 device=self.device, share_initial=replica == 0,
+                                 device=self.device, share_initial=replica == 0, shared=cfg.tied_groups,
                                  keep_fp32=fp32_params(stage.module) if cfg.precision.mixed else ())
         self.autocast = cfg.precision.autocast  # the forward's and the loss's context, per device type
         self.scaler = copy.deepcopy(cfg.scaler) if cfg.scaler is not None else None

@@ -78,7 +78,7 @@ class WeightStore:
     def __init__(self, flat, *, schedule: str, grad_buffers: int, optimizer: Callable,
                  lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True,
                  strict_kernels: bool = False, precision: Precision = Precision(), accumulation: str = "gradients",
-                 keep_fp32: Collection[str] = ()):
+                 keep_fp32: Collection[str] = (), shared: Collection[str] = ()):
         self.layout = layout = flat.layout  # the master's (the model's dtypes)
         self.device = device
         self.precision = precision
@@ -102,6 +102,12 @@ class WeightStore:
         self.grad_views = [layout.views(g) for g in self.grad_pool]
         self.updates = 0  # the newest version
         self.unsplit: str | None = None  # zb: why this stage's I runs the whole backward (None: it splits)
+        # Trainable parameters the stage's backward never reaches (read only by a comparison, under
+        # no_grad, or through .detach()): eager leaves their .grad None, so the optimizer skips
+        # them (no weight decay, no momentum). Found on the first backward; a weight whose
+        # gradient is summed with another stage's (``shared``: tied) always counts as reached.
+        self.unreached: frozenset[str] | None = None
+        self._shared = frozenset(shared)
         self.split_cache = SplitCache()  # zb: the analysis of the stage's autograd graph, done once
         self.optimizer_steps = 0  # updates applied (a skipped non-finite batch applies none)
         # The optimizer's own Parameters: aliases pointed at the slot being written right before
@@ -183,7 +189,27 @@ class WeightStore:
     def backward(self, t: int, version: int, roots, seeds, boundary: Sequence[torch.Tensor]) -> None:
         """Backpropagate one micro-batch of batch ``t``: weight gradients are added into batch
         t's accumulator, boundary inputs get their ``.grad``."""
-        self.strategy.backward(t, self.compute(version), roots, seeds, boundary)
+        leaves = self.compute(version)
+        self._find_unreached(leaves, roots)
+        self.strategy.backward(t, leaves, roots, seeds, boundary)
+
+    def _find_unreached(self, leaves: dict[str, torch.Tensor], roots) -> None:
+        """Set :attr:`unreached` once, from the autograd graph below ``roots`` (one walk)."""
+        if self.unreached is not None:
+            return
+        names = {id(leaf): n for n, leaf in leaves.items() if leaf.requires_grad}
+        reached, seen = set(), set()
+        stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
+        while stack:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)  # an AccumulateGrad: the leaf it adds into
+            if variable is not None and id(variable) in names:
+                reached.add(names[id(variable)])
+            stack.extend(next_fn for next_fn, _ in fn.next_functions)
+        self.unreached = frozenset(set(names.values()) - reached - self._shared)
 
     def backward_input(self, t: int, version: int, roots, seeds, boundary: Sequence[torch.Tensor], saved=None):
         """zb's ``I``: the boundary inputs get their ``.grad``; returns what :meth:`backward_weight`
@@ -195,6 +221,7 @@ class WeightStore:
         to compute: the whole backward waits for ``W``, which runs it as :meth:`backward` does,
         into the accumulator in place (no graph walk here, no separate gradients to add there)."""
         leaves = self.compute(version)
+        self._find_unreached(leaves, roots)
         if roots and not any(x.requires_grad for x in boundary):
             # the roots' graph waits, not the roots: their outputs go now, as after a split I
             held = roots if seeds[0] is None else [get_gradient_edge(r) for r in roots]
@@ -420,10 +447,11 @@ class _TorchOptim:
                 dst[dt].copy_(src[dt])
         dst_views = store.layout.views(dst) if store.master is None else None
         gviews = store.grad_views_of(t)
+        unreached = store.unreached or ()
         for name, p in store.opt_params.items():
             if dst_views is not None:
                 p.data = dst_views[name]
-            p.grad = gviews[name]
+            p.grad = None if name in unreached else gviews[name]  # None: skipped, as in eager
         store.optimizer.step()
         for p in store.opt_params.values():
             p.grad = None
@@ -478,19 +506,9 @@ class _Fused:
                               f"SGD with momentum in some groups only); the fused update keeps one set of flat "
                               f"state buffers for a stage")
         self.state_names = specs[0].state_names
-        # a trainable parameter the factory left out of every group is not stepped, as under torch.optim
-        group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
-        self.segments: list[tuple[torch.dtype, int, int, int]] = []  # (dtype, start, end, group)
-        for s in layout.slots:
-            p = store.opt_params.get(s.name)
-            g = group_of.get(id(p)) if p is not None else None
-            if g is None:
-                continue
-            last = self.segments[-1] if self.segments else None
-            if last and (last[0], last[2], last[3]) == (s.dtype, s.offset, g):
-                self.segments[-1] = (s.dtype, last[1], s.offset + s.numel, g)
-            else:
-                self.segments.append((s.dtype, s.offset, s.offset + s.numel, g))
+        self._group_of = {id(p): i for i, g in enumerate(opt.param_groups) for p in g["params"]}
+        self._segments_skip: frozenset[str] | None = None
+        self._segments: list[tuple[torch.dtype, int, int, int]] = []
         # the Triton kernels take float32, bfloat16 and float16; their torch math float64 too
         allowed = REFERENCE_DTYPES if self.ops.name == "torch" else FLOAT_DTYPES
         unsupported = [dt for dt, _ in layout.sizes if dt not in allowed]
@@ -508,6 +526,27 @@ class _Fused:
         self.one_pass = self.runs is not None and len(self.runs) == 1
         self.names = [s.name for s in layout.slots if s.requires_grad]
         self.accumulated: dict[int, int] = {}  # batch -> micro-batches folded in so far
+
+    @property
+    def segments(self) -> list[tuple[torch.dtype, int, int, int]]:
+        """``(dtype, start, end, group)`` runs of neighbouring parameters of one dtype and param
+        group: what one launch updates. Left out: a trainable parameter the factory put in no
+        group, and one the backward never reaches (:attr:`WeightStore.unreached`), which
+        torch.optim skips too."""
+        skip = self.store.unreached or frozenset()
+        if skip != self._segments_skip:
+            self._segments_skip, self._segments = skip, []
+            for s in self.store.layout.slots:
+                p = self.store.opt_params.get(s.name)
+                g = self._group_of.get(id(p)) if p is not None and s.name not in skip else None
+                if g is None:
+                    continue
+                last = self._segments[-1] if self._segments else None
+                if last and (last[0], last[2], last[3]) == (s.dtype, s.offset, g):
+                    self._segments[-1] = (s.dtype, last[1], s.offset + s.numel, g)
+                else:
+                    self._segments.append((s.dtype, s.offset, s.offset + s.numel, g))
+        return self._segments
 
     def specs(self) -> list:
         """Each param group's hyper-parameters as they are now, read at every use: a scheduler

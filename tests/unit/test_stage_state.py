@@ -1,5 +1,5 @@
-"""What a stage writes in place: buffers a forward updates and boundary inputs written through a
-view. Each model trains in float64 as the eager references do (tests/reference.py), at cuts
+"""What a stage writes in place (buffers a forward updates, boundary inputs written through a
+view) and what it leaves alone (a parameter its backward never reaches). Each model trains in float64 as the eager references do (tests/reference.py), at cuts
 chosen where the problem shows: a buffer that leaves its stage, a buffer autograd saved, an
 in-place write into a view of a received activation."""
 
@@ -25,7 +25,8 @@ def _batches(n_in: int, steps: int = 4):
             for _ in range(steps)]
 
 
-def _check(model, batches, schedule: str, first_of_stage: list[str], recompute: bool = False):
+def _check(model, batches, schedule: str, first_of_stage: list[str], recompute: bool = False, optimizer=SGD,
+           kernels: str = "off"):
     """Train ``model`` with stage i+1 starting at node ``first_of_stage[i]``, against the reference."""
     example = (batches[0][0][:2],)
     plan = fxpipe.plan(model, example, stages=len(first_of_stage) + 1, microbatches=M, schedule=schedule,
@@ -35,12 +36,12 @@ def _check(model, batches, schedule: str, first_of_stage: list[str], recompute: 
         stage = first_of_stage.index(name) + 1 if name in first_of_stage else stage
         pairs.append((name, stage))
     plan = dataclasses.replace(plan, assignment_pairs=tuple(pairs), recompute=(recompute,) * plan.stages)
-    pipe = fxpipe.compile(copy.deepcopy(model), example, loss_fn=F.cross_entropy, optimizer=SGD, microbatches=M,
-                          schedule=schedule, plan=plan, verbose=False)
+    pipe = fxpipe.compile(copy.deepcopy(model), example, loss_fn=F.cross_entropy, optimizer=optimizer, microbatches=M,
+                          schedule=schedule, plan=plan, kernels=kernels, verbose=False)
     assert [s.nodes[0] for s in pipe.staged.stages[1:]] == first_of_stage
     losses = [pipe.step(*b) for b in batches]
     pipe.flush()
-    ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(model, batches, M, F.cross_entropy, SGD)
+    ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(model, batches, M, F.cross_entropy, optimizer)
     assert losses == pytest.approx(ref_losses, rel=1e-12)
     got, want = pipe.state_dict(), ref.state_dict()
     assert all(torch.allclose(got[k], want[k], rtol=1e-10, atol=1e-12) for k in want)
@@ -118,3 +119,28 @@ def test_a_received_activation_written_through_a_view_is_copied_first():
     gm = fxpipe.trace(model, (torch.zeros(2, 16, dtype=torch.float64),))
     first_slice = next(n.name for n in gm.graph.nodes if n.name.startswith("slice"))
     _check(model, _batches(16), "1f1b", [first_slice])
+
+
+class Gate(nn.Module):
+    """``gate`` is trainable but only compared against: eager leaves its ``.grad`` None."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.gate = nn.Parameter(torch.full((16,), 0.1))
+
+    def forward(self, x):
+        h = torch.relu(self.l1(x))
+        h = h * (h > self.gate).to(h.dtype)
+        return self.l3(torch.relu(self.l2(h)))
+
+
+@pytest.mark.parametrize("schedule,kernels", [("1f1b", "off"), ("2bw", "off"), ("2bw", "torch"), ("zb", "torch")])
+@pytest.mark.parametrize("optimizer", [functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+                                       functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=0.1)],
+                         ids=["adamw", "sgd"])
+def test_a_parameter_the_backward_never_reaches_is_not_stepped(schedule, kernels, optimizer):
+    # with a zero gradient, weight decay and momentum moved it
+    torch.manual_seed(0)
+    model = Gate().double()
+    _check(model, _batches(8), schedule, ["linear_1"], optimizer=optimizer, kernels=kernels)
