@@ -145,8 +145,7 @@ class WeightStore:
             try:
                 self.strategy = _AdamA(self, kernels)
             except KernelError as e:
-                raise ConfigError(f"fxpipe.compile: accumulate='optimizer' (AdamA) folds gradients into Adam's "
-                                  f"moments, so it needs torch.optim.Adam (without weight decay) or AdamW: {e}") from e
+                raise ConfigError(f"fxpipe.compile: accumulate='optimizer' (AdamA) cannot update this stage: {e}") from e
         elif kernels is not None and self.optimizer is not None:
             from .kernels import KernelBackendError, KernelError
 
@@ -673,10 +672,16 @@ class _AdamA(_Fused):
 
     def __init__(self, store: WeightStore, kernels):
         super().__init__(store, kernels)
+        from .kernels import KernelError
+        from .kernels.errors import FLOAT_DTYPES
         from .kernels.reference import check_adama_spec
 
         for spec in self.specs():
             check_adama_spec("AdamA", spec)
+        other = [str(dt) for dt, _ in store.layout.sizes if dt not in FLOAT_DTYPES]
+        if other:  # the fused update's torch math takes float64; AdamA's kernels and references do not
+            raise KernelError(f"AdamA folds float32, bfloat16 and float16 weights' gradients into the moments; this "
+                              f"stage holds {', '.join(other)} weights. Build the model in float32")
         self.finite: dict[int, torch.Tensor] = {}  # batch -> all its gradients finite so far (device bool)
 
     def _fold(self, t: int, first: bool) -> None:

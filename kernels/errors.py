@@ -64,6 +64,19 @@ def check_no_partial_overlap(op: str, a_name: str, a: torch.Tensor, b_name: str,
                           f"in place, or the other version's buffer to update out of place")
 
 
+def check_disjoint(op: str, a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    """``a`` and ``b`` share no memory: a buffer the update reads (the gradient) against one it
+    writes (the new weights, their 16-bit copy), where even exact aliasing changes the result
+    (the reference writes the weights into ``out`` before it reads the gradient)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if a0 < b1 and b0 < a1:
+        raise KernelError(f"{op}: {a_name} and {b_name} overlap in memory ([{a0:#x}, {a1:#x}) vs [{b0:#x}, {b1:#x})); "
+                          f"the update reads {a_name} while it writes {b_name}: pass separate buffers")
+
+
 def check_scalar(op: str, name: str, value: object, device: torch.device) -> float | torch.Tensor:
     """A multiplier given as a python number or a 0-d/1-element float tensor on the buffers' device.
 

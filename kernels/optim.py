@@ -47,6 +47,10 @@ class OptimizerSpec:
     """L2 coupled to the gradient for SGD and Adam; decoupled ``w *= 1 - lr*wd`` for AdamW."""
 
     def __post_init__(self):
+        # python floats: the Triton kernels take scalars as arguments, where a tensor is a pointer
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2):
+            raise KernelError(f"OptimizerSpec: expected betas to be a pair (beta1, beta2), found {self.betas!r}")
+        object.__setattr__(self, "betas", tuple(float(b) for b in self.betas))
         if self.kind not in _KINDS:
             raise KernelError(f"OptimizerSpec: expected kind in {_KINDS}, found {self.kind!r}; "
                               f"the fused update implements torch.optim.SGD, Adam and AdamW")
@@ -77,9 +81,9 @@ class OptimizerSpec:
         """
         if isinstance(optimizer, torch.optim.Optimizer):
             groups = optimizer.param_groups
-            first = {k: v for k, v in groups[0].items() if k != "params"}
+            first = {k: v for k, v in groups[0].items() if k not in ("params", "param_names")}
             for i, g in enumerate(groups[1:], 1):
-                other = {k: v for k, v in g.items() if k != "params"}
+                other = {k: v for k, v in g.items() if k not in ("params", "param_names")}
                 if other != first:
                     raise KernelError(f"OptimizerSpec.from_torch: expected one set of hyper-parameters for the "
                                       f"whole flat buffer, found param group {i} differing from group 0 "

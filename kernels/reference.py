@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import FLOAT_DTYPES, REFERENCE_DTYPES, KernelError, check_flat, check_no_partial_overlap, check_scalar
+from .errors import (FLOAT_DTYPES, REFERENCE_DTYPES, KernelError, check_disjoint, check_flat, check_no_partial_overlap,
+                     check_scalar)
 from .optim import OptimizerSpec, adam_scalars, check_state, check_step, state_dtype
 
 # ---------------------------------------------------------------------------------------------
@@ -47,8 +48,11 @@ def check_update_args(spec, step, grad, weights, out, state, clip, lr, dtypes=FL
         raise KernelError(f"{op}: expected out (the next version's buffer) to have the weights' dtype "
                           f"{weights.dtype}, found {out.dtype}; pass the other buffer of the same dtype group")
     check_no_partial_overlap(op, "out", out, "weights", weights)
+    check_disjoint(op, "grad", grad, "out", out)
     if copy is not None:
         check_flat(op, "copy", copy, numel=n, device=device, dtypes=(torch.bfloat16, torch.float16))
+        for name, t in (("grad", grad), ("weights", weights), ("out", out)):
+            check_disjoint(op, name, t, "copy", copy)
         if out.dtype != torch.float32:
             raise KernelError(f"{op}: a low-precision copy is written from float32 master weights; found out "
                               f"{out.dtype}. Pass the fp32 master as weights/out and its 16-bit copy as copy")
@@ -66,8 +70,9 @@ def check_update_args(spec, step, grad, weights, out, state, clip, lr, dtypes=FL
 def check_adama_spec(op: str, spec) -> None:
     if not isinstance(spec, OptimizerSpec) or spec.kind not in ("adam", "adamw"):
         found = spec.kind if isinstance(spec, OptimizerSpec) else type(spec).__name__
-        raise KernelError(f"{op}: expected an Adam or AdamW OptimizerSpec for AdamA, found {found}; "
-                          f"AdamA accumulates into Adam's moments, use accumulate + update for SGD")
+        raise KernelError(f"{op}: expected an Adam or AdamW OptimizerSpec for AdamA, found {found}; AdamA "
+                          f"accumulates into Adam's moments, so it needs torch.optim.Adam (without weight decay) "
+                          f"or AdamW; use accumulate + update for SGD")
     if spec.kind == "adam" and spec.weight_decay != 0:
         raise KernelError(f"{op}: AdamA with Adam's coupled weight decay (weight_decay={spec.weight_decay}) is not "
                           f"supported: the L2 term would have to enter every micro-batch fold; use AdamW "

@@ -117,6 +117,12 @@ def test_errors_say_expected_and_found():
             fn(spec, 1, g, buf[:10], buf[5:15], state)
         with pytest.raises(KernelError, match="clip on cpu|clip to be a 0-d tensor"):
             fn(spec, 1, g, w, w, state, clip=torch.ones(3))
+        out = torch.zeros(10)  # the gradient read while the new weights are written: even the same buffer
+        with pytest.raises(KernelError, match="grad and out overlap in memory.*pass separate buffers"):
+            fn(spec, 1, out, w, out, state)
+        master = torch.zeros(10)
+        with pytest.raises(KernelError, match="grad and copy overlap in memory"):  # a 16-bit copy inside the gradient
+            fn(spec, 1, g, master, master, state, copy=g.view(torch.bfloat16)[:10])
 
 
 def test_spec_from_torch_rejects_what_it_cannot_do():
@@ -134,6 +140,13 @@ def test_spec_from_torch_rejects_what_it_cannot_do():
     q = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(KernelError, match="param group 1 differing"):
         OptimizerSpec.from_torch(torch.optim.SGD([{"params": [p]}, {"params": [q], "lr": 0.5}], lr=0.1))
+    # groups of named parameters (torch keeps their names in the group) with one set of hyper-parameters
+    named = torch.optim.AdamW([{"params": [("p", p)]}, {"params": [("q", q)]}], lr=0.1)
+    assert OptimizerSpec.from_torch(named).lr == 0.1
+    with pytest.raises(KernelError, match=r"expected betas to be a pair \(beta1, beta2\), found 0.9"):
+        OptimizerSpec("adam", betas=0.9)
+    # tensor betas (torch allows them) become python floats: the kernels take scalars by value
+    assert OptimizerSpec("adam", betas=(torch.tensor(0.5), torch.tensor(0.25))).betas == (0.5, 0.25)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -148,7 +148,9 @@ def test_what_adama_cannot_do_is_rejected_at_compile():
         compile_with(nonfinite="skip")
     with pytest.raises(ConfigError, match=r"accumulate must be 'gradients' or 'optimizer', found 'adam'"):
         compile_with(accumulate="adam")
-    with pytest.raises(ConfigError, match=r"needs torch.optim.Adam \(without weight decay\) or AdamW.*found sgd"):
+    with pytest.raises(ConfigError, match=r"holds torch.float64 weights\. Build the model in float32"):
+        compile_adama(copy.deepcopy(net).double(), batches)
+    with pytest.raises(ConfigError, match=r"found sgd.*needs torch.optim.Adam \(without weight decay\) or AdamW"):
         compile_with(optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(ConfigError, match=r"needs each weight on one stage; 'wte.weight' is read on stages \[0, 1\]"):
         compile_with(model=gpt(tied=True)[0])
