@@ -757,10 +757,11 @@ class Pipeline:
             posted = getattr(wk.comm, "last_posted", "")  # NCCL's watchdog errors name no action
             posted = f" (its last posted communication: {posted})" if posted else ""
             raise RuntimeError(f"rank {r} failed running action {a}{posted}:\n{grid}") from e
+        blocked = wk.comm.waited - waited  # an action waits before it works (its receive, a reduction)
         if self.profile is not None:
-            self.profile.action(a.kind, time.perf_counter() - start, wk.comm.waited - waited)
-        if self.record:
-            self.timeline.append((r, str(a), start - self._t0, time.perf_counter() - self._t0))
+            self.profile.action(a.kind, time.perf_counter() - start, blocked)
+        if self.record:  # drawn from the end of its wait: the wait is the rank's idle time
+            self.timeline.append((r, str(a), start + blocked - self._t0, time.perf_counter() - self._t0))
 
     def _batch_loss(self, t: int, sync: bool):
         """Batch t's mean loss from the LOSS action's all-reduce: a float (a device tensor with

@@ -533,3 +533,34 @@ def test_eval_step_reads_each_replicas_own_batchnorm_statistics():
     assert any(not torch.equal(a.buffers[n], b.buffers[n]) for a in pipe.workers.values() for b in pipe.workers.values()
                if a.index == b.index and a.replica != b.replica for n in a.buffers)  # the replicas' statistics differ
     assert pipe.eval_step(x, y) == pytest.approx(expected / (m * w), rel=1e-12)
+
+
+def test_a_recorded_action_is_drawn_from_the_end_of_its_wait():
+    # the time an action spent blocked (a receive whose sender had not sent yet) is the rank's
+    # idle time: the recorded block starts when the wait ended, so the picture hatches it
+    import time
+
+    from fxpipe.runtime import StageWorker
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    pipe = fxpipe.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), (torch.randn(2, 8),),
+                          loss_fn=torch.nn.functional.mse_loss, microbatches=2, stages=2, schedule="1f1b",
+                          verbose=False)
+    real = StageWorker.run
+
+    def blocked_forward(self, a):  # as if F waited 50 ms for its activation
+        if a.kind.value == "F" and self.index == 1:
+            time.sleep(0.05)
+            self.comm.waited += 0.05
+        return real(self, a)
+
+    pipe.record = True
+    StageWorker.run = blocked_forward
+    try:
+        started = time.perf_counter() - pipe._t0
+        pipe.step(torch.randn(4, 8), torch.randn(4, 8))
+    finally:
+        StageWorker.run = real
+    forwards = [(s, e) for r, a, s, e in pipe.recorded_timeline() if a.startswith("1F")]
+    assert len(forwards) == 2 and all(e - s < 0.04 for s, e in forwards) and forwards[0][0] - started >= 0.05
