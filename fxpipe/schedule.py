@@ -14,7 +14,7 @@ Actions
 ``Action.parse`` reads that string back (``str(Action.parse(s)) == s``)::
 
     1F3v0        stage 1, forward of micro-batch 3 on weight version 0
-    1R3v0        stage 1 recomputes micro-batch 3's forward (activation recomputation) before 1B3v0
+    1R3v0        stage 1 recomputes micro-batch 3's forward (activation recomputation) right before 1B3v0
     1B3v0        stage 1, backward of micro-batch 3 on weight version 0
     1I3v0        zb: stage 1, input-gradient half of micro-batch 3's backward (what SEND_GRAD3 sends)
     1W3v0        zb: stage 1, weight-gradient half of micro-batch 3's backward (deferred; frees it)
@@ -898,8 +898,9 @@ def validate(
     """Raise :class:`ScheduleError` unless the lists obey every invariant of ``schedule``.
 
     Checks, per stage: the stage field, one F and one B per micro-batch with F before B (and R
-    between them, only where recompute is on) -- under zb one F, I and W each, F before I before
-    W, no B, and on a recomputing stage W directly after its I; each F/R/B/I/W on the version of
+    between them, only where recompute is on, as the compute right before its B or I: one
+    recomputed micro-batch alive) -- under zb one F, I and W each, F before I before W, no B, and
+    on a recomputing stage W directly after its I; each F/R/B/I/W on the version of
     :func:`version_of`
     (so the same on every stage); SEND after the F/B that produced its tensor and each RECV
     before its consumer; at most ``d - i`` micro-batches in flight on stage i (1f1b, 2bw) or
@@ -909,7 +910,10 @@ def validate(
     the last B of batch t, before the first B of batch t+1 and the first F of batch t+2 for 2bw,
     t+1 otherwise); each reduction started after the last B of batch t and
     waited for before UPDATE t; the reductions that ``width``/``tied``/``clip`` require (when
-    those are given). Then it replays all stages together with blocking semantics (module
+    those are given); in lists with END_STEPs (:class:`Program`'s), END_STEP 1..steps in order,
+    each directly after its LOSS, and every forward of batch t between END_STEP t-1 and END_STEP
+    t (:func:`_check_steps`), with both sides of every channel level at each END_STEP. Then it
+    replays all stages together with blocking semantics (module
     docstring) and reports mismatched p2p orders and deadlocks. ``steps`` defaults to what the
     lists hold. The message names the action, its stage and ranks, and shows the grid around it.
     """
@@ -928,9 +932,12 @@ def validate(
     if isinstance(recompute, bool):
         recompute = [recompute] * d
     group = _tied_group(tied, d) if tied is not None else None
+    segments = any(a.kind is Kind.END_STEP for lst in actions_by_stage.values() for a in lst)
     for s in range(d):
         _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, width)
-    if any(a.kind is Kind.END_STEP for lst in actions_by_stage.values() for a in lst):
+        if segments:
+            _check_steps(ck, s, m, steps)
+    if segments:
         _check_boundaries(ck)
     _replay(ck)
 
@@ -1016,11 +1023,22 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                 ck.fail(s, pos, f"recompute of micro-batch {k} before its forward", f"Move it after {s}F{k}")
             if recompute is not None and not recompute[s]:
                 ck.fail(s, pos, f"stage {s} recomputes although recompute[{s}] is False", "Drop the R action")
+            if any((b, k) in done for b in GRAD_SOURCES):
+                ck.fail(s, pos, f"recompute of micro-batch {k} after its backward",
+                        f"Move it right before {s}{backward[0]}{k}")
         elif a.kind in GRAD_SOURCES:
             if (Kind.F, k) not in done:
                 ck.fail(s, pos, f"backward of micro-batch {k} before its forward", f"Move {s}F{k} before it")
             if recompute is not None and recompute[s] and (Kind.R, k) not in done:
                 ck.fail(s, pos, f"recompute is on for stage {s} but {s}R{k} does not precede this backward", f"Insert {s}R{k}")
+            if rc or (Kind.R, k) in done:
+                # One recomputed micro-batch alive at a time (what the planner prices): R k is the
+                # compute right before the backward that frees it, as W k right after I k below.
+                prev = next((b for b in reversed(lst[:pos]) if b.kind in COMPUTE or b.kind is Kind.UPDATE), None)
+                if prev != Action(s, Kind.R, k, a.version):
+                    ck.fail(s, pos, f"stage {s} recomputes, so {a.kind}{k} must directly follow R{k} (found {prev} "
+                            f"before it)", f"Move {s}R{k} right before it: an earlier recompute keeps its activations "
+                            f"alive alongside other micro-batches'")
             if s < d - 1 and (Kind.RECV_GRAD, k) not in done:
                 ck.fail(s, pos, f"no RECV_GRAD{k} posted before the backward that consumes it", f"Insert {s}RECV_GRAD{k} before it")
             first_b.setdefault(t, pos)
@@ -1138,6 +1156,52 @@ def comm_op(a: Action, rank: int | None = None, peer_rank: int | None = None) ->
         return CommOp(rank, "collective", str(a), (a.kind, a.index), group=group)
     data = "act" if a.kind in (Kind.SEND_ACT, Kind.RECV_ACT) else "grad"
     return CommOp(rank, spec.comm, str(a), (data, a.index), peer=a.peer if peer_rank is None else peer_rank)
+
+
+def _check_steps(ck: _Checker, s: int, m: int, steps: int) -> None:
+    """Where stage ``s``'s segments end. ``step(t)`` hands the runtime batch t and runs each list
+    through ``END_STEP t``. The generator puts ``END_STEP t`` right before the stage's first
+    forward of batch t+1, on every stage and schedule, and ``LOSS t`` directly before it. 2bw is
+    no exception: its backwards, reductions and UPDATEs of batch t may follow ``END_STEP t`` (its
+    first stages run ``B`` of batch t after it), never its forwards. So each stage has
+    ``END_STEP 1..steps`` once each, in order; every forward of batch t lies after
+    ``END_STEP t-1`` (earlier, step t-1 would need inputs the caller passes only at step t) and
+    before ``END_STEP t`` (later, step t would return before the batch's losses exist; the drain
+    after the last one holds no forward); ``LOSS t`` directly precedes ``END_STEP t``."""
+    lst = ck.by_stage[s]
+    ends: dict[int, int] = {}
+    for pos, a in enumerate(lst):
+        if a.kind is Kind.END_STEP:
+            due = len(ends) + 1
+            if a.index != due or due > steps:
+                expected = f"END_STEP{due} next" if due <= steps else f"no more (steps={steps})"
+                ck.fail(s, pos, f"END_STEP{a.index} where {expected}: expected END_STEP1..{steps}, one per step, in "
+                        f"order", "Each step's segment ends once, after the previous one: fix or drop this END_STEP")
+            ends[a.index] = pos
+            before = lst[pos - 1] if pos else None
+            if before != Action(s, Kind.LOSS, a.index):
+                ck.fail(s, pos, f"END_STEP{a.index} is not directly preceded by LOSS{a.index} (found {before})",
+                        f"Put {s}LOSS{a.index} right before it: every rank posts the loss all-reduce of step "
+                        f"{a.index} where it returns from that step")
+    if len(ends) < steps:
+        ck.fail(s, len(lst) - 1, f"no END_STEP{len(ends) + 1}: expected END_STEP1..{steps}, one per step",
+                f"Insert {s}LOSS{len(ends) + 1} {s}END_STEP{len(ends) + 1} right before the stage's first forward of "
+                f"batch {len(ends) + 2} (at the end of the list for the last step)")
+    for pos, a in enumerate(lst):
+        if a.kind is Kind.LOSS and lst[pos + 1:pos + 2] != [Action(s, Kind.END_STEP, a.index)]:
+            ck.fail(s, pos, f"LOSS{a.index} is not directly followed by END_STEP{a.index}",
+                    f"Move it right before {s}END_STEP{a.index}")
+        if a.kind is not Kind.F:
+            continue
+        t = batch_of(a.index, m)
+        if t > 1 and pos < ends[t - 1]:
+            ck.fail(s, pos, f"forward of batch {t} before END_STEP{t - 1} (position {ends[t - 1]}): step {t - 1} would "
+                    f"run it before the caller passes batch {t}",
+                    f"Move {s}END_STEP{t - 1} (with its LOSS) right before the stage's first forward of batch {t}")
+        if pos > ends[t]:
+            ck.fail(s, pos, f"forward of batch {t} after END_STEP{t} (position {ends[t]}): step {t} would return "
+                    f"before its forwards ran", f"Move {s}END_STEP{t} (with its LOSS) after the stage's last forward "
+                    f"of batch {t}, right before its first forward of batch {t + 1}")
 
 
 def _check_boundaries(ck: _Checker) -> None:

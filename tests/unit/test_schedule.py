@@ -391,6 +391,107 @@ def test_planted_collective_order():
         validate(lists, "2bw", 2, 2, 3, width=2)
 
 
+def _moved(lst, actions, j):
+    """``lst`` with ``actions`` (adjacent in it) taken out and put back at position ``j``."""
+    i = lst.index(actions[0])
+    rest = lst[:i] + lst[i + len(actions):]
+    return rest[:j] + list(actions) + rest[j:]
+
+
+def test_planted_forward_of_the_next_batch_before_end_step():
+    # 2bw's first stage runs batch 1's backwards after END_STEP1, never batch 2's forwards before it.
+    lists = _lists(steps=2)
+    end = [Action.parse("0LOSS1"), Action.parse("0END_STEP1")]
+    lists[0] = _moved(lists[0], end, lists[0].index(Action.parse("0SEND_ACT3")) - 1)  # after F3
+    with pytest.raises(ScheduleError, match=re.escape(
+        "0F3v0 at position 7 on stage 0 (rank 0): forward of batch 2 before END_STEP1 (position 10): step 1 would "
+        "run it before the caller passes batch 2. Move 0END_STEP1 (with its LOSS) right before the stage's first "
+        "forward of batch 2"
+    )):
+        validate(lists, "2bw", 2, 2, 2)
+
+
+def test_planted_forward_after_its_end_step():
+    lists = _lists(schedule="1f1b", steps=2)
+    end = [Action.parse("1LOSS1"), Action.parse("1END_STEP1")]
+    lists[1] = _moved(lists[1], end, lists[1].index(Action.parse("1F2v0")))
+    with pytest.raises(ScheduleError, match=re.escape(
+        "1F2v0 at position 7 on stage 1 (rank 1): forward of batch 1 after END_STEP1 (position 6): step 1 would "
+        "return before its forwards ran. Move 1END_STEP1 (with its LOSS) after the stage's last forward of batch 1"
+    )):
+        validate(lists, "1f1b", 2, 2, 2)
+
+
+def test_planted_end_steps_out_of_order_or_without_their_loss():
+    lists = _lists(schedule="gpipe", d=1, steps=2)
+    i, j = (lists[0].index(Action.parse(f"0END_STEP{t}")) for t in (1, 2))
+    lists[0][i], lists[0][j] = lists[0][j], lists[0][i]
+    with pytest.raises(ScheduleError, match=re.escape(
+        "0END_STEP2 at position 6 on stage 0 (rank 0): END_STEP2 where END_STEP1 next: expected END_STEP1..2, "
+        "one per step, in order. Each step's segment ends once"
+    )):
+        validate(lists, "gpipe", 1, 2, 2)
+    lists = _lists(schedule="zb", steps=2)
+    lists[0].remove(Action.parse("0END_STEP1"))
+    lists[0].insert(lists[0].index(Action.parse("0LOSS1")) - 1, Action.parse("0END_STEP1"))
+    with pytest.raises(ScheduleError, match=re.escape(
+        "0END_STEP1 at position 10 on stage 0 (rank 0): END_STEP1 is not directly preceded by LOSS1 (found 0W2v0). "
+        "Put 0LOSS1 right before it"
+    )):
+        validate(lists, "zb", 2, 2, 2)
+    lists = _lists(schedule="1f1b", steps=2)
+    lists[1] = [a for a in lists[1] if a != Action.parse("1END_STEP2")]
+    with pytest.raises(ScheduleError, match=re.escape("no END_STEP2: expected END_STEP1..2, one per step. Insert "
+                                                      "1LOSS2 1END_STEP2")):
+        validate(lists, "1f1b", 2, 2, 2)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_every_end_step_moved_across_a_forward_is_rejected(schedule):
+    # The reviewer's sweep: END_STEP1 (alone, or with its LOSS) moved anywhere in one stage's
+    # list; wherever a forward of batch 1 ends up after it or one of batch 2 before it, the
+    # lists are rejected. The invariant, on every stage of every schedule (2bw's included):
+    # END_STEP t-1 < every F of batch t < END_STEP t.
+    for d in (1, 2, 3):
+        m, base = max(d, 2), _lists(schedule, d, max(d, 2), 2)
+        for s, lst in base.items():
+            i = lst.index(Action(s, Kind.END_STEP, 1))
+            for moved in (lst[i:i + 1], lst[i - 1:i + 1]):
+                for j in range(len(lst) - len(moved) + 1):
+                    new = _moved(lst, moved, j)
+                    e = new.index(Action(s, Kind.END_STEP, 1))
+                    if not any(a.kind is Kind.F and (batch_of(a.index, m) > 1) == (p < e) for p, a in enumerate(new)):
+                        continue
+                    with pytest.raises(ScheduleError):
+                        validate({**base, s: new}, schedule, d, m, 2)
+
+
+def test_planted_recompute_long_before_its_backward():
+    # R k moved right after F k: every recomputed activation set is alive from F to B. The
+    # compute right before B k (zb: I k) must be R k, whether or not recompute= is passed.
+    for schedule, backward in (("1f1b", "B"), ("2bw", "B"), ("gpipe", "B"), ("zb", "I")):
+        lists = _lists(schedule, d=2, m=4, steps=1, recompute=True)
+        early = []
+        for a in lists[0]:
+            if a.kind is not Kind.R:
+                early.append(a)
+            if a.kind is Kind.F:
+                early.append(a._replace(kind=Kind.R))
+        lists[0] = early
+        found = "0R4v0" if schedule == "gpipe" else "0R2v0"
+        for recompute in (True, None):
+            with pytest.raises(ScheduleError, match=re.escape(
+                f"stage 0 recomputes, so {backward}1 must directly follow R1 (found {found} before it). Move 0R1 "
+                f"right before it"
+            )):
+                validate(lists, schedule, 2, 4, 1, recompute=recompute)
+    lists = _lists("1f1b", d=2, m=2, steps=1, recompute=True)
+    _swap(lists[1], "1R2v0", "1B2v0")
+    with pytest.raises(ScheduleError, match=re.escape("1R2v0 at position") + ".*recompute of micro-batch 2 after its "
+                       "backward. Move it right before 1B2"):
+        validate(lists, "1f1b", 2, 2, 1)
+
+
 def test_validate_wrong_keys():
     with pytest.raises(ScheduleError, match=r"expected one action list per stage 0..2, found keys \[0, 1\]"):
         validate(_lists(), "2bw", 3, 3, 3)
