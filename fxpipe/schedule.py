@@ -1291,7 +1291,8 @@ def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
       alive until the send finishes (``Tensor.record_stream`` on CUDA, the work handle on CPU).
     * ``p2p_prev`` / ``p2p_next``: every SEND and RECV with the previous / next stage, both
       directions on one stream in list order, so each matches the peer's op one-for-one (no
-      unpaired concurrent NCCL send and receive). ``SEND_ACT k`` waits only for ``F k``,
+      unpaired concurrent NCCL send and receive). ``SEND_ACT k`` waits only for ``F k`` (an eval
+      pass's ``EVAL k``),
       ``SEND_GRAD k`` only for ``B k``; a RECV waits for nothing: it receives into a fresh buffer
       from the caching allocator, so no compute has to finish first.
     * ``reduce``: ``DP_START``/``TIED_START`` wait for the last B before them in the list (the
@@ -1312,7 +1313,10 @@ def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
         if a.kind in BACKWARDS:
             last_b = str(a)
         elif a.kind in SENDS:
-            source = Kind.F if a.kind is Kind.SEND_ACT else Kind.I if (Kind.I, a.index) in key else Kind.B
+            if a.kind is Kind.SEND_ACT:  # a training forward, or an eval pass's (Program.eval)
+                source = Kind.EVAL if (Kind.EVAL, a.index) in key else Kind.F
+            else:
+                source = Kind.I if (Kind.I, a.index) in key else Kind.B
             if (source, a.index) not in key:
                 raise ScheduleError(f"{a} sends a tensor that no {a.stage}{source}{a.index} in this list produces: put the send after it")
             waits.append(key[source, a.index])

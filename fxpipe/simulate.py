@@ -596,6 +596,9 @@ def render_svg(
         of = f"micro-batch {_within(example, m)} (of {m}) of its step" if m else \
             f"micro-batch {example.index} (numbered across the run)"
         key.append(f"{_label(example, m)[0][0]} = {_WORD[example.kind]} of {of} on weight version {example.version}")
+    elif (example := next((a for _, a in drawn if a.kind is Kind.EVAL), None)) is not None:  # an eval pass
+        key.append(f"{_label(example, m)[0][0]} = {_WORD[Kind.EVAL]} of micro-batch {example.index} of the batch "
+                   f"(newest weights)")
     update = next((a for _, a in drawn if a.kind is Kind.UPDATE), None)
     if update is not None:
         key.append(f"U{update.index} = optimizer step with step {update.index}'s gradients")

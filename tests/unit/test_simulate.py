@@ -8,7 +8,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from fxpipe.errors import ScheduleError
-from fxpipe.schedule import Action, generate
+from fxpipe.schedule import Action, Kind, Program, generate, lower_to_streams
 from fxpipe.simulate import (
     Costs,
     chrome_trace,
@@ -165,3 +165,19 @@ def test_planner_step_time_equals_the_simulator(schedule):
     for d, m in ((2, 2), (2, 4), (3, 6), (4, 4), (4, 8)):
         tl = simulate(generate(schedule, d, m, 8), Costs(forward=1.0, backward=2.0))
         assert tl.step_time == pytest.approx(pipeline_time(schedule, d, m, 3.0)), (d, m)
+
+
+def test_simulate_times_an_eval_pass():
+    # Program.eval's lists send what EVAL k produced: the lowering makes SEND_ACT k wait for it.
+    program = Program("1f1b", 3, 4)
+    lists = {s: program.eval(s) for s in range(3)}
+    send = next(op for op in lower_to_streams(lists[0]) if op.action.kind is Kind.SEND_ACT)
+    assert send.waits == ("0EVAL1",)
+    tl = simulate(lists, Costs(forward=1.0, p2p=0.5))
+    assert tl.makespan == pytest.approx(4 + 2 * (1 + 0.5))  # m forwards, each stage 1.5 later
+    assert sorted(e.action for e in tl.events if e.rank == 2 and e.stream == "compute") == \
+        ["2EVAL1", "2EVAL2", "2EVAL3", "2EVAL4"]
+    texts = {t.text for t in ET.fromstring(render_svg(tl)).iter("{http://www.w3.org/2000/svg}text")}
+    assert "an eval pass; makespan 7 units; bubble 42.9% (idle share of 3 ranks x makespan)" in texts
+    assert "key: E1 = eval forward of micro-batch 1 of the batch (newest weights); hatched = idle" in texts
+
