@@ -9,10 +9,11 @@
     plan.txt / plan.json     the plan table and the reloadable plan
     stage_{i}.py             each stage's generated code, with a header naming its boundary
     schedule.txt/.json/.svg  the schedule's step x rank grid, Chrome-trace timeline and picture
-                             (simulated from the plan's costs)
+                             (simulated from the plan's costs): what a default fxpipe.compile
+                             runs (Program.of_plan), norm all-reduce included
 
 Without ``stages`` only the trace dumps (nodes, graph) are written. A compiled pipeline writes
-the same set, plus its recorded timeline, with ``pipe.dump(out_dir)``.
+the same set, its own Program's schedule and its recorded timeline, with ``pipe.dump(out_dir)``.
 
 The CLI form is ``fxpipe inspect MODULE:FACTORY --out DIR`` where ``FACTORY()`` returns
 ``(model, example_inputs)``.
@@ -169,13 +170,8 @@ def write_plan(plan, out_dir: str) -> list[str]:
     return [txt, js]
 
 
-def _schedule_lists(plan, steps: int, tied_stages, clip: bool):
-    from .schedule import generate
-
-    return generate(
-        plan.schedule, plan.stages, plan.microbatches, steps, width=plan.width,
-        recompute=list(plan.recompute), tied=tied_stages or None, clip=clip,
-    )
+# Steps drawn in the schedule dumps (then the flush): the fill, a steady step and the drain.
+_DUMP_STEPS = 3
 
 
 def _plan_words(plan) -> str:
@@ -206,7 +202,7 @@ def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
     paths = write_node_table(gm, out_dir, assignment) + [write_dot(gm, out_dir, assignment)]
     paths += write_plan(pipe.plan, out_dir)
     paths += [str(p) for p in write_stage_code(pipe.staged, out_dir)]
-    lists = _schedule_lists(pipe.plan, 3, pipe.topology.tied_stages, pipe.config.max_grad_norm is not None)
+    lists = pipe.program.lists(_DUMP_STEPS)  # the Program the pipeline runs, not a second opinion
     paths += _simulated_schedule(out_dir, lists, pipe.plan)
     if events:
         where = (f"{pipe.world_size} processes" if pipe.distributed
@@ -226,16 +222,19 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     per stage, and the schedule's grid, Chrome-trace JSON and SVG picture."""
     from .codegen import from_plan, write_stage_code
     from .partition import plan as make_plan
+    from .schedule import Program, norm_every_step
 
     os.makedirs(out_dir, exist_ok=True)
     gm = trace(model, example_inputs, leaf_modules=leaf_modules)
     m = microbatches or max(2 * stages, 4)
-    p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=stages)
+    # What a default fxpipe.compile plans and runs: its per-step norm all-reduce (second gradient buffer).
+    p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=stages,
+                  clip=norm_every_step())
     staged = from_plan(gm, p)
     tied = sorted({s for tp in staged.tied if len(tp.stages) > 1 for s in tp.stages})
     assignment = p.assignment
     paths = write_node_table(gm, out_dir, assignment) + [write_dot(gm, out_dir, assignment)]
     paths += write_plan(p, out_dir)
     paths += [str(x) for x in write_stage_code(staged, out_dir)]
-    lists = _schedule_lists(p, 3, tied, clip=False)
+    lists = Program.of_plan(p, tied).lists(_DUMP_STEPS)
     return paths + _simulated_schedule(out_dir, lists, p)

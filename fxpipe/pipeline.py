@@ -562,11 +562,8 @@ class Pipeline:
             if wk.store.fallback and wk.replica == 0:
                 warnings.warn(f"fxpipe: stage {wk.index} updates with torch.optim instead of the fused kernels: "
                               f"{wk.store.fallback}", RuntimeWarning, stacklevel=3)
-        self.program = Program(plan.schedule, d, plan.microbatches, width=w, recompute=list(plan.recompute),
-                               tied=topo.tied_stages or None,
-                               # NORM every step (see compile(nonfinite=)), but for AdamA: its UPDATE
-                               # must follow each batch's last backward on the stage (one set of moments)
-                               clip=o.accumulate != "optimizer")
+        # NORM every step, but for AdamA (schedule.norm_every_step); pipe.dump() draws this Program
+        self.program = Program.of_plan(plan, topo.tied_stages, o.accumulate)
         self._setup_done = True
         # Every rank waits for the slowest: a full (generation 2) garbage collection on one rank
         # stalls them all. Tracing and planning leave a large heap (graphs, nodes, cost

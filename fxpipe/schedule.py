@@ -145,6 +145,7 @@ __all__ = [
     "format_actions",
     "generate",
     "lower_to_streams",
+    "norm_every_step",
     "rank_of",
     "stage_and_replica",
     "LAYOUTS",
@@ -594,6 +595,21 @@ class Program:
         """What stage ``stage`` runs at a flush after step ``t`` (empty when nothing is in flight)."""
         return self._moved(stage, t, epoch_start, 1)
 
+    @classmethod
+    def of_plan(cls, plan, tied: Sequence[int] | None = None, accumulate: str = "gradients") -> Program:
+        """The Program ``fxpipe.compile`` runs for ``plan`` (a :class:`fxpipe.plan.Plan`), its
+        tied-weight stages ``tied`` and its ``accumulate`` option; the pipeline, ``pipe.dump()``
+        and ``fxpipe inspect`` (a default compile) all build theirs here, so what they draw is
+        what runs. NORM_START/NORM_WAIT run every step (:func:`norm_every_step`)."""
+        return cls(plan.schedule, plan.stages, plan.microbatches, width=plan.width, recompute=list(plan.recompute),
+                   tied=list(tied) if tied else None, clip=norm_every_step(accumulate))
+
+    def lists(self, steps: int) -> dict[int, list[Action]]:
+        """``{stage: segments 1..steps, then the drain}``: a run of ``steps`` calls of
+        ``Pipeline.step`` and one ``flush`` (what :func:`generate` returns for the same options)."""
+        return {s: [a for t in range(1, steps + 1) for a in self.segment(s, t)] + self.drain(s, steps)
+                for s in range(self.stages)}
+
     def norm_done(self, t: int, through: int, epoch_start: int = 0) -> bool:
         """Whether every stage has run ``NORM_WAIT t`` by the end of its segment of step
         ``through`` (all of batch t's norm parts are known everywhere)."""
@@ -605,6 +621,15 @@ class Program:
         """A forward-only pass over one batch (``eval_step``, after a flush): stage ``stage``
         evaluates micro-batches 1..m in order, each receive posted one micro-batch ahead."""
         return eval_list(stage, self.stages, self.microbatches)
+
+
+def norm_every_step(accumulate: str = "gradients") -> bool:
+    """Whether a compiled pipeline's Program posts NORM_START/NORM_WAIT every step (``clip``).
+    It does whether or not ``max_grad_norm`` is set: the norm all-reduce both clips and checks
+    every step for non-finite gradients, and the second gradient buffer it brings lets batch t+1
+    accumulate while batch t reduces. Not under ``accumulate="optimizer"`` (AdamA): its UPDATE
+    must follow each batch's last backward on the stage (one set of moments, no gradient)."""
+    return accumulate != "optimizer"
 
 
 def eval_list(stage: int, stages: int, microbatches: int) -> list[Action]:
