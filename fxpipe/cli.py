@@ -80,6 +80,14 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _microbatches(text: str) -> int:
+    try:
+        return _positive_int(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e} (micro-batches per step): pass --microbatches N with N >= 1, or "
+                                         f"leave it out for the default max(2 x stages, 4)") from None
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main
 
@@ -119,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--out", default="fxpipe-out", help="output folder (default: fxpipe-out)")
     i.add_argument("--stages", type=int, default=2, help="pipeline depth to plan for (0: trace dumps only)")
     i.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe", "zb"), help="schedule to draw")
-    i.add_argument("--microbatches", type=int, default=None, help="micro-batches per step (default 2 x stages)")
+    i.add_argument("--microbatches", type=_microbatches, default=None,
+                   help="micro-batches per step (default: max(2 x stages, 4))")
     i.set_defaults(fn=_cmd_inspect)
 
     from .cluster import PRESETS

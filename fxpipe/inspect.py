@@ -174,11 +174,15 @@ def write_plan(plan, out_dir: str) -> list[str]:
 _DUMP_STEPS = 3
 
 
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _plan_words(plan) -> str:
     """``2bw, 2 stages x 1 replica, 4 micro-batches of 8 per step``: a picture's title."""
-    replicas = f"{plan.width} replica" + "s" * (plan.width != 1)
-    return (f"{plan.schedule}, {plan.stages} stages x {replicas}, "
-            f"{plan.microbatches} micro-batches of {plan.microbatch_size} per step")
+    return (f"{plan.schedule}, {_count(plan.stages, 'stage', 'stages')} x "
+            f"{_count(plan.width, 'replica', 'replicas')}, "
+            f"{_count(plan.microbatches, 'micro-batch', 'micro-batches')} of {plan.microbatch_size} per step")
 
 
 def _simulated_schedule(out_dir: str, lists, plan) -> list[str]:
@@ -221,12 +225,18 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     every dump: node table and DOT graph with stage columns/clusters, the plan, one Python file
     per stage, and the schedule's grid, Chrome-trace JSON and SVG picture."""
     from .codegen import from_plan, write_stage_code
+    from .errors import ConfigError
     from .partition import plan as make_plan
     from .schedule import Program, norm_every_step
 
+    if microbatches is not None and not (isinstance(microbatches, int) and microbatches >= 1):
+        raise ConfigError(
+            f"microbatches must be an int >= 1 (micro-batches per step), found {microbatches!r}: pass a positive "
+            f"number, or None for the default max(2 x stages, 4) = {max(2 * stages, 4)}"
+        )
     os.makedirs(out_dir, exist_ok=True)
     gm = trace(model, example_inputs, leaf_modules=leaf_modules)
-    m = microbatches or max(2 * stages, 4)
+    m = microbatches if microbatches is not None else max(2 * stages, 4)
     # What a default fxpipe.compile plans and runs: its per-step norm all-reduce (second gradient buffer).
     p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=stages,
                   clip=norm_every_step())

@@ -554,7 +554,8 @@ def render_svg(
     step 5's gradients), idle time hatched grey and summed at the row's label, and a thin row
     below for communication. Above the rows, one bracket per step over its micro-batches. The time axis
     starts at the window's start; the header says which steps and times the window holds, the
-    makespan and the bubble (%); the legend lists exactly the kinds drawn.
+    makespan and the bubble (%); the legend lists exactly the kinds drawn (idle only where a rank
+    is idle), the key the label format.
 
     ``unit``: what the timeline's numbers are: ``"s"`` (seconds, drawn in ms: the plan's predicted
     costs; the default for a recorded timeline) or None for the abstract units of a :class:`Costs`.
@@ -602,7 +603,13 @@ def render_svg(
     update = next((a for _, a in drawn if a.kind is Kind.UPDATE), None)
     if update is not None:
         key.append(f"U{update.index} = optimizer step with step {update.index}'s gradients")
-    key.append("hatched = idle")
+    # Idle per rank over its window; hatching, its key and its legend entry only where there is some
+    # (gaps below a billionth of the makespan are rounding, not time a reader could see).
+    idle_of = {r: _idle(timeline, r) for r in ranks}
+    idle_of = {r: (total, [(a, b) for a, b in gaps if b - a > 1e-9 * span]) for r, (total, gaps) in idle_of.items()}
+    any_idle = any(gaps for _, gaps in idle_of.values())
+    if any_idle:
+        key.append("hatched = idle")
     header = [(title, 13, "bold"), (summary, 11, None), ("key: " + "; ".join(key), 10, None)]
     y = 4
     for text, size, weight in header:
@@ -638,7 +645,7 @@ def render_svg(
     row_h, comm_h, gap = 28, 10, 10
     for r in ranks:
         stage = next(Action.parse(e.action).stage for e in timeline.events if e.rank == r)
-        idle, gaps = _idle(timeline, r)
+        idle, gaps = idle_of[r]
         start, end = timeline.window(r)
         pct = 100 * idle / (end - start) if end > start else 0.0
         if start > t0:  # a recording: this rank's earlier work is not in it
@@ -688,7 +695,7 @@ def render_svg(
     what = uname if unit else "abstract units (those of the simulator's Costs, not seconds)"
     body.append(f'<text x="{left}" y="{axis_y + 29}">time in {what} since the window\'s start{origin}</text>')
 
-    # Legend: exactly the kinds drawn, then idle.
+    # Legend: exactly the kinds drawn, then idle where there is any.
     entries: dict[str, str] = {}
     reduced = sorted({_REDUCED[a.kind] for _, a in drawn if a.kind in _REDUCED})
     order = {k: i for i, k in enumerate(_DRAWN)}
@@ -700,7 +707,8 @@ def render_svg(
             name += " (not priced: a tick)"
         entries.setdefault(name, fill)
     items = [(name, f'fill="{fill}"') for name, fill in entries.items()]
-    items.append(("idle (hatched)", None))
+    if any_idle:
+        items.append(("idle (hatched)", None))
     lx, ly = left, axis_y + 44
     for name, fill in items:
         w = 16 + _CHAR * 10 * len(name) + 18

@@ -4,11 +4,14 @@ what a default ``fxpipe.compile`` runs (both with the per-step norm all-reduce).
 from __future__ import annotations
 
 import functools
+import re
 
+import pytest
 import torch
 from torch import nn
 
 import fxpipe
+from fxpipe.errors import ConfigError
 from fxpipe.inspect import inspect_pipeline
 from fxpipe.schedule import format_actions
 
@@ -51,3 +54,31 @@ def test_inspect_draws_what_a_default_compile_runs(tmp_path):
     assert "NORM_START1" in drawn
     assert drawn == _actions(tmp_path / "dump" / "schedule.txt") == format_actions(pipe.program.lists(3)).strip()
 
+
+def test_inspect_titles_one_stage_and_one_micro_batch_in_the_singular(tmp_path):
+    inspect_pipeline(_model(), (torch.randn(2, 8),), str(tmp_path), stages=1, microbatches=1, schedule="gpipe")
+    svg = (tmp_path / "schedule.svg").read_text()
+    assert "gpipe, 1 stage x 1 replica, 1 micro-batch of 2 per step</text>" in svg
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0])
+def test_inspect_rejects_a_microbatch_count_below_one(tmp_path, bad):
+    with pytest.raises(ConfigError, match=re.escape(
+        f"microbatches must be an int >= 1 (micro-batches per step), found {bad!r}: pass a positive number, or "
+        f"None for the default max(2 x stages, 4) = 6"
+    )):
+        inspect_pipeline(_model(), (torch.randn(2, 8),), str(tmp_path), stages=3, microbatches=bad)
+    assert not (tmp_path / "schedule.svg").exists()
+
+
+def test_cli_microbatches_help_and_zero(tmp_path, capsys):
+    from fxpipe.cli import build_parser, main
+
+    sub = next(a for a in build_parser()._actions if a.dest == "cmd").choices["inspect"]
+    assert "micro-batches per step (default: max(2 x stages, 4))" in " ".join(sub.format_help().split())
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "fxpipe.demo:demo_factory", "--microbatches", "0", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err
+    assert ("argument --microbatches: expected a positive integer, found 0 (micro-batches per step): pass "
+            "--microbatches N with N >= 1, or leave it out for the default max(2 x stages, 4)") in err

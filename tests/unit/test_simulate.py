@@ -181,3 +181,14 @@ def test_simulate_times_an_eval_pass():
     assert "an eval pass; makespan 7 units; bubble 42.9% (idle share of 3 ranks x makespan)" in texts
     assert "key: E1 = eval forward of micro-batch 1 of the batch (newest weights); hatched = idle" in texts
 
+
+def test_picture_without_idle_time_has_no_idle_legend_or_key():
+    tl = simulate(generate("gpipe", 1, 2, 2), Costs(1.0, 2.0, update=0.5))
+    root = ET.fromstring(render_svg(tl))
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    legend = {t.text for t in root.iter("{http://www.w3.org/2000/svg}text") if t.get("class") == "legend"}
+    assert tl.bubble == 0 and legend == {"F forward", "B backward", "U optimizer step"}
+    assert "key: F1v0 = forward of micro-batch 1 (of 2) of its step on weight version 0; " \
+           "U1 = optimizer step with step 1's gradients" in texts
+    assert "idle 0 units (0.0%)" in texts and not any("hatched" in t for t in texts)
+    assert not any(p.get("stroke") == "#bdbdbd" for p in root.iter("{http://www.w3.org/2000/svg}path"))  # hatching
