@@ -16,28 +16,42 @@ optimum of::
 
     M_s(l, r) = sum of the distinct parameters/buffers the stage reads, each costing
                 versions*bytes + grad accumulator(s) + optimizer state (parameters) or bytes (buffers)
-              + k_s * A(l, r) + j_s * I(l) + I(l)                             # stash, receive buffer
-              + e_s * W(l, r)                                                 # zb's deferred W
+              + max over the stage's moments h of                             # what its rank holds
+                    h.whole * A(l, r) + h.deferred * W(l, r) + h.outputs * O(r)         # activations
+                  + h.inputs * I(l) + h.sent * S(l) + h.grads * G(r) + h.model_inputs * X(l, r)
 
 with ``A(l, r)`` the bytes of every output of the stage's nodes that has storage of its own (what
 autograd may save; a view, such as ``transpose`` or a ``split``'s pieces, shares its base's and
-adds none, :func:`fxpipe.cost.is_view`; it includes the values the stage sends, whose storage the
-gradient received for them takes over once sent, as Megatron-LM's ``deallocate_output_tensor``
-does), ``I(l)`` the bytes crossing its
-input cut, ``W(l, r)`` the activation inputs of its nodes that read a trainable parameter (what a
-micro-batch keeps between zb's ``I`` and ``W``, :func:`_weight_reads`), and ``k_s, j_s, e_s`` from
-the schedule (docs/design.md; PipeDream-2BW §3): ``n_s = d - s`` micro-batches in flight under
-1f1b/2bw and zb (``min(d - s, m)``), ``m`` under gpipe; ``k_s = n_s, j_s = 0`` without
-recomputation, ``k_s = 1, j_s = n_s`` with it; ``e_s = min(d, m) - min(d - s, m)`` under zb (the
-weight passes ZB-H1 defers past their ``I``, :func:`fxpipe.schedule.zb_bounds`), 0 on a stage that
-recomputes (it defers none) and under the other schedules.
+adds none, :func:`fxpipe.cost.is_view`; it includes the values the stage sends, which the runtime
+keeps until the micro-batch's backward: it does not free a sent output's storage as Megatron-LM's
+``deallocate_output_tensor`` does, so the gradient received for it is a buffer of its own),
+``W(l, r)`` the activation inputs of its nodes that read a trainable parameter (what a
+micro-batch keeps between zb's ``I`` and ``W``, :func:`_weight_reads`), ``I(l)``/``S(l)`` the
+bytes (and gradient bytes) crossing its input cut, ``G(r)``/``O(r)`` the gradient bytes (and
+bytes) crossing its output cut, and ``X(l, r)`` a micro-batch of the model inputs its nodes read.
+The moments (:class:`Held`, :func:`_moments`) count what the runtime's action lists hold at once
+(PipeDream-2BW §3; docs/design.md, "The memory model"): with ``n_s = min(d - s, m)``
+micro-batches in flight under 1f1b and zb (``d - s`` under 2bw, ``m`` under gpipe), ``n_s``
+micro-batches' activations (under recomputation one, and the others' forward outputs), each
+with its received input, and the receive posted early for the next; the gradient receives
+posted (all ``n_s`` at once in 1f1b's drain, all ``m`` under gpipe, at most two ahead under
+2bw); the input gradient being sent; the step's ``m`` micro-batches of model inputs, handed over
+when it starts; under zb the ``min(d, m) - n_s`` micro-batches ZB-H1 defers past their ``I``
+(:func:`fxpipe.schedule.zb_bounds`) at ``W(l, r)`` each, none on a stage that recomputes, and
+their whole activations where the stage's input carries no gradient (the first stage: its ``I``
+is empty). tests/unit/test_partition.py replays the lists against the moments and measures a
+real run's workers against the plan.
 
 Algorithm: binary search on the bottleneck ``T`` with an exact O(n log n · d) feasibility test.
-Both constraints split into a part in ``l`` and a part in ``r``: ``T_s = X_s(l) + Y_s(r)`` and
-``M_s = U_s(l) + V_s(r)`` (plus tied-parameter terms), and ``V_s`` is non-decreasing in ``r``, so
-memory allows exactly a window ``r <= rho_s(l)`` and the test "some feasible end r, from which
-the later stages can finish, has ``Y_s(r) <= T - X_s(l)``" is a range-minimum query (sparse
-table), vectorised over ``l``. Stages are checked from the last to the first, where ``n_s`` is
+Both constraints split into a part in ``l`` and a part in ``r``: ``T_s = X_s(l) + Y_s(r)`` and,
+per moment, ``M_s = U_s(l) + V_s(r) + H_s(r)`` (plus tied-parameter terms), with ``V_s``
+non-decreasing in ``r`` and ``H_s`` the output cut's buffers. The ends a stage may have are
+grouped by their output cut's sizes (a model of repeated blocks has a handful; where there are
+more than 16 pairs, each is priced at the next of fewer levels, :func:`_cut_terms`), so for each
+group memory allows exactly a window ``r <= rho_s(g, l)``, and the test "some feasible end r,
+from which the later stages can finish, has ``Y_s(r) <= T - X_s(l)``" is a range-minimum query
+(sparse table) over the window all groups share and each group's short band past it,
+vectorised over ``l``. Stages are checked from the last to the first, where ``n_s`` is
 known. After each feasible probe the upper bound drops to the bottleneck actually achieved, so
 the search ends on a partition whose bottleneck is within 1e-9 (relative) of the optimum; of the
 partitions meeting it, the one with the earliest cuts is returned (deterministic).
@@ -121,6 +135,9 @@ class Chain:
     tensor_optim_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
     tensor_names: tuple[str, ...] = ()
     weight_reads: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: per tensor, the bytes of one micro-batch of it when it is a model input (a placeholder of
+    #: the graph, which the runtime hands every stage that reads it; no weight cost), else 0
+    tensor_input_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def __post_init__(self) -> None:
         f = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
@@ -130,7 +147,7 @@ class Chain:
         self.valid = np.asarray(self.valid, dtype=bool)
         self.tensor_cost = f(self.tensor_cost)
         self.tensor_readers = tuple(np.asarray(r, dtype=np.int64) for r in self.tensor_readers)
-        for name in ("tensor_param_bytes", "tensor_grad_bytes", "tensor_optim_bytes"):
+        for name in ("tensor_param_bytes", "tensor_grad_bytes", "tensor_optim_bytes", "tensor_input_bytes"):
             arr = f(getattr(self, name))
             setattr(self, name, arr if len(arr) == len(self.tensor_cost) else np.zeros(len(self.tensor_cost)))
         n = len(self.fwd)
@@ -149,6 +166,71 @@ class Chain:
     @property
     def n(self) -> int:
         return len(self.fwd)
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a stage's rank holds at once at one point of its action list (a *moment*), in
+    units of one micro-batch's share of each kind (the module docstring's memory formula):
+    ``whole`` micro-batches' activations ``A(l, r)``; ``deferred`` zb weight passes ``W(l, r)``;
+    ``outputs`` forward outputs a recomputing stage keeps until ``R`` replaces them ``O(r)``;
+    ``inputs`` received boundary inputs ``I(l)`` (those of micro-batches in flight and the
+    receives already posted); ``sent`` input gradients still being sent ``S(l)``; ``grads``
+    posted gradient receives ``G(r)``; ``model_inputs`` micro-batches of model inputs ``X(l, r)``
+    (handed over at the step's start, kept until the micro-batch's backward)."""
+
+    whole: int = 0
+    deferred: int = 0
+    outputs: int = 0
+    inputs: int = 0
+    sent: int = 0
+    grads: int = 0
+    model_inputs: int = 0
+
+
+def _moments(schedule: str, stages: int, microbatches: int, s: int, recompute: bool,
+             split: bool = True) -> tuple[Held, ...]:
+    """The moments of stage ``s`` whose maximum bounds what its rank holds over a step (of the
+    runtime's lists, :func:`fxpipe.schedule.generate`). Each moment is the largest of each
+    cut-sized count (inputs, sent, grads, model inputs) over the points of the list that hold
+    its numbers of whole, deferred and kept-output micro-batches, so a stage's price is at most
+    a few cuts' tensors above the exact peak of its list; tests/unit/test_partition.py replays
+    the lists of every schedule (d <= 6, m <= 12, recomputation on and off) against it.
+
+    ``split``: zb only, whether the stage's input carries a gradient; where none does (the first
+    stage) its ``I`` is empty and ``W`` runs the whole backward, so deferred micro-batches keep
+    their whole activations. With ``n = min(d - s, m)`` micro-batches in flight (1f1b, zb):
+    ``n`` whole (``1`` recomputed, the others' ``n`` inputs and outputs kept), the receive of
+    the next micro-batch posted early while more follow, ``n`` gradient receives posted at once
+    in the drain, the step's ``m`` model inputs. 2bw (``n = d - s``) posts at most two gradient
+    receives ahead while ``n`` are whole and carries the previous batch's ``n - 1`` model
+    inputs over; gpipe holds all ``m``."""
+    d, m = stages, microbatches
+    if schedule == "gpipe":
+        return (Held(1, 0, m, m, 1, m, m),) if recompute else (Held(m, 0, 0, m, 0, m, m),)
+    n = min(d - s, m)
+    nxt = 1 if m > n else 0  # the next micro-batch's receive, posted before this one's backward
+    if schedule == "2bw":
+        n, x = d - s, m + d - s - 1
+        if recompute:
+            return (Held(1, 0, n, n + 1, 1, min(n, max(2, n - 1)), x),)
+        steady = Held(n, 0, 0, n + 1, 1, min(n, 2), x)
+        return (steady, Held(n - 1, 0, 0, n, 1, n - 1, x)) if n >= 4 else (steady,)
+    if schedule == "zb" and s > 0:
+        top = min(d, m)  # ZB-H1: at most min(d, m) micro-batches between F and W
+        if recompute:  # R k, I k, W k together: one recomputed, between I and W none whole
+            if not split:
+                return (Held(1, 0, n, n + min(2, m - n), 1, n, m),)
+            return (Held(1, 0, n, n + min(2, m - n), 1, n, m), Held(0, 1, n, n + min(2, m - n), 1, n, m))
+        if not split:
+            return (Held(top, 0, 0, top + min(2, m - top), 1, n, m),)
+        e = top - n
+        return (Held(n, e, 0, top + min(1, m - top), 1, n, m),
+                Held(n - 1, e + 1, 0, top + min(2, m - top), 1, n - 1, m))
+    # 1f1b, and zb's first stage (its I is empty: 1f1b's numbers)
+    if recompute:
+        return (Held(1, 0, n, n + nxt, 1, n, m),)
+    return (Held(n, 0, 0, n + nxt, 1, n, m),)
 
 
 @dataclass(frozen=True)
@@ -172,12 +254,32 @@ class StageModel:
     #: zb: micro-batches past their ``I`` whose ``W`` is deferred, holding only what ``W`` reads
     #: (:func:`fxpipe.schedule.zb_bounds`); empty: none
     deferred: tuple[int, ...] = ()
+    #: per stage, the moments whose largest is what its rank holds (:func:`_moments`); empty:
+    #: derived from ``inflight``, ``recompute`` and ``deferred`` as 1f1b's with one micro-batch
+    #: more per step than in flight
+    moments: tuple[tuple[Held, ...], ...] = ()
+    #: zb: the moments of a stage whose input carries no gradient (its ``W`` keeps the whole
+    #: activations); empty: ``moments``
+    unsplit: tuple[tuple[Held, ...], ...] = ()
 
     def held(self, s: int) -> tuple[int, int, int]:
-        """``(k, j, e)`` of stage ``s`` in the memory formula: micro-batches holding whole
-        activations, stashed inputs (recomputation) and deferred weight passes."""
+        """``(k, j, e)`` of stage ``s``: micro-batches holding whole activations, inputs kept for
+        recomputation and deferred weight passes (the schedule's counts; :meth:`forms` adds the
+        buffers the runtime holds beside them)."""
         e = self.deferred[s] if s < len(self.deferred) else 0
         return (1, self.inflight[s], e) if self.recompute[s] else (self.inflight[s], 0, e)
+
+    def forms(self, s: int, grad_in: bool = True) -> tuple[Held, ...]:
+        """The moments of stage ``s`` (``grad_in``: whether its input cut carries a gradient)."""
+        if not grad_in and s < len(self.unsplit):
+            return self.unsplit[s]
+        if s < len(self.moments):
+            return self.moments[s]
+        k, j, e = self.held(s)
+        n = self.inflight[s]
+        if self.recompute[s]:
+            return (Held(1, e, n, n + 1, 1, n, n + 1),)
+        return (Held(k, e, 0, n + 1, 1, n, n + 1),)
 
     def link(self, boundary: int) -> tuple[float, float]:
         """``(latency, bandwidth)`` between stage ``boundary`` and ``boundary + 1``."""
@@ -200,9 +302,11 @@ class StageModel:
         recompute = tuple(bool(x) for x in recompute)
         held = [zb_bounds(s, d, m, recompute[s]) if zb else (alive[s], 0) for s in range(d)]  # (alive, deferred)
         inflight, deferred = tuple(n - e for n, e in held), tuple(e for _, e in held)
+        moments = tuple(_moments(schedule, d, m, s, recompute[s]) for s in range(d))
+        unsplit = tuple(_moments(schedule, d, m, s, recompute[s], split=False) for s in range(d)) if zb else ()
         return cls(d, inflight, recompute, device.p2p_latency, device.p2p_bandwidth,
                    device.memory_bytes if memory_limit is None else float(memory_limit),
-                   tuple((float(a), float(b)) for a, b in links), bool(overlap), deferred)
+                   tuple((float(a), float(b)) for a, b in links), bool(overlap), deferred, moments, unsplit)
 
 
 @dataclass(frozen=True)
@@ -269,11 +373,86 @@ def _held(chain: Chain, l: int, r: int) -> list[int]:
 
 def stage_memory(chain: Chain, model: StageModel, s: int, l: int, r: int) -> float:
     """Bytes stage ``s`` needs holding positions ``l..r`` (the formula in the module docstring)."""
-    k, j, e = model.held(s)
-    inp = float(chain.cross[l - 1]) if l > 0 else 0.0
-    weights = float(sum(chain.tensor_cost[p] for p in _held(chain, l, r)))
-    return (weights + k * float(chain.act[l : r + 1].sum()) + e * float(chain.weight_reads[l : r + 1].sum())
-            + (j + 1) * inp)
+    weights, acts, bufs = _stage_bytes(chain, model, s, l, r)
+    return weights + acts + bufs
+
+
+def _stage_bytes(chain: Chain, model: StageModel, s: int, l: int, r: int) -> tuple[float, float, float]:
+    """``(weights, activations, buffers)`` of stage ``s`` on ``l..r`` at its fullest moment:
+    activations are the whole, deferred and kept-output shares, buffers the received inputs
+    and gradients, the gradients being sent and the model inputs."""
+    cut = _cut_terms(chain)
+    held = _held(chain, l, r)
+    weights = float(sum(chain.tensor_cost[p] for p in held))
+    model_in = float(sum(chain.tensor_input_bytes[p] for p in held))
+    A, E = float(chain.act[l : r + 1].sum()), float(chain.weight_reads[l : r + 1].sum())
+    best = (-1.0, 0.0, 0.0)
+    for f in model.forms(s, bool(cut.grad_in[l])):
+        acts = f.whole * A + f.deferred * E + f.outputs * float(cut.out_val[r])
+        bufs = (f.inputs * float(cut.inp[l]) + f.sent * float(cut.sent[l]) + f.grads * float(cut.out_grad[r])
+                + f.model_inputs * model_in)
+        if acts + bufs > best[0]:
+            best = (acts + bufs, acts, bufs)
+    return weights, best[1], best[2]
+
+
+@dataclass(eq=False)
+class _Cuts:
+    """Per position, the cut-sized terms of the memory formula: ``inp[l]``/``sent[l]`` what
+    crosses (and what gradient crosses back over) the input cut of a stage starting at ``l``,
+    ``grad_in[l]`` whether any gradient does; ``out_grad[r]``/``out_val[r]`` the same of the
+    output cut of a stage ending at ``r`` (0 at the last position), as priced: exact where the
+    ends a stage may have show at most ``_GROUPS`` distinct pairs of them (a model of repeated
+    blocks has a handful), else each rounded up to one of fewer levels until they do.
+    ``group[r]`` numbers the distinct priced pairs over the ends (-1 elsewhere); ``order``
+    lists the ends group by group, ``start[g]`` where group g begins in it."""
+
+    inp: np.ndarray
+    sent: np.ndarray
+    grad_in: np.ndarray
+    out_grad: np.ndarray
+    out_val: np.ndarray
+    group: np.ndarray
+    levels: np.ndarray  # (K, 2): each group's (out_grad, out_val)
+    order: np.ndarray
+    start: np.ndarray
+
+
+_GROUPS = 16
+
+
+def _cut_terms(chain: Chain) -> _Cuts:
+    got = chain.__dict__.get("_cuts")
+    if got is not None:
+        return got
+    inp = np.concatenate([[0.0], chain.cross])
+    sent = np.concatenate([[0.0], chain.cross_grad])
+    grad = np.concatenate([chain.cross_grad, [0.0]])
+    val = np.concatenate([chain.cross, [0.0]])
+    ends = np.concatenate([chain.valid, [True]])
+    for k in (12, 8, 6, 4):  # 4 x 4 levels: at most 16 pairs
+        g_lv, v_lv = _levels(grad[ends], k), _levels(val[ends], k)
+        pg, pv = g_lv[np.searchsorted(g_lv, grad[ends])], v_lv[np.searchsorted(v_lv, val[ends])]
+        pairs, inverse = np.unique(np.stack([pg, pv], axis=1), axis=0, return_inverse=True)
+        if len(pairs) <= _GROUPS:
+            break
+    grad, val = grad.copy(), val.copy()
+    grad[ends], val[ends] = pg, pv
+    group = np.full(chain.n, -1, dtype=np.int64)
+    group[ends] = np.asarray(inverse).reshape(-1)
+    order = np.argsort(group, kind="stable")
+    order = order[group[order] >= 0]
+    start = np.searchsorted(group[order], np.arange(len(pairs) + 1))
+    got = chain.__dict__["_cuts"] = _Cuts(inp, sent, sent > 0, grad, val, group, pairs, order, start)
+    return got
+
+
+def _levels(values: np.ndarray, k: int) -> np.ndarray:
+    """At most ``k`` of the distinct ``values``, the largest among them: what each rounds up to."""
+    u = np.unique(values)
+    if len(u) <= k:
+        return u
+    return u[np.ceil(np.arange(1, k + 1) * len(u) / k).astype(np.int64) - 1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -286,6 +465,7 @@ class _Solver:
     def __init__(self, chain: Chain, model: StageModel):
         n, d = chain.n, model.stages
         self.chain, self.model, self.n, self.d = chain, model, n, d
+        self.cuts = _cut_terms(chain)
         cts: dict[tuple[float, float], np.ndarray] = {}  # per link: ct[c + 1] = comm(c)
 
         def ct(boundary: int) -> np.ndarray:
@@ -309,13 +489,15 @@ class _Solver:
             self.Y.append(P[1:] if model.overlap else P[1:] + cout)
         self.start_ok = np.concatenate([[True], chain.valid])
         self.rho = [self._window(s, model.memory_limit) for s in range(d)]
+        self.spans: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # per stage: _queries(rho[s])
 
     def capped(self, param_caps: Sequence[float]) -> "_Solver":
         """This solver with stage s also holding at most ``param_caps[s]`` bytes of the
         parameters it all-reduces over its replicas (those it alone reads, :func:`reduction_time`)."""
         n, out = self.n, copy.copy(self)
         out.rho = [np.minimum(rho, _window(self.chain, cap, np.zeros(n), self.chain.tensor_param_bytes, np.zeros(n),
-                                           whole=True)) for rho, cap in zip(self.rho, param_caps)]
+                                           whole=True)[None, :]) for rho, cap in zip(self.rho, param_caps)]
+        out.spans = {}
         return out
 
     def solve(self, tol: float = _REL_TOL) -> Partition | None:
@@ -341,13 +523,45 @@ class _Solver:
         return self.reconstruct(hi, R)
 
     def _window(self, s: int, limit: float) -> np.ndarray:
-        """rho[l]: the last r such that stage s fits memory on [l, r] (l - 1 if none)."""
-        chain = self.chain
+        """rho[g, l]: the last r whose output cut is of group g (:class:`_Cuts`) such that stage s
+        fits memory on [l, r] (l - 1 if none): the least over its moments."""
+        chain, cuts = self.chain, self.cuts
+        K = len(cuts.levels)
         if math.isinf(limit):
-            return np.full(self.n, self.n - 1)
-        k, j, e = self.model.held(s)
-        inp = np.concatenate([[0.0], chain.cross])
-        return _window(chain, limit, k * chain.act + e * chain.weight_reads, chain.tensor_cost, (j + 1) * inp)
+            return np.full((K, self.n), self.n - 1)
+        rho = None
+        variants = [True] if not self.model.unsplit else [True, False]
+        for split in variants:
+            got = np.full((K, self.n), self.n - 1)
+            for f in self.model.forms(s, split):
+                extra = f.grads * cuts.levels[:, 0] + f.outputs * cuts.levels[:, 1]  # (K,): the output cut's share
+                got = np.minimum(got, _window(chain, limit - extra[:, None], f.whole * chain.act + f.deferred * chain.weight_reads,
+                                              chain.tensor_cost + f.model_inputs * chain.tensor_input_bytes,
+                                              f.inputs * cuts.inp + f.sent * cuts.sent))
+            rho = got if rho is None else np.where(cuts.grad_in[None, :], rho, got)
+        return rho
+
+    def _queries(self, rho: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The range queries of one stage's feasibility test: every end in ``[l, common[l]]``
+        fits (``common``: the least window over the groups), and past it, up to ``rho[g, l]``,
+        the ends of group g do; those bands, as spans of ``cuts.order`` (each group's ends in a
+        row), only where they hold an end: ``(common, band l, band lo, band hi)``. Windows of
+        different groups differ by a cut's bytes, so bands are short and mostly empty."""
+        cuts = self.cuts
+        K, n = rho.shape
+        idx = np.arange(n)
+        common = rho.min(axis=0)
+        ls, los, his = [], [], []
+        for g in range(K):
+            a, b = cuts.start[g], cuts.start[g + 1]
+            mine = cuts.order[a:b]
+            lo = a + np.searchsorted(mine, np.maximum(common, idx - 1), side="right")
+            hi = a + np.searchsorted(mine, rho[g], side="right") - 1
+            some = hi >= lo
+            ls.append(idx[some])
+            los.append(lo[some])
+            his.append(hi[some])
+        return (common, np.concatenate(ls), np.concatenate(los), np.concatenate(his))
 
     def feasible(self, T: float) -> list[np.ndarray] | None:
         """Reachability per stage at bottleneck T: R[s][l] says positions l..n-1 can form stages
@@ -358,14 +572,30 @@ class _Solver:
         R[self.d] = np.zeros(n + 1, dtype=bool)
         R[self.d][n] = True
         overlap = self.model.overlap
+        order = self.cuts.order
         for s in range(self.d - 1, -1, -1):
+            if s not in self.spans:
+                self.spans[s] = self._queries(self.rho[s])
+            common, band_l, band_lo, band_hi = self.spans[s]
             reach_next = R[s + 1][1:] & (self.cut_out[s] <= T) if overlap else R[s + 1][1:]
-            Ys = np.where(reach_next, self.Y[s], math.inf)
-            rho = self.rho[s]
-            ok = self.start_ok & (rho >= idx)
+            ok = self.start_ok & (common >= idx)
+            if math.isinf(T):  # any reachable end that fits will do: count them
+                sums = np.concatenate([[0], np.cumsum(reach_next)])
+                found = ok & (sums[np.maximum(common, idx) + 1] > sums[idx])
+                if len(band_l):
+                    sums = np.concatenate([[0], np.cumsum(reach_next[order])])
+                    found[band_l[sums[band_hi + 1] > sums[band_lo]]] = True
+                best = np.where(found, 0.0, math.inf)
+            else:  # one table over the ends in position order, then group by group (the bands)
+                Ys = np.where(reach_next, self.Y[s], math.inf)
+                got = _range_min(_sparse(np.concatenate([Ys, Ys[order]])), np.concatenate([idx, n + band_lo]),
+                                 np.concatenate([np.maximum(common, idx), n + band_hi]))
+                best = np.where(ok, got[:n], math.inf)
+                if len(band_l):  # past the common window, the ends of each group that still fit
+                    np.minimum.at(best, band_l, got[n:])
+            ok = self.start_ok.copy()
             if overlap:
                 ok &= self.cut_in[s] <= T
-            best = _range_min(Ys, idx, np.maximum(rho, idx))
             reach = np.zeros(n + 1, dtype=bool)
             reach[:n] = ok & np.isfinite(best) & (best + self.X[s] <= T)
             R[s] = reach
@@ -375,9 +605,13 @@ class _Solver:
         """The partition with the earliest cuts among those meeting T."""
         bounds = []
         l, worst = 0, 0.0
+        group = self.cuts.group
         for s in range(self.d):
-            hi = self.rho[s][l]
-            r_ok = R[s + 1][l + 1 : hi + 2] & (self.Y[s][l : hi + 1] + self.X[s][l] <= T)
+            rho = self.rho[s][:, l]
+            hi = int(rho.max())
+            span = np.arange(l, hi + 1)
+            fits = (group[l : hi + 1] >= 0) & (rho[np.maximum(group[l : hi + 1], 0)] >= span)
+            r_ok = R[s + 1][l + 1 : hi + 2] & (self.Y[s][l : hi + 1] + self.X[s][l] <= T) & fits
             if self.model.overlap:
                 r_ok &= self.cut_out[s][l : hi + 1] <= T
             r = l + int(np.argmax(r_ok))
@@ -390,22 +624,18 @@ class _Solver:
         return Partition(tuple(bounds), worst)
 
 
-def _window(chain: Chain, limit: float, per_position: np.ndarray, tensor_cost: np.ndarray,
+def _window(chain: Chain, limit, per_position: np.ndarray, tensor_cost: np.ndarray,
             at_input: np.ndarray, whole: bool = False) -> np.ndarray:
     """rho[l]: the last r with ``at_input[l] + sum(per_position[l..r]) + the cost of the tensors
     a stage on [l, r] counts <= limit`` (l - 1 if none). A stage counts a tensor once if it reads
     it (memory, :meth:`_Solver._window`) or, with ``whole``, if it holds every reader (the
     parameters of its data-parallel all-reduce: a tensor read on several stages has a ring of
-    its own, :func:`reduction_time`)."""
+    its own, :func:`reduction_time`). ``limit``: a number, or an array of limits of shape (K, 1)
+    giving rho of shape (K, n)."""
     n = chain.n
     idx = np.arange(n)
-    single = np.zeros(n)
-    multi = []
-    for p, rd in enumerate(chain.tensor_readers):
-        if len(rd) == 1:
-            single[rd[0]] += tensor_cost[p]
-        elif len(rd) > 1:
-            multi.append(p)
+    one_pos, one, multi, first, order = _tensor_steps(chain, whole)
+    single = np.bincount(one_pos, weights=tensor_cost[one], minlength=n).astype(np.float64)
     Pa = np.concatenate([[0.0], np.cumsum(per_position)])
     Pw = np.concatenate([[0.0], np.cumsum(single)])
     U = -Pa[:n] - Pw[:n] + at_input[:n]
@@ -413,16 +643,7 @@ def _window(chain: Chain, limit: float, per_position: np.ndarray, tensor_cost: n
     # A tensor read at several positions costs once if any reader is in [l, r]: a step at its
     # first reader >= l (``whole``: at its last reader, if its first is >= l). Sort those steps
     # per l and search V between them.
-    if multi:
-        rds = [chain.tensor_readers[p] for p in multi]
-        first = np.stack([np.where(idx <= rd[0], rd[-1], n) for rd in rds] if whole
-                         else [_next_reader(rd, n) for rd in rds])  # (K, n): where it starts to count
-        cost = np.array([tensor_cost[p] for p in multi])
-        order = np.argsort(first, axis=0, kind="stable")
-        first = np.take_along_axis(first, order, axis=0)
-        steps = np.cumsum(cost[order], axis=0)
-    else:
-        first, steps = np.zeros((0, n), dtype=np.int64), np.zeros((0, n))
+    steps = np.cumsum(tensor_cost[multi][order], axis=0) if len(multi) else np.zeros((0, n))
     rho = np.full(n, -1)
     lo = idx.copy()
     corr = np.zeros(n)
@@ -437,6 +658,30 @@ def _window(chain: Chain, limit: float, per_position: np.ndarray, tensor_cost: n
     return np.where(rho >= idx, rho, idx - 1)
 
 
+def _tensor_steps(chain: Chain, whole: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What :func:`_window` needs of the tensors, once per chain: the reader position and index
+    of each tensor read at one position, the indices of those read at several, and for each l
+    where each of these starts to count (:func:`_window`), sorted per l, with the order."""
+    key = ("_tensor_steps", whole)
+    got = chain.__dict__.get(key)
+    if got is None:
+        n, idx = chain.n, np.arange(chain.n)
+        sizes = np.array([len(rd) for rd in chain.tensor_readers], dtype=np.int64)
+        one = np.flatnonzero(sizes == 1)
+        one_pos = np.array([chain.tensor_readers[p][0] for p in one], dtype=np.int64)
+        multi = np.flatnonzero(sizes > 1)
+        if len(multi):
+            rds = [chain.tensor_readers[p] for p in multi]
+            first = np.stack([np.where(idx <= rd[0], rd[-1], n) for rd in rds] if whole
+                             else [_next_reader(rd, n) for rd in rds])  # (K, n): where it starts to count
+            order = np.argsort(first, axis=0, kind="stable")
+            first = np.take_along_axis(first, order, axis=0)
+        else:
+            first, order = np.zeros((0, n), dtype=np.int64), np.zeros((0, n), dtype=np.int64)
+        got = chain.__dict__[key] = (one_pos, one, multi, first, order)
+    return got
+
+
 def _next_reader(readers: np.ndarray, n: int) -> np.ndarray:
     """For every l, the first reader position >= l (n if none)."""
     i = np.searchsorted(readers, np.arange(n), side="left")
@@ -444,8 +689,8 @@ def _next_reader(readers: np.ndarray, n: int) -> np.ndarray:
     return ext[i]
 
 
-def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    """min(a[lo[i] ..= hi[i]]) for every i, with a sparse table (O(n log n))."""
+def _sparse(a: np.ndarray) -> np.ndarray:
+    """The sparse table of ``a`` for :func:`_range_min` (O(n log n))."""
     n = len(a)
     levels = [a]
     k = 1
@@ -456,6 +701,11 @@ def _range_min(a: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     table = np.full((len(levels), n), math.inf)
     for j, lev in enumerate(levels):
         table[j, : len(lev)] = lev
+    return table
+
+
+def _range_min(table: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """min(a[lo[i] ..= hi[i]]) for every i, from ``a``'s sparse table (:func:`_sparse`)."""
     length = hi - lo + 1
     j = np.floor(np.log2(np.maximum(length, 1))).astype(np.int64)
     return np.minimum(table[j, lo], table[j, hi - (1 << j) + 1])
@@ -500,7 +750,8 @@ def min_memory(chain: Chain, model: StageModel) -> float:
     d = model.stages
     lo = 0.0
     hi = max(stage_memory(chain, model, s, 0, chain.n - 1) for s in range(d))
-    hi += max((sum(model.held(s)) + 1) for s in range(d)) * float(chain.cross.max(initial=0.0))
+    hi += max(sum(f.inputs + f.sent + f.grads + f.outputs for split in (True, False) for f in model.forms(s, split))
+              for s in range(d)) * float(chain.cross.max(initial=0.0))
     hi = max(hi, 1.0)
 
     def ok(limit: float) -> bool:
@@ -558,7 +809,7 @@ class _Parts:
     size: np.ndarray
     grad: np.ndarray
     bad: np.ndarray
-    tensors: list[tuple[str, float, float, float, float, list[int]]]  # name, cost, param, grad, optim, readers
+    tensors: list[tuple[str, float, float, float, float, list[int], float]]  # name, cost, param, grad, optim, readers, input
 
 
 def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedule: str, optimizer_bytes_per_param: float,
@@ -609,9 +860,25 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
             # the gradient part: what weight_bytes counts beyond the versions, master and state
             g = cost - o - weight_bytes(p.numel(), p.element_size(), requires_grad=False, schedule=schedule,
                                         grad_buffers=0, optimizer_bytes_per_param=0.0, precision=precision)
-            tensors.append((t, cost, float(nbytes), g, o, sorted(set(rd))))
+            tensors.append((t, cost, float(nbytes), g, o, sorted(set(rd)), 0.0))
         elif t in buffers:
-            tensors.append((t, float(buffers[t].numel() * buffers[t].element_size()), 0.0, 0.0, 0.0, sorted(set(rd))))
+            tensors.append((t, float(buffers[t].numel() * buffers[t].element_size()), 0.0, 0.0, 0.0, sorted(set(rd)), 0.0))
+    # the model's inputs: the runtime hands each stage reading one its own micro-batches of it
+    # (no weight cost: what they take depends on how many the schedule holds, _moments)
+    inputs = set(gm.meta["fxpipe"].input_names) if "fxpipe" in gm.meta else set()
+    traced = costs.batch_size or 1
+    for nd in gm.graph.nodes:
+        if nd.op != "placeholder" or nd.name not in inputs:
+            continue
+        rd = sorted({pos[u.name] for u in nd.users if u.name in pos})
+        if not rd:
+            continue
+        nbytes = float(nd.meta["fxpipe"].out_bytes)
+        nc_in = costs.nodes.get(nd.name)
+        if nc_in is not None and nc_in.batch_dependent:
+            nbytes *= batch / traced
+        tensors.append((nd.name, 0.0, 0.0, 0.0, 0.0, rd, nbytes))
+    tensors = [t for _, t in sorted(enumerate(tensors), key=lambda e: (e[1][5][0], e[0]))]  # by first reader
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
     return _Parts([nd.name for nd in compute], fwd, bwd, held, _weight_reads(compute, pos, act, params), i64(lo),
                   i64(hi), np.asarray(size, dtype=np.float64), np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
@@ -636,7 +903,7 @@ def _assemble(parts: _Parts) -> Chain:
     t = parts.tensors
     col = lambda k: np.array([x[k] for x in t], dtype=np.float64)  # noqa: E731
     return Chain(parts.fwd, parts.bwd, parts.act, cross, cross_grad, valid, col(1), tuple(x[5] for x in t),
-                 tuple(parts.names), col(2), col(3), col(4), tuple(x[0] for x in t), parts.weight_reads)
+                 tuple(parts.names), col(2), col(3), col(4), tuple(x[0] for x in t), parts.weight_reads, col(6))
 
 
 def _weight_reads(compute: list[fx.Node], pos: dict[str, int], act: np.ndarray,
@@ -1523,17 +1790,15 @@ def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: 
     if extra_grads:  # a tied weight's stage: a second gradient buffer (see _stages_with_shared_tensors)
         weights += grads
         grads *= 2
-    k, j, e = model.held(s)
-    inp = float(chain.cross[l - 1]) if l > 0 else 0.0
-    acts = k * float(chain.act[l : r + 1].sum()) + e * float(chain.weight_reads[l : r + 1].sum()) + j * inp
+    _, acts, bufs = _stage_bytes(chain, model, s, l, r)
     return StagePlan(
         index=s, nodes=r - l + 1, first_node=first, last_node=last,
         first_module=module_path(nodes[first]) if first in nodes else "",
         last_module=module_path(nodes[last]) if last in nodes else "",
         forward_time=f, backward_time=bw,
         comm_time=_comm(chain, model, l - 1, s - 1) + _comm(chain, model, r, s),
-        memory=weights + acts + inp, memory_weights=copies, memory_activations=acts,
-        memory_optimizer=opt, memory_grads=grads, memory_buffers=inp,
+        memory=weights + acts + bufs, memory_weights=copies, memory_activations=acts,
+        memory_optimizer=opt, memory_grads=grads, memory_buffers=bufs,
         param_bytes=pbytes, send_bytes=float(chain.cross[r]) if r < chain.n - 1 else 0.0, recompute=rc,
     )
 
@@ -1700,7 +1965,7 @@ class BlockCosting:
         # any other (tied, shared by every block) keeps its name and gains every copy's readers
         tensors = []
         prefix = self.path + "."
-        for order, (name, cost, pb, g, o, readers) in enumerate(p.tensors):
+        for order, (name, cost, pb, g, o, readers, xb) in enumerate(p.tensors):
             rd = np.asarray(readers)
             sr = seg(rd)
             inner = sr[(sr >= 0) & (sr < k)]
@@ -1708,13 +1973,13 @@ class BlockCosting:
                 j = int(inner[0])
                 for x in copies[j].tolist():
                     own = name.replace(f"{prefix}{j}.", f"{prefix}{x}.", 1) if name.startswith(f"{prefix}{j}.") else f"{name}@{x}"
-                    tensors.append((order, (own, cost, pb, g, o, (s0 + x * blen + (rd - s0) % blen).tolist())))
+                    tensors.append((order, (own, cost, pb, g, o, (s0 + x * blen + (rd - s0) % blen).tolist(), xb)))
                 continue
             pos = [fixed(rd[(sr < 0) | (sr >= k)])]
             for j in sorted(set(inner.tolist())):
                 r = rd[sr == j]
                 pos.append((s0 + copies[j][:, None] * blen + ((r - s0) % blen)[None, :]).ravel())
-            tensors.append((order, (name, cost, pb, g, o, sorted(set(np.concatenate(pos).tolist())))))
+            tensors.append((order, (name, cost, pb, g, o, sorted(set(np.concatenate(pos).tolist())), xb)))
         # the whole trace's order: by first reader, then as that node lists them
         tensors = [t for _, t in sorted(tensors, key=lambda e: (e[1][5][0], e[0]))]
         parts = _Parts(names, p.fwd[idx], p.bwd[idx], p.act[idx], p.weight_reads[idx],
@@ -1761,7 +2026,8 @@ class _BlockSource:
 def _same_chain(a: Chain, b: Chain) -> bool:
     close = lambda x, y: x.shape == y.shape and np.allclose(x, y, rtol=1e-12, atol=0)  # noqa: E731
     if not all(close(getattr(a, f), getattr(b, f)) for f in ("fwd", "bwd", "act", "cross", "cross_grad", "tensor_cost",
-                                                             "tensor_param_bytes", "tensor_grad_bytes", "tensor_optim_bytes")):
+                                                             "tensor_param_bytes", "tensor_grad_bytes", "tensor_optim_bytes",
+                                                             "tensor_input_bytes")):
         return False
     if not np.array_equal(a.valid, b.valid):
         return False

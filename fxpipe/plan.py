@@ -48,12 +48,12 @@ class StagePlan:
     forward_time: float  #: one micro-batch, recomputation excluded
     backward_time: float  #: one micro-batch, recomputation's extra forward included
     comm_time: float  #: send/recv of activations and gradients across its input and output cuts
-    memory: float  #: total = weights + activations + optimizer + grads + receive buffers
+    memory: float  #: total = weights + activations + optimizer + grads + buffers, at the stage's fullest moment
     memory_weights: float  #: parameter and buffer copies (2 versions of parameters under 2bw)
-    memory_activations: float  #: stashed activations of the in-flight micro-batches (zb: and what deferred W passes keep)
+    memory_activations: float  #: activations of the micro-batches held at once (zb: and what deferred W passes keep; recomputation: one micro-batch's, and the others' forward outputs)
     memory_optimizer: float  #: optimizer state (AdamW: 2 fp32 moments per parameter)
     memory_grads: float  #: gradient accumulators (two copies of the parameters when reductions overlap: w > 1 or clipping)
-    memory_buffers: float  #: receive buffer for the activations crossing its input cut
+    memory_buffers: float  #: received inputs (in flight and posted early), posted gradient receives, an input gradient being sent, the step's model inputs
     param_bytes: float  #: bytes of the parameters the stage owns (tied ones counted here too)
     send_bytes: float  #: bytes crossing its output cut per micro-batch
     recompute: bool

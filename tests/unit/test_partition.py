@@ -12,7 +12,7 @@ from torch import nn
 import fxpipe
 from fxpipe.errors import PlanError
 from fxpipe.partition import (
-    Chain, StageModel, chain_from_graph, min_memory, partition_chain, plan, stage_memory, stage_time,
+    Chain, StageModel, _moments, chain_from_graph, min_memory, partition_chain, plan, stage_memory, stage_time,
 )
 from fxpipe.plan import Plan, graph_fingerprint
 
@@ -34,7 +34,11 @@ def random_chain(rng: random.Random, n: int, *, skips: int = 0, invalid: float =
     readers = [sorted(rng.sample(range(n), rng.choice([1, 1, 2, 3]))) for _ in range(tensors)]
     cost = [float(rng.randint(10, 200)) for _ in range(tensors)]
     weight_reads = [float(rng.randint(0, int(a))) for a in act]  # what a deferred zb W keeps, <= act
-    return Chain(fwd, bwd, act, cross, cross * 0.5, valid, cost, tuple(readers), weight_reads=weight_reads)
+    no_grad = np.array([rng.random() < 0.2 for _ in range(n - 1)])  # cuts no gradient crosses back
+    inputs = [float(rng.randint(0, 20)) for _ in range(tensors)]  # some of the tensors are model inputs
+    cost = [0.0 if x and rng.random() < 0.3 else c for x, c in zip(inputs, cost)]
+    return Chain(fwd, bwd, act, cross, np.where(no_grad, 0.0, cross * 0.5), valid, cost, tuple(readers),
+                 weight_reads=weight_reads, tensor_input_bytes=inputs)
 
 
 def brute_force(chain: Chain, model: StageModel):
@@ -72,9 +76,16 @@ def test_exact_against_brute_force(seed):
     inflight = tuple(d - s for s in range(d))
     lat, bw = rng.choice([(0.0, math.inf), (0.05, 20.0)])
     overlap = seed % 2 == 1  # odd seeds: sends overlap compute (a cluster's GPUs), stage time = max
-    # seeds divisible by 3: zb's deferred weight passes on the stages that do not recompute
+    # seeds divisible by 3: zb's deferred weight passes on the stages that do not recompute, with
+    # the moments of its lists (a stage whose input carries no gradient keeps them whole);
+    # seeds 1 mod 3: 2bw's moments; the rest the bare model's
     deferred = tuple(0 if rc or seed % 3 else s for s, rc in enumerate(recompute))
-    unlimited = StageModel(d, inflight, recompute, lat, bw, overlap=overlap, deferred=deferred)
+    m = d + rng.randint(0, 3)
+    named = {0: "zb", 1: "2bw"}.get(seed % 3)
+    moments = tuple(_moments(named, d, m, s, rc) for s, rc in enumerate(recompute)) if named else ()
+    unsplit = tuple(_moments("zb", d, m, s, rc, split=False) for s, rc in enumerate(recompute)) if named == "zb" else ()
+    unlimited = StageModel(d, inflight, recompute, lat, bw, overlap=overlap, deferred=deferred, moments=moments,
+                           unsplit=unsplit)
     # a memory limit that binds: between the smallest feasible and the unconstrained optimum's needs
     if sum(chain.valid) < d - 1:
         with pytest.raises(PlanError, match="allows only"):
@@ -82,7 +93,8 @@ def test_exact_against_brute_force(seed):
         return
     lo = min_memory(chain, unlimited)
     limit = rng.choice([math.inf, lo * rng.uniform(1.0, 1.5)])
-    model = StageModel(d, inflight, recompute, lat, bw, limit, overlap=overlap, deferred=deferred)
+    model = StageModel(d, inflight, recompute, lat, bw, limit, overlap=overlap, deferred=deferred, moments=moments,
+                       unsplit=unsplit)
     expect = brute_force(chain, model)
     part = partition_chain(chain, model)
     check_partition(chain, model, part)
@@ -396,3 +408,203 @@ def test_a_reshape_or_to_is_a_view_where_it_changes_nothing_and_a_copy_otherwise
     for n in reshapes + list(casts.values()):
         moved = _bytes_moved(n, n.meta["fxpipe"])
         assert (moved == (0.0, 0.0)) == is_view(n), (str(n.target), moved)
+
+
+# --------------------------------------------------------------------------------------------
+# the memory model against what the runtime holds
+
+
+def _tensors(obj, out: list, seen: set) -> None:
+    """Every tensor reachable from ``obj``: containers, partials, fxpipe's own objects, and the
+    tensors autograd saved in the graph behind a tensor (its nodes' ``_saved_*``)."""
+    import dataclasses
+    import functools
+
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        if obj.grad_fn is not None:
+            _tensors(obj.grad_fn, out, seen)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out, seen)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            _tensors(v, out, seen)
+    elif isinstance(obj, functools.partial):
+        _tensors((obj.args, obj.keywords), out, seen)
+    elif hasattr(obj, "next_functions"):  # an autograd node
+        for name in dir(obj):
+            if name.startswith("_saved_"):
+                try:
+                    _tensors(getattr(obj, name), out, seen)
+                except Exception:  # freed or not a tensor
+                    pass
+        for nxt, _ in obj.next_functions:
+            if nxt is not None:
+                _tensors(nxt, out, seen)
+    elif type(obj).__module__.startswith("fxpipe") and (dataclasses.is_dataclass(obj) or hasattr(obj, "__dict__")):
+        _tensors(vars(obj), out, seen)
+
+
+def _held_by(worker, batch: set) -> int:
+    """Bytes of the distinct storages a worker holds besides its weights: what its micro-batches
+    keep (and autograd saved for them), its posted receives, its model inputs and the tensors of
+    its sends. A model input that is a view of the caller's batch counts at its own size (the
+    copy a device would hold)."""
+    found: list = []
+    sends = [h.op.payload for _, h in worker.sends if hasattr(h, "op")]
+    _tensors([worker.ctx, [b for b, _ in worker.recv_act.values()], [b for b, _ in worker.recv_grad.values()],
+              worker.inputs, sends, getattr(worker, "_input_grads", None)], found, set())
+    store = worker.store
+    skip = {t.untyped_storage().data_ptr() for group in (*store.slots, *store.grad_pool) for t in group.values()}
+    skip |= {t.untyped_storage().data_ptr() for t in worker.buffers.values()}
+    held: dict = {}
+    for t in found:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in skip or t.untyped_storage().nbytes() == 0:
+            continue
+        if ptr in batch:
+            held[(ptr, t.storage_offset())] = t.numel() * t.element_size()
+        else:
+            held[ptr] = t.untyped_storage().nbytes()
+    return sum(held.values())
+
+
+@pytest.mark.parametrize("schedule, recompute", [("1f1b", False), ("2bw", False), ("gpipe", False), ("zb", False),
+                                                 ("2bw", True), ("1f1b", True)])
+def test_the_plan_prices_at_least_what_each_worker_holds(schedule, recompute):
+    """Between any two actions, the distinct storages a worker holds for its micro-batches
+    (activations autograd saved, received inputs of those in flight and the receives posted
+    early, posted gradient receives, model inputs handed over for the step, gradients being
+    sent) are at most what the plan prices for its stage: activations plus buffers. The plan
+    used to price one received input per stage and no gradient receive or model input."""
+    import functools
+
+    from fxpipe.runtime import StageWorker
+
+    class Regression(nn.Module):  # the loss in the graph: the planner sees all the model computes
+        def __init__(self, width: int):
+            super().__init__()
+            self.body = nn.Sequential(*[mod for _ in range(6) for mod in (nn.Linear(width, width), nn.GELU())])
+
+        def forward(self, x, y):
+            return (self.body(x) - y).pow(2).mean()
+
+    torch.manual_seed(0)
+    d, m, width = 3, 6, 64
+    pipe = fxpipe.compile(Regression(width), (torch.randn(8, width), torch.randn(8, width)), microbatches=m,
+                          stages=d, schedule=schedule, recompute=recompute, verbose=False,
+                          optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
+    X, Y = torch.randn(8 * m, width), torch.randn(8 * m, width)
+    batch = {X.untyped_storage().data_ptr(), Y.untyped_storage().data_ptr()}
+    peak: dict[int, int] = {}
+    run = StageWorker.run
+
+    def measured(self, a):
+        run(self, a)
+        peak[self.index] = max(peak.get(self.index, 0), _held_by(self, batch))
+
+    StageWorker.run = measured
+    try:
+        for _ in range(3):
+            pipe.step((X, Y))
+        pipe.flush()
+    finally:
+        StageWorker.run = run
+    for sp in pipe.plan.stage_plans:
+        priced = sp.memory_activations + sp.memory_buffers
+        assert peak[sp.index] <= priced, (sp.index, peak[sp.index], priced)
+        assert sp.memory == pytest.approx(sp.memory_weights + sp.memory_grads + sp.memory_optimizer + priced)
+
+
+def _replayed(schedule: str, d: int, m: int, recompute: list, split: bool = True) -> dict[int, set]:
+    """Per stage, what the runtime holds after each action of its generated lists (3 steps and
+    a flush), as counts (whole, deferred, outputs, inputs, sent, grads, model inputs): the
+    runtime's rules (fxpipe/runtime.py, Pipeline._give) replayed on the lists alone."""
+    from fxpipe.schedule import Kind, generate
+
+    lists = generate(schedule, d, m, 3, recompute=recompute)
+    out = {}
+    for s, actions in lists.items():
+        redo = {a.index for a in actions if a.kind is Kind.R}
+        posted, kept, grads, whole, deferred, outputs = set(), set(), set(), set(), set(), set()
+        given = set(range(1, m + 1))  # the step's model inputs, handed over before its segment runs
+        sent = 0
+        seen = set()
+        for a in actions:
+            k = a.index
+            if a.kind is Kind.END_STEP:
+                given |= set(range(k * m + 1, (k + 1) * m + 1))
+                sent = 0  # END_STEP waits for the sends of the previous segment
+            elif a.kind is Kind.RECV_ACT:
+                posted.add(k)
+            elif a.kind is Kind.RECV_GRAD:
+                grads.add(k)
+            elif a.kind is Kind.SEND_GRAD:
+                sent = 1  # kept until the next send is posted (done by then)
+            elif a.kind is Kind.SEND_ACT:
+                sent = 0
+            elif a.kind is Kind.F:
+                posted.discard(k)
+                kept.add(k)
+                (outputs if k in redo else whole).add(k)
+            elif a.kind is Kind.R:
+                outputs.discard(k)
+                whole.add(k)
+            elif a.kind is Kind.B:
+                grads.discard(k)
+                whole.discard(k)
+                kept.discard(k)
+                given.discard(k)
+            elif a.kind is Kind.I:
+                grads.discard(k)
+                if s > 0 and split:  # the first stage's I is empty: W runs its whole backward
+                    whole.discard(k)
+                    deferred.add(k)
+            elif a.kind is Kind.W:
+                deferred.discard(k)
+                whole.discard(k)
+                kept.discard(k)
+                given.discard(k)
+            # the first stage has no input (nothing received or sent), the last no output cut
+            seen.add((len(whole), len(deferred), 0 if s == d - 1 else len(outputs), 0 if s == 0 else len(kept | posted),
+                      0 if s == 0 else sent, 0 if s == d - 1 else len(grads), len(given)))
+        out[s] = seen
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw", "zb"])
+def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule):
+    """Every point of every stage's list holds at most one of its moments (fxpipe.partition._moments)
+    of each kind; a gradient being sent may take the place of a received input it is no larger
+    than. And each count of each moment is reached somewhere: the bound is the lists' own."""
+    from fxpipe.partition import Held, _moments
+    from fxpipe.schedule import zb_bounds
+
+    def covered(v, h: Held) -> bool:
+        c = [a - b for a, b in zip((h.whole, h.deferred, h.outputs, h.inputs, h.sent, h.grads, h.model_inputs), v)]
+        return min(c[0], c[1], c[2], c[3], c[5], c[6]) >= 0 and c[3] + c[4] >= 0
+
+    for d in range(1, 7):
+        for m in range(1, 13):
+            if schedule == "2bw" and m < d:
+                continue
+            alive = [zb_bounds(s, d, m)[0] if schedule == "zb" else m if schedule == "gpipe" else d - s for s in range(d)]
+            for on in (False, True):
+                recompute = [on and n > 1 for n in alive]
+                for split in ((True, False) if schedule == "zb" else (True,)):
+                    points = _replayed(schedule, d, m, recompute, split)
+                    for s, seen in points.items():
+                        moments = _moments(schedule, d, m, s, recompute[s], split)
+                        for v in seen:
+                            assert any(covered(v, h) for h in moments), (schedule, d, m, s, recompute[s], split, v, moments)
+                        for h in moments:
+                            counts = (h.whole, h.deferred, h.outputs, h.inputs, h.sent, h.grads, h.model_inputs)
+                            for i, c in enumerate(counts):
+                                if (s == 0 and i in (3, 4)) or (s == d - 1 and i in (2, 5)):
+                                    continue  # no input cut / no output cut: the count prices nothing
+                                assert c <= max(v[i] for v in seen), (schedule, d, m, s, split, i, h)
+

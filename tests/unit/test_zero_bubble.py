@@ -492,12 +492,17 @@ def test_planner_prices_a_deferred_w_at_the_inputs_its_weights_read():
     assert reads[reader["a.weight"]] == 0  # x is the graph's input: the stage's input buffer
     assert reads[reader["b.weight"]] + reads[reader["c.weight"]] == h
     assert reads[reader["frozen.weight"]] == 0 and sum(reads.values()) == h
-    # the last of 2 stages holds one micro-batch whole and defers one W: 1f1b's price plus h
+    # the last of 2 stages holds one micro-batch whole and defers one W: 1f1b's price plus h, and
+    # one more received input (ZB-H1 keeps min(d, m) micro-batches' inputs between F and W)
     device = costs.device
     zb, flush = (StageModel.for_schedule(s, 2, 4, False, device) for s in ("zb", "1f1b"))
     n = chain.n
-    assert stage_memory(chain, zb, 1, 0, n - 1) == stage_memory(chain, flush, 1, 0, n - 1) + h
+    assert chain.cross[0] == h and chain.cross_grad[0] == h  # a(x) crosses the cut after it
+    assert stage_memory(chain, zb, 1, 1, n - 1) == stage_memory(chain, flush, 1, 1, n - 1) + h + chain.cross[0]
     assert stage_memory(chain, zb, 0, 0, n - 1) == stage_memory(chain, flush, 0, 0, n - 1)
+    # a stage whose input carries no gradient has an empty I: its W keeps the whole activations
+    acts = float(chain.act.sum())
+    assert stage_memory(chain, zb, 1, 0, n - 1) == stage_memory(chain, flush, 1, 0, n - 1) + acts
 
 
 # ---------------------------------------------------------------------------------------------
