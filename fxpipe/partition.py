@@ -1212,60 +1212,81 @@ def _untied_param_bytes(chain: Chain) -> float:
 @dataclass
 class _Search:
     candidates: list[_Candidate]  # every configuration priced, best first (those that fit before)
-    smallest_fit: float  # the least memory any searched configuration needs (inf if not computed)
     depths: list[int]
+    #: the configurations no partition fits, as (N, d, w, b, m, recompute): what plan's error prices
+    missed: list[tuple[int, int, int, int, int, bool]] = field(default_factory=list)
+
+
+class _NoFit(Exception):
+    """No partition of a configuration fits the memory limit (the search goes on without it)."""
 
 
 def _configs(world: int, depths: Sequence[int], global_batch: int | None, microbatches: int | None, traced_b: int,
-             strict: bool) -> list[tuple[int, int, int, int]]:
-    """(d, w, b, m) for every depth of ``depths`` on ``world`` devices. ``strict``: a global
-    batch the width does not divide is an error (else the depth is skipped)."""
-    out = []
+             schedule: str = "gpipe", nodes: int | None = None,
+             cuts: int | None = None) -> tuple[list[tuple[int, int, int, int]], dict[int, str]]:
+    """(d, w, b, m) for every depth of ``depths`` on ``world`` devices, and for each depth that
+    gives none, why: its width does not divide the global batch (or w·m does not), it has more
+    stages than the graph has compute nodes or allowed cuts, or (not gpipe) fewer micro-batches
+    than stages."""
+    out, why = [], {}
     for d in depths:
         w = world // d
+        if nodes is not None and d > nodes:
+            why[d] = f"d={d} has more stages than the graph's {nodes} compute nodes"
+            continue
+        if cuts is not None and d - 1 > cuts:
+            why[d] = f"d={d} needs {d - 1} cuts but the graph allows only {cuts} (a cut must cross single tensors only)"
+            continue
         if global_batch is None:
-            out.append((d, w, traced_b, microbatches))
+            got = [(d, w, traced_b, microbatches)]
+        elif global_batch % w:
+            why[d] = (f"global_batch {global_batch} is not divisible by the data-parallel width w={w} (world_size "
+                      f"{world} / {d} stages); use a multiple of {w}")
             continue
-        if global_batch % w:
-            if strict:
-                raise PlanError(
-                    f"global_batch {global_batch} is not divisible by the data-parallel width w={w} "
-                    f"(world_size {world} / {d} stages); use a multiple of {w}"
-                )
-            continue
-        per = global_batch // w
-        if microbatches is not None:
+        elif microbatches is not None:
+            per = global_batch // w
             if per % microbatches:
-                if strict:
-                    raise PlanError(
-                        f"global_batch {global_batch} is not divisible by w*m = {w * microbatches}: "
-                        f"pick global_batch as a multiple of {w * microbatches}"
-                    )
+                why[d] = (f"d={d}: global_batch {global_batch} is not divisible by w*m = {w * microbatches} (w={w}); "
+                          f"pick global_batch as a multiple of {w * microbatches}")
                 continue
-            out.append((d, w, per // microbatches, microbatches))
+            got = [(d, w, per // microbatches, microbatches)]
         else:
-            out += [(d, w, bb, per // bb) for bb in _divisors(per)]
-    return out
+            per = global_batch // w
+            got = [(d, w, bb, per // bb) for bb in _divisors(per)]
+        if schedule != "gpipe":
+            most = max(c[3] for c in got)
+            got = [c for c in got if c[3] >= d]
+            if not got:
+                why[d] = (f"d={d}: {schedule!r} needs at least d micro-batches, found at most m={most}; use "
+                          f"microbatches >= {d}" + ("" if global_batch is None else f" (global_batch >= {d * w})"))
+                continue
+        out += got
+    return out, why
 
 
 def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, world: int,
            d: int, w: int, b: int, m: int, rc: bool, device: DeviceModel, fit: bool = True,
            layout: str = "replica") -> _Candidate:
     """One configuration, partitioned under the memory limit (``fit``) or without one (to report
-    what a configuration that does not fit would need and give). Raises PlanError("smallest
-    memory ...") when ``fit`` and nothing fits."""
+    what a configuration that does not fit would need and give). Raises :class:`_NoFit` when
+    ``fit`` and nothing fits."""
     grad_buffers = 2 if (w > 1 or clip) else 1
     chain = source.chain(b, grad_buffers)
     links = stage_links(cluster, d, w, layout)
     sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links, cluster.overlap_p2p)
-    part = partition_chain(chain, sm)
+    _check_depth(chain, d)
+    part = _Solver(chain, sm).solve()
+    if part is None:
+        raise _NoFit()
     if fit and grad_buffers == 1 and _over_with_tied_buffers(chain, sm, part, limit):
         # A stage holding a copy of a tied weight keeps a second gradient buffer (its tied
         # all-reduce overlaps the next batch); where that breaks the limit, plan every stage
         # with two, a safe bound the chain formulation can express.
         grad_buffers = 2
         chain = source.chain(b, grad_buffers)
-        part = partition_chain(chain, sm)
+        part = _Solver(chain, sm).solve()
+        if part is None:
+            raise _NoFit()
     part, (step, pipe, ar, slow) = _cut_for_reduction(chain, sm, part, cluster, schedule, m, w, layout)
     tied = set() if grad_buffers == 2 else _stages_with_shared_tensors(chain, part.bounds)
     mems = []
@@ -1284,7 +1305,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
 
 def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, limit: float, worlds: Sequence[int],
             stages: int | None, microbatches: int | None, global_batch: int | None, recompute: bool | None,
-            clip: bool, strict: bool) -> _Search:
+            clip: bool) -> _Search:
     """The paper's Algorithm 1 over every world size N of ``worlds``: every depth d dividing N
     (width w = N / d), every micro-batch size b filling the global batch, with and without
     recomputation; what fits ``limit`` competes on predicted throughput.
@@ -1292,26 +1313,29 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
     Branch and bound: each (N, d, b) has an upper bound on its throughput (perfect balance, no
     recomputation, no communication, and the data-parallel all-reduce of its parameters spread
     evenly over the stages, :func:`_bound`); configurations are priced best bound first, and
-    the search stops once no bound beats the best found. For each (N, d, recomputation), a
-    micro-batch size that does not fit is priced once more without the limit (reported, never
-    chosen) and larger ones are skipped."""
+    the search stops once no bound beats the best found. A configuration that does not fit
+    costs one feasibility test: memory need not grow with b (gpipe holds all m = G / (w·b)
+    micro-batches, and a part of a micro-batch's activations may not depend on b), so every b
+    is tried. For each (N, d, recomputation) where none fits, the first such configuration is
+    priced once more without the limit (reported, never chosen). Raises PlanError naming why
+    each depth is out when no configuration is left to search."""
     n = source.n
-    configs = []
+    cuts = int(source.chain(source.batch_size, 1).valid.sum())
+    configs, why = [], {}
     for world in sorted(set(worlds), reverse=True):
         depths = [stages] if stages is not None else _divisors(world)
-        configs += [(world, *c) for c in _configs(world, depths, global_batch, microbatches, source.batch_size, strict)]
-    configs = [c for c in configs if c[1] <= n and (schedule == "gpipe" or c[4] >= c[1])]
+        got, out = _configs(world, depths, global_batch, microbatches, source.batch_size, schedule, n, cuts)
+        configs += [(world, *c) for c in got]
+        why.update({(world, d): reason for d, reason in out.items()})
     if not configs:
-        raise PlanError(
-            f"no depth d in {stages if stages is not None else 'the divisors of ' + str(max(worlds))} has at least d "
-            f"micro-batches and d compute nodes ({n}); use more micro-batches (m >= d for {schedule!r}) or a smaller "
-            f"world size"
-        )
+        searched = (f"stages={stages}" if stages is not None else
+                    f"every depth d dividing world_size {worlds[0]}" if len(worlds) == 1 else
+                    f"every depth of {sorted(set(worlds))} devices")
+        raise PlanError(f"no configuration is left to search ({searched}): " + "; ".join(why.values()))
     bounds = {c: _bound(source, cluster, schedule, *c) for c in configs}
     configs.sort(key=lambda c: (-bounds[c], c[1], c[2], -c[3]))
     found: list[_Candidate] = []
-    missed: list[_Candidate] = []
-    too_big: dict[tuple[int, int, bool], int] = {}  # (N, d, rc) -> the smallest b that did not fit
+    missed: list[tuple[int, int, int, int, int, bool]] = []
     best = 0.0
     for world, d, w, bb, m in configs:
         if bounds[world, d, w, bb, m] < best * (1 - 1e-9):
@@ -1319,25 +1343,93 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
         for rc in ([False, True] if recompute is None else [bool(recompute)]):
             if rc and recompute is None and not any(StageModel.for_schedule(schedule, d, m, True, device).recompute):
                 continue  # d == 1 under 1f1b/2bw: recomputation is off everywhere, same as rc=False
-            if bb >= too_big.get((world, d, rc), math.inf):
-                continue
             try:
                 c = max((_price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, layout=lay)
                          for lay in _layouts(cluster, d, w)), key=lambda x: x.throughput)
-            except PlanError as e:
-                if "smallest memory" not in str(e):
-                    raise
-                too_big[world, d, rc] = bb
-                c = _price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, fit=False)
-                missed.append(dataclasses.replace(c, fits=False))
+            except _NoFit:
+                missed.append((world, d, w, bb, m, rc))
                 continue
             found.append(c)
             best = max(best, c.throughput)
     found.sort(key=_Candidate.key)
-    missed.sort(key=_Candidate.key)
-    # a smaller b that did not fit makes a larger one's pricing moot: keep the smallest per (N, d, rc)
-    missed = [c for c in missed if too_big.get((c.accelerators, c.d, c.recompute)) == c.b]
-    return _Search(found + missed, math.inf, sorted({c[1] for c in configs}))
+    # what the rows report of a depth where nothing fits: its first configuration (best bound)
+    # that did not, priced without the limit
+    fitting = {(c.accelerators, c.d, c.recompute) for c in found}
+    shown: dict[tuple[int, int, bool], _Candidate] = {}
+    for world, d, w, bb, m, rc in missed:
+        if (world, d, rc) not in fitting and (world, d, rc) not in shown:
+            c = _price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, fit=False)
+            shown[world, d, rc] = dataclasses.replace(c, fits=False)
+    return _Search(found + sorted(shown.values(), key=_Candidate.key), sorted({c[1] for c in configs}), missed)
+
+
+def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Search, *, schedule: str, clip: bool,
+                    limit: float, where: str, recompute: bool | None, global_batch: int | None) -> str:
+    """plan's error when nothing fits: the least memory that does (a number the search accepts
+    when given as device_memory), with its configuration, and what else would help."""
+    need, cfg = _smallest_fit(source, cluster, device, schedule, clip, found.missed)
+    head = (f"no configuration fits in {limit / 1e6:.1f} MB per device{where} (searched d in {found.depths}, "
+            f"recompute {'on/off' if recompute is None else recompute})")
+    if cfg is None:
+        return head + "; give more memory or more devices"
+    world, d, w, b, m, rc = cfg
+    advice = [f"Give device_memory >= {need} (it fits d={d}, w={w}, b={b}, m={m} "
+              f"{'with' if rc else 'without'} recomputation)", "more devices"]
+    if recompute is False:
+        advice.append("recompute=None (recomputation holds one micro-batch's activations, not all in flight)")
+    if global_batch is None:
+        advice.append("a smaller micro-batch (an example of fewer samples)")
+    elif schedule == "gpipe":  # every b was searched; gpipe holds all m = global_batch / (w·b) micro-batches
+        advice.append("a smaller global_batch (gpipe holds all of a step's micro-batches at once)")
+    return f"{head}; the smallest memory that fits is {need / 1e6:.1f} MB. " + ", ".join(advice[:-1]) + f" or {advice[-1]}."
+
+
+def _smallest_fit(source, cluster: Cluster, device: DeviceModel, schedule: str, clip: bool,
+                  missed: Sequence[tuple[int, int, int, int, int, bool]]) -> tuple[int, tuple | None]:
+    """The least whole number of bytes per device under which the search fits one of the
+    ``missed`` configurations, and that configuration. Each has a lower bound, the least limit
+    under which a partition of its chain fits (:func:`min_memory`); from the lowest up, the
+    bound is checked with the search's own pricing (:func:`_price`: a stage that shares a tied
+    weight keeps a second gradient buffer, which the chain counts on every stage once it
+    matters), and where that fails, the least limit it accepts is bisected between the bound
+    and one it accepts (the chain with two gradient buffers everywhere, whose bound it always
+    accepts)."""
+
+    def model(world, d, w, m, rc, limit):
+        return StageModel.for_schedule(schedule, d, m, rc, device, limit, stage_links(cluster, d, w), cluster.overlap_p2p)
+
+    def fits(cfg, limit: int) -> bool:
+        world, d, w, b, m, rc = cfg
+        for lay in _layouts(cluster, d, w):
+            try:
+                if _price(source, cluster, schedule, float(limit), clip, world, d, w, b, m, rc, device, layout=lay).fits:
+                    return True
+            except _NoFit:
+                pass
+        return False
+
+    lows = []
+    for cfg in missed:
+        world, d, w, b, m, rc = cfg
+        chain = source.chain(b, 2 if (w > 1 or clip) else 1)
+        lows.append((math.ceil(min_memory(chain, model(world, d, w, m, rc, math.inf))), cfg))
+    best: tuple[int, tuple | None] = (math.inf, None)  # type: ignore[assignment]
+    for low, cfg in sorted(lows):
+        if low >= best[0]:
+            break
+        if fits(cfg, low):
+            best = (low, cfg)
+            continue
+        world, d, w, b, m, rc = cfg
+        hi = max(low + 1, math.ceil(min_memory(source.chain(b, 2), model(world, d, w, m, rc, math.inf))))
+        while not fits(cfg, hi):
+            hi *= 2
+        lo = low
+        while hi - lo > max(1, 1e-6 * hi):
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(cfg, mid) else (mid, hi)
+        best = min(best, (hi, cfg))
+    return best
 
 
 def _layouts(cluster: Cluster, d: int, w: int) -> tuple[str, ...]:
@@ -1564,27 +1656,18 @@ def plan(
                 f"cannot cut {source.n} compute nodes into {stages} stages (each stage needs at least one "
                 f"node): use stages <= {source.n}"
             )
-        strict = len(worlds) == 1
-        configs = [c for wd in worlds for c in _configs(wd, [stages], global_batch, microbatches, source.batch_size, strict)]
-        if schedule != "gpipe" and configs and all(m < stages for _, _, _, m in configs):
+        if schedule != "gpipe" and microbatches is not None and microbatches < stages:
             raise PlanError(
                 f"schedule {schedule!r} needs at least as many micro-batches as stages: found microbatches="
-                f"{configs[0][3]} < stages={stages}; use microbatches >= {stages}"
+                f"{microbatches} < stages={stages}; use microbatches >= {stages}"
             )
     found = _search(source, cluster, device, schedule=schedule, limit=limit, worlds=worlds, stages=stages,
-                    microbatches=microbatches, global_batch=global_batch, recompute=recompute, clip=clip,
-                    strict=len(worlds) == 1)
+                    microbatches=microbatches, global_batch=global_batch, recompute=recompute, clip=clip)
     fits = [c for c in found.candidates if c.fits]
     if not fits:
-        smallest = min((min_memory(c.chain, dataclasses.replace(c.model, memory_limit=limit)) for c in found.candidates),
-                       default=math.inf)
-        where = f" of {cluster.name}" if given_cluster else ""
-        raise PlanError(
-            f"no configuration fits in {limit / 1e6:.1f} MB per device{where} (searched d in {found.depths}, "
-            f"recompute {'on/off' if recompute is None else recompute}); the smallest memory that fits is "
-            f"{smallest / 1e6:.1f} MB. Give device_memory >= {math.ceil(smallest)}, more devices, "
-            f"or a smaller micro-batch."
-        )
+        raise PlanError(_no_fit_message(source, cluster, device, found, schedule=schedule, clip=clip, limit=limit,
+                                        where=f" of {cluster.name}" if given_cluster else "", recompute=recompute,
+                                        global_batch=global_batch))
     best = fits[0]
     runner = next((c for c in fits[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
     chain = best.chain

@@ -3,6 +3,7 @@
 import itertools
 import math
 import random
+import re
 
 import numpy as np
 import pytest
@@ -608,3 +609,67 @@ def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule):
                                     continue  # no input cut / no output cut: the count prices nothing
                                 assert c <= max(v[i] for v in seen), (schedule, d, m, s, split, i, h)
 
+
+# --------------------------------------------------------------------------------------------
+# the planner's search: micro-batch sizes, depths, the least memory that fits
+
+
+def _demo_gpt(tie: bool = False, seq: int = 64, vocab: int = 512, layers: int = 4, width: int = 64):
+    from fxpipe.demo import GPT, GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=vocab, block_size=seq, n_layer=layers, n_embd=width, n_head=2, tie_weights=tie))
+    example = (torch.zeros(2, seq, dtype=torch.long, device="meta"),)
+    return fxpipe.trace(model, example), example
+
+
+def test_gpipe_searches_every_micro_batch_size_where_a_larger_one_needs_less_memory():
+    """gpipe holds all m = G / (w·b) micro-batches, and a part of each (GPT's position embedding
+    of arange(T)) does not grow with b: its memory falls as b grows. A b that does not fit must
+    not keep the search from the larger ones that do (it used to skip them and raise)."""
+    gm, x = _demo_gpt(seq=256, vocab=64, layers=2)
+    G = 32
+    need = {b: max(sp.memory for sp in plan(gm, x, stages=2, world_size=2, microbatches=G // b, global_batch=G,
+                                            schedule="gpipe", recompute=False).stage_plans)
+            for b in (1, 2, 4, 8, 16, 32)}
+    assert need[1] > need[2] > need[4] > need[8] > need[16] > need[32]
+    limit = (need[4] + need[8]) / 2
+    p = plan(gm, x, stages=2, world_size=2, global_batch=G, schedule="gpipe", recompute=False, device_memory=limit)
+    assert p.microbatch_size >= 8 and max(sp.memory for sp in p.stage_plans) <= limit
+    # with nothing fitting, the advice is what helps under gpipe: not a smaller micro-batch
+    with pytest.raises(PlanError, match=r"the smallest memory that fits is [\d.]+ MB\. Give device_memory >= \d+ "
+                                        r"\(it fits d=2, w=1, b=32, m=1 without recomputation\), more devices, .* or a "
+                                        r"smaller global_batch") as err:
+        plan(gm, x, stages=2, world_size=2, global_batch=G, schedule="gpipe", recompute=False, device_memory=1e5)
+    assert "smaller micro-batch" not in str(err.value)
+
+
+def test_a_depth_whose_width_does_not_divide_the_batch_leaves_the_others_to_search():
+    """world_size 6, global batch 64: d=1 (w=6) does not divide it, d=3 (w=2) and d=6 do; the
+    planner used to raise on the first depth it looked at."""
+    gm, x = _demo_gpt()
+    p = plan(gm, x, world_size=6, global_batch=64)
+    assert p.stages in (3, 6) and 64 % p.width == 0
+    p = plan(gm, x, world_size=4, microbatches=3, global_batch=6)
+    assert (p.stages, p.width, p.microbatch_size, p.microbatches) == (2, 2, 1, 3)
+    # where no depth is left, the error says why each one is out
+    with pytest.raises(PlanError, match=r"no configuration is left to search \(every depth d dividing world_size 4\): "
+                                        r"global_batch 6 is not divisible by the data-parallel width w=4 .*; d=2: '2bw' "
+                                        r"needs at least d micro-batches, found at most m=1; .*; d=4: '2bw' needs at "
+                                        r"least d micro-batches"):
+        plan(gm, x, world_size=4, global_batch=6, microbatches=1)
+
+
+@pytest.mark.parametrize("kw", [dict(stages=2, microbatches=4, recompute=False), dict(world_size=2, microbatches=4)])
+def test_the_smallest_memory_the_error_gives_plans(kw):
+    """With a tied weight (the GPT's embedding and head on the first and last stage) those
+    stages keep a second gradient buffer; the least memory the error names must plan when given
+    as device_memory (it used to leave that buffer out and fail again with the same number)."""
+    gm, x = _demo_gpt(tie=True)
+    with pytest.raises(PlanError, match=r"the smallest memory that fits is [\d.]+ MB\. Give device_memory >= (\d+)") as err:
+        plan(gm, x, device_memory=1e5, **kw)
+    need = int(re.search(r"device_memory >= (\d+)", str(err.value)).group(1))
+    p = plan(gm, x, device_memory=need, **kw)
+    assert max(sp.memory for sp in p.stage_plans) <= need
+    with pytest.raises(PlanError):
+        plan(gm, x, device_memory=need * 0.999, **kw)
