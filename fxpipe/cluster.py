@@ -156,7 +156,7 @@ class Cluster:
     def __hash__(self) -> int:  # ``flops`` is a dict: hash its items (a Plan holding a Cluster stays hashable)
         return hash((self.name, self.nodes, self.per_node, self.memory, tuple(sorted(self.flops.items())),
                      self.mem_bandwidth, self.intra, self.inter, self.efficiency, self.reserved, self.op_latency,
-                     self.accelerator, self.intra_allreduce_bandwidth))
+                     self.accelerator, self.intra_allreduce_bandwidth, self.overlap_p2p))
 
     # ------------------------------------------------------------------------ constructors
 
@@ -203,15 +203,14 @@ class Cluster:
         if not os.path.isfile(path):
             raise PlanError(f"cluster file {path!r} does not exist; expected a .json or .toml file or a preset "
                             f"name ({sorted(PRESETS)})")
+        toml = _toml(path) if ext == ".toml" else None
         try:
-            if ext == ".json":
+            if toml is None:
                 with open(path) as f:
                     data = json.load(f)
             else:
-                import tomllib
-
                 with open(path, "rb") as f:
-                    data = tomllib.load(f)
+                    data = toml.load(f)
         except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError and tomllib.TOMLDecodeError
             raise PlanError(f"cluster file {path!r} is not valid {ext[1:].upper()}: {e}; fix the syntax") from e
         try:
@@ -269,6 +268,11 @@ class Cluster:
                                   ("intra_allreduce_bandwidth_gbs", "intra_allreduce_bandwidth", _G)):
             if key in data:
                 kw[fname] = num(key, data[key], scale)
+        if "overlap_p2p" in data:
+            if not isinstance(data["overlap_p2p"], bool):
+                raise PlanError(f"overlap_p2p must be true or false, found {data['overlap_p2p']!r}; write e.g. "
+                                f"overlap_p2p = true (sends run beside compute, as NCCL's do)")
+            kw["overlap_p2p"] = data["overlap_p2p"]
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -280,7 +284,7 @@ class Cluster:
             "efficiency": self.efficiency, "mem_bandwidth_gbs": self.mem_bandwidth / _G,
             "intra": {"bandwidth_gbs": self.intra.bandwidth / _G, "latency_us": self.intra.latency * 1e6},
             "inter": {"bandwidth_gbs": self.inter.bandwidth / _G, "latency_us": self.inter.latency * 1e6},
-            "op_latency_us": self.op_latency * 1e6,
+            "op_latency_us": self.op_latency * 1e6, "overlap_p2p": self.overlap_p2p,
         }
         if self.intra_allreduce_bandwidth is not None:
             out["intra_allreduce_bandwidth_gbs"] = self.intra_allreduce_bandwidth / _G
@@ -413,13 +417,35 @@ class Cluster:
         )
 
 
+def _toml(path: str):
+    """The TOML reader: Python 3.11's ``tomllib``, or ``tomli`` (its backport) on 3.10."""
+    import sys
+
+    try:
+        import tomllib
+
+        return tomllib
+    except ImportError:
+        pass
+    try:
+        import tomli
+
+        return tomli
+    except ImportError:
+        raise PlanError(
+            f"cluster file {path!r}: reading TOML needs Python 3.11's tomllib or the tomli package, and this "
+            f"Python {sys.version_info.major}.{sys.version_info.minor} has neither; write the same keys to a .json "
+            f"file instead (json.dump(cluster.to_dict(), f) writes one), or pip install tomli"
+        ) from None
+
+
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 _REQUIRED = ("nodes", "per_node", "memory_gb", "flops_tflops", "mem_bandwidth_gbs", "intra", "inter")
 _KEYS = (*_REQUIRED, "name", "accelerator", "efficiency", "reserved_gb", "op_latency_us",
-         "intra_allreduce_bandwidth_gbs")
+         "intra_allreduce_bandwidth_gbs", "overlap_p2p")
 
 # What the presets reserve per accelerator: the CUDA context (several hundred MB), NCCL's
 # buffers and the caching allocator's fragmentation. An estimate, not a vendor figure.

@@ -105,11 +105,14 @@ class DeviceModel:
             if f.name == "name" or (f.name in ("update_time_per_byte", "copy_time_per_byte", "host_cores",
                                                 "backward_ratio_bytes") and v is None):
                 continue
-            if not isinstance(v, (int, float)) or math.isnan(v) or v < 0 or (v == 0 and f.name not in (
-                    "p2p_latency", "op_latency", "update_time_per_byte", "copy_time_per_byte", "random_time_per_element",
-                    "backward_input_share", "backward_weight_share")):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 or (
+                    v == 0 and f.name not in ("p2p_latency", "op_latency", "update_time_per_byte", "copy_time_per_byte",
+                                              "random_time_per_element", "backward_input_share",
+                                              "backward_weight_share")):
+                # inf too: every field is a finite figure of a real device (a link or a memory
+                # without limit has no meaning to price, and a Cluster made of it would refuse it)
                 raise PlanError(
-                    f"DeviceModel.{f.name} must be a positive number, found {v!r}; "
+                    f"DeviceModel.{f.name} must be a positive, finite number, found {v!r}; "
                     f"pass e.g. DeviceModel({f.name}={getattr(DeviceModel, f.name)!r})"
                 )
 

@@ -78,6 +78,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 import operator
 import os
 from dataclasses import dataclass, field
@@ -1012,11 +1013,20 @@ def _divisors(x: int) -> list[int]:
     return [k for k in range(1, x + 1) if x % k == 0]
 
 
-def _positive(name: str, v, allow_none: bool = True) -> None:
+def _positive(name: str, v, allow_none: bool = True, integer: bool = True):
+    """``v`` checked: a positive int (``integer``: a count; a float such as 8.0 is refused, as
+    ``range`` would) or a positive finite number of bytes; returned as int or float."""
     if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (isinstance(v, float) and not v.is_integer() and name != "device_memory"):
-        raise PlanError(f"{name} must be a positive integer, found {v!r}")
+        return None
+    if integer:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v <= 0:
+            hint = f"{name}={int(v)}" if isinstance(v, float) and v.is_integer() and v > 0 else f"e.g. {name}=4"
+            raise PlanError(f"{name} must be a positive integer, found {v!r} ({type(v).__name__}); pass {hint}")
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or v <= 0:
+        raise PlanError(f"{name} must be a positive, finite number of bytes, found {v!r}; pass e.g. {name}=16e9, "
+                        f"or leave it None for the device's own memory")
+    return float(v)
 
 
 def _rank(s: int, r: int, d: int, w: int = 1, layout: str = "replica") -> int:
@@ -1464,10 +1474,16 @@ def _reason(c: _Candidate, win: _Candidate, schedule: str, limit: float) -> str:
         return f"does not fit: needs {c.memory / 1e9:.2f} GB > {limit / 1e9:.2f} GB"
 
     def parts(x: _Candidate) -> dict[str, float]:
-        bubble = x.pipe - x.m * (x.compute + x.comm)
-        exposed = max(0.0, x.allreduce - x.pipe) if schedule == "2bw" else x.allreduce
-        return {k: v / x.samples for k, v in (("compute", x.m * x.compute), ("comm", x.m * x.comm),
-                                              ("bubble", bubble), ("allreduce", exposed))}
+        # a step is m stage times (each the slowest stage's compute and the sends it does not
+        # hide: with overlap_p2p only what outlasts the compute) plus the fill and drain the
+        # schedule adds to them: none under 2bw, (d - 1) stage times under 1f1b and gpipe, zb's
+        # (d - 1) forwards; plus the all-reduce the step waits for
+        stage = x.part.bottleneck
+        out = {"compute": x.m * x.compute, "comm": x.m * max(0.0, stage - x.compute),
+               "allreduce": max(0.0, x.allreduce - x.pipe) if schedule == "2bw" else x.allreduce}
+        if schedule != "2bw":
+            out["bubble"] = max(0.0, x.pipe - x.m * stage)
+        return {k: v / x.samples for k, v in out.items()}
 
     if c.throughput >= win.throughput * (1 - 1e-9):
         return "a tie: the tie-break prefers shallower, narrower, larger b, no recomputation"
@@ -1486,9 +1502,13 @@ def _reason(c: _Candidate, win: _Candidate, schedule: str, limit: float) -> str:
         return f"{slower}: " + "; ".join(why)
     if k == "comm":
         where = "across nodes" if c.inter else "inside a node"
+        exposed = c.part.bottleneck - c.compute
+        if exposed < c.comm * (1 - 1e-9):  # overlap_p2p: the sends hide behind the compute but for this
+            return (f"{slower}: slowest stage sends {c.comm * 1e3:.3g} ms per micro-batch {where}; its busiest "
+                    f"link outlasts its compute by {exposed * 1e3:.3g} ms")
         return f"{slower}: slowest stage sends {c.comm * 1e3:.3g} ms per micro-batch {where}"
     if k == "bubble":
-        return f"{slower}: pipeline fill and drain idle {(c.d - 1) / (c.m + c.d - 1):.0%} of the step"
+        return f"{slower}: pipeline fill and drain idle {(c.pipe - c.m * c.part.bottleneck) / c.pipe:.0%} of the step"
     over = f", {c.allreduce - c.pipe:.3g} s more than the pipeline's {c.pipe:.3g} s" if schedule == "2bw" else ""
     return f"{slower}: gradient all-reduce {c.allreduce:.3g} s over {c.w} replicas{over}"
 
@@ -1580,9 +1600,9 @@ def plan(
         raise PlanError(f"precision must be one of {sorted(PRECISIONS)}, found {precision!r}")
     if cost_mode not in ("analytic", "measured"):
         raise PlanError(f"cost_mode must be 'analytic' or 'measured', found {cost_mode!r}")
-    for name, v in (("stages", stages), ("microbatches", microbatches), ("world_size", world_size),
-                    ("global_batch", global_batch), ("device_memory", device_memory)):
-        _positive(name, v)
+    stages, microbatches, world_size, global_batch = (_positive(name, v) for name, v in (
+        ("stages", stages), ("microbatches", microbatches), ("world_size", world_size), ("global_batch", global_batch)))
+    device_memory = _positive("device_memory", device_memory, integer=False)
     if microbatches is None and global_batch is None:
         raise PlanError("give microbatches=m (micro-batches per step) or global_batch=N (samples per step)")
     cluster = _resolve_cluster(cluster)
@@ -2188,7 +2208,9 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
         raise PlanError("capacity needs a cluster (a fxpipe.Cluster, a preset name or a .json/.toml path), found None")
     if schedule not in _SCHEDULES:
         raise PlanError(f"schedule must be one of {_SCHEDULES}, found {schedule!r}")
-    _positive("global_batch", global_batch, allow_none=False)
+    global_batch = _positive("global_batch", global_batch, allow_none=False)
+    world_size = _positive("world_size", world_size)
+    device_memory = _positive("device_memory", device_memory, integer=False)
     world = world_size or cluster.size
     cluster.check_fits(world)
     device = cluster.device_model(precision)

@@ -71,6 +71,40 @@ def test_json_and_toml_files(tmp_path):
     assert back.usable_memory == pytest.approx(15e9)
 
 
+def test_the_dict_and_file_formats_keep_whether_sends_overlap_compute(tmp_path):
+    # to_dict used to drop overlap_p2p: this machine's cluster (its CPU ranks' sends share the
+    # cores) came back from a file as one whose sends run beside compute
+    local = Cluster.from_device_model(DeviceModel.cpu(), 2)
+    assert not local.overlap_p2p and Cluster.preset("dgx-a100").overlap_p2p
+    for c in (local, Cluster.preset("dgx-a100", nodes=2)):
+        data = json.loads(json.dumps(c.to_dict()))
+        assert data["overlap_p2p"] == c.overlap_p2p and Cluster.from_dict(data) == c
+    t = tmp_path / "c.toml"
+    t.write_text("overlap_p2p = false\n" + TOML)  # top-level keys before the tables
+    assert not Cluster.from_file(t).overlap_p2p
+    t.write_text(TOML)
+    assert Cluster.from_file(t).overlap_p2p  # the default: sends run beside compute
+    with pytest.raises(PlanError, match=r"overlap_p2p must be true or false, found 'yes'; write e\.g\. overlap_p2p = true"):
+        Cluster.from_dict({**local.to_dict(), "overlap_p2p": "yes"})
+
+
+def test_a_toml_file_without_tomllib_says_to_write_json(tmp_path, monkeypatch):
+    # Python 3.10 (pyproject allows it) has no tomllib: a TOML file used to fail with a bare
+    # ModuleNotFoundError; JSON files need nothing
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tomllib", None)  # what `import tomllib` meets on 3.10
+    monkeypatch.setitem(sys.modules, "tomli", None)
+    t = tmp_path / "c.toml"
+    t.write_text(TOML)
+    with pytest.raises(PlanError, match=r"cluster file .*c\.toml': reading TOML needs Python 3\.11's tomllib or the "
+                                        r"tomli package, .* write the same keys to a \.json file instead"):
+        Cluster.from_file(t)
+    j = tmp_path / "c.json"
+    j.write_text(json.dumps(toy().to_dict()))
+    assert Cluster.from_file(j) == toy()
+
+
 def test_the_local_machine_is_a_one_node_cluster():
     dm = DeviceModel.cpu()
     c = Cluster.from_device_model(dm, 4)

@@ -89,8 +89,19 @@ def test_device_model_defaults_overrides_and_errors():
     assert cpu.allreduce_time(1e9, 1) == 0.0 and cpu.allreduce_time(1e9, 2) > 1e9 / cpu.allreduce_bandwidth * 0.99
     assert DeviceModel.gpu().peak_flops > cpu.peak_flops
     assert cpu.measure_p2p() is cpu  # no process group: unchanged
-    with pytest.raises(PlanError, match=r"DeviceModel.peak_flops must be a positive number, found -1"):
+    with pytest.raises(PlanError, match=r"DeviceModel.peak_flops must be a positive, finite number, found -1"):
         DeviceModel(peak_flops=-1)
+
+
+@pytest.mark.parametrize("field", ["p2p_bandwidth", "memory_bytes", "allreduce_bandwidth", "peak_flops"])
+def test_device_model_refuses_an_infinite_figure(field):
+    # an infinite link or memory used to be accepted, and fxpipe.plan(device=...) then failed in a
+    # Cluster 'cpu' the user never made
+    with pytest.raises(PlanError, match=rf"DeviceModel.{field} must be a positive, finite number, found inf; "
+                                        rf"pass e.g. DeviceModel\({field}="):
+        DeviceModel(**{field: math.inf})
+    with pytest.raises(PlanError, match=rf"DeviceModel.{field} must be a positive, finite number, found nan"):
+        DeviceModel(**{field: math.nan})
 
 
 def test_annotate_rejects_untraced_graphs():

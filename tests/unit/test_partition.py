@@ -323,10 +323,52 @@ def test_error_microbatches_below_stages(gpt_gm):
     (dict(stages=2), "give microbatches=m"),
     (dict(stages=2, microbatches=4, schedule="zb1"), "schedule must be one of"),
     (dict(stages=2, microbatches=4, cost_mode="guess"), "cost_mode must be 'analytic' or 'measured'"),
+    # integral floats used to pass and crash in range() or give a plan of m=4.0 micro-batches
+    (dict(stages=2, global_batch=8.0), r"global_batch must be a positive integer, found 8\.0 \(float\); pass global_batch=8"),
+    (dict(stages=2.0, microbatches=4), r"stages must be a positive integer, found 2\.0 \(float\); pass stages=2"),
+    (dict(stages=2, microbatches=4.0), r"microbatches must be a positive integer, found 4\.0 \(float\); pass microbatches=4"),
+    (dict(world_size=2.0, microbatches=4), r"world_size must be a positive integer, found 2\.0 \(float\); pass world_size=2"),
+    (dict(stages=True, microbatches=4), r"stages must be a positive integer, found True \(bool\)"),
+    (dict(stages=2, microbatches=4, device_memory=math.inf),
+     r"device_memory must be a positive, finite number of bytes, found inf; pass e\.g\. device_memory=16e9"),
 ])
 def test_error_nonsense(gpt_gm, kw, match):
     with pytest.raises(PlanError, match=match):
         plan(gpt_gm, **kw)
+
+
+def test_counts_may_be_numpy_integers_and_memory_a_float(gpt_gm):
+    p = plan(gpt_gm, stages=np.int64(2), microbatches=np.int64(4), device_memory=64e9)
+    assert (p.stages, p.microbatches) == (2, 4) and type(p.microbatches) is int
+
+
+def test_why_a_2bw_configuration_lost_names_no_fill_and_drain():
+    """2bw never fills or drains: a step is m stage times. With sends that overlap compute the
+    old account (m·(compute + sends) against the step) went negative, and a 2bw configuration
+    slower for its compute was said to lose to fill-and-drain idle time."""
+    from types import SimpleNamespace
+
+    from fxpipe.partition import _reason
+
+    def cand(compute, comm, stage, m=8, d=4):
+        pipe = m * stage
+        return SimpleNamespace(fits=True, pipe=pipe, m=m, d=d, w=1, b=4, compute=compute, comm=comm, allreduce=0.0,
+                               samples=4 * m, throughput=4 * m / pipe, recompute=False, accelerators=4, inter=False,
+                               part=SimpleNamespace(bottleneck=stage))
+
+    win = cand(compute=1.0, comm=0.9, stage=1.0)  # sends hidden behind compute
+    slow = cand(compute=1.2, comm=0.1, stage=1.2)  # slower: computes more
+    why = _reason(slow, win, "2bw", math.inf)
+    assert why.startswith("16.7% slower: slowest stage computes 1.2e+03 ms per micro-batch of 4"), why
+    # a link that outlasts the compute is what the sends cost
+    talk = cand(compute=1.0, comm=2.6, stage=1.3)
+    assert "its busiest link outlasts its compute by 300 ms" in _reason(talk, win, "2bw", math.inf)
+    # under 1f1b the fill and drain is (d - 1) stage times of m + d - 1
+    flush_win, flush = cand(1.0, 0.0, 1.0, m=16), cand(1.0, 0.0, 1.0, m=4)
+    flush_win.pipe, flush.pipe = 19.0, 7.0
+    flush_win.throughput, flush.throughput = 64 / 19, 16 / 7
+    flush_win.samples, flush.samples = 64, 16
+    assert _reason(flush, flush_win, "1f1b", math.inf).endswith("pipeline fill and drain idle 43% of the step")
 
 
 def test_error_no_valid_cuts():
