@@ -1002,7 +1002,10 @@ def pipeline_time(schedule: str, stages: int, microbatches: int, bottleneck: flo
     backward) that is ``(d - 1) * forward``, ``forward`` defaulting to a third of the bottleneck
     (a backward of two forwards), for m >= d. A recomputing zb stage defers no W, so zb with
     ``recompute`` is priced as 1f1b. Equal to what :func:`fxpipe.simulate.simulate` measures on
-    the generated lists (tests/unit/test_simulate.py)."""
+    the generated lists for gpipe, 1f1b and 2bw, and for zb where F = I = W (the default); with
+    other zb passes (a weight pass longer than a forward) it is a lower bound the simulator can
+    exceed by some percent, which is why a plan with a calibrated split of zb's backward takes
+    its step time from the simulator (tests/unit/test_simulate.py, test_zero_bubble.py)."""
     if schedule == "zb" and not recompute:
         f = bottleneck / 3 if forward is None else forward
         return microbatches * bottleneck + (stages - 1) * f

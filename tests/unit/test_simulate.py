@@ -167,6 +167,26 @@ def test_planner_step_time_equals_the_simulator(schedule):
         assert tl.step_time == pytest.approx(pipeline_time(schedule, d, m, 3.0)), (d, m)
 
 
+def test_zbs_closed_form_is_exact_at_equal_passes_and_a_lower_bound_otherwise():
+    import random
+
+    from fxpipe.partition import pipeline_time
+
+    for d, m in ((2, 4), (3, 6), (4, 8)):  # F = I = W: a backward of two forwards split in halves
+        tl = simulate(generate("zb", d, m, 1), Costs(forward=1.0, backward=2.0))
+        assert tl.makespan == pytest.approx(pipeline_time("zb", d, m, 3.0, forward=1.0)), (d, m)
+    rng, above = random.Random(0), 0
+    for _ in range(60):
+        f, i, w = rng.uniform(0.5, 2), rng.uniform(0.3, 3), rng.uniform(0.3, 3)
+        d = rng.randint(2, 4)
+        m = rng.randint(d, 8)
+        closed = m * (f + i + w) + (d - 1) * (f + i - w)
+        tl = simulate(generate("zb", d, m, 1), Costs(forward=f, backward=i + w, backward_input=i, backward_weight=w))
+        assert closed <= tl.makespan * (1 + 1e-12), (f, i, w, d, m)
+        above += closed < tl.makespan * (1 - 1e-9)
+    assert above  # where the weight pass outlasts the forward the simulator reads more
+
+
 def test_simulate_times_an_eval_pass():
     # Program.eval's lists send what EVAL k produced: the lowering makes SEND_ACT k wait for it.
     program = Program("1f1b", 3, 4)
