@@ -43,6 +43,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
                         microbatches=args.microbatches, schedule=args.schedule)
     except FxpipeError as e:  # what the user can fix (--stages, the model): its message, no traceback
         raise SystemExit(f"fxpipe inspect: {e}") from None
+    except OSError as e:  # --out not writable: one line, no traceback
+        raise SystemExit(f"fxpipe inspect: cannot write to --out {args.out!r}: {e}") from None
     for p in paths:
         print(p)
     return 0
@@ -52,6 +54,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .errors import FxpipeError, PlanError
     from .partition import _resolve_cluster, plan
 
+    if args.json:  # before the search, not after it
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            raise SystemExit(f"fxpipe plan: --json {args.json!r}: folder {parent!r} does not exist")
     try:
         cluster = _resolve_cluster(args.cluster, args.nodes)
     except PlanError as e:
@@ -64,8 +70,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"fxpipe plan: {e}") from None
     print(p)
     if args.json:
-        with open(args.json, "w") as f:
-            f.write(p.to_json())
+        try:
+            with open(args.json, "w") as f:
+                f.write(p.to_json())
+        except OSError as e:
+            raise SystemExit(f"fxpipe plan: cannot write --json {args.json!r}: {e}") from None
         print(f"wrote {args.json} (fxpipe.Plan.from_json reads it; compile(..., plan=...) runs it)")
     return 0
 
@@ -117,10 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="train the built-in GPT-style model pipeline-parallel on local CPU ranks")
-    from .demo import add_demo_arguments
+    from .demo import add_demo_arguments, check_demo_args
 
     add_demo_arguments(d)
-    d.set_defaults(fn=_cmd_demo)
+    d.set_defaults(fn=_cmd_demo, check=lambda a: check_demo_args(d, a))
 
     i = sub.add_parser("inspect", help="write node table, graph, plan, stage code and schedule dumps")
     i.add_argument("factory", help="MODULE:FACTORY, a function returning (model, example_inputs)")
@@ -150,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=_cmd_plan)
 
     r = sub.add_parser("run", help="launch SCRIPT on N local ranks through torch.distributed.run (torchrun)")
-    r.add_argument("--nproc", type=int, default=2, help="ranks on this machine")
+    r.add_argument("--nproc", type=_positive_int, default=2, help="ranks on this machine")
     r.add_argument("--torchrun-arg", dest="torchrun_args", action="append", default=[],
                    help="extra argument for torchrun (repeatable), e.g. --torchrun-arg=--nnodes=2")
     r.add_argument("script")
@@ -161,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "check", None) is not None:
+        args.check(args)
     return int(args.fn(args) or 0)
 
 

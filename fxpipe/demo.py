@@ -128,18 +128,38 @@ def demo_factory(microbatch: int = 4, seq_len: int = 32, **cfg):
     return model, (x,)
 
 
+def _non_negative_int(text: str) -> int:
+    import argparse
+
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {v}")
+    return v
+
+
 def add_demo_arguments(p) -> None:
+    from .cli import _positive_int
+
     p.add_argument("--nproc", type=int, default=2, help="local CPU ranks (1 = all stages in this process)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps")
     p.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe", "zb"))
-    p.add_argument("--microbatches", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--microbatch-size", type=int, default=8, help="sequences per micro-batch")
+    p.add_argument("--microbatches", type=_positive_int, default=4, help="micro-batches per step")
+    p.add_argument("--microbatch-size", type=_positive_int, default=8, help="sequences per micro-batch")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--out", default="fxpipe-out/demo", help="folder for the plan, stage code and timeline")
     p.add_argument("--checkpoint-dir", default=None,
                    help="save checkpoints here, and resume from the latest one when it exists")
-    p.add_argument("--save-every", type=int, default=0,
+    p.add_argument("--save-every", type=_non_negative_int, default=0,
                    help="steps between checkpoints (0: only after the last step); needs --checkpoint-dir")
+
+
+def check_demo_args(p, args) -> None:
+    """What one argument cannot check alone: a usage error (exit code 2) before anything is launched."""
+    if args.save_every and not args.checkpoint_dir:
+        p.error(f"--save-every {args.save_every} needs --checkpoint-dir DIR to save into")
 
 
 def main(args) -> int:
@@ -229,4 +249,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(prog="python -m fxpipe.demo")
     add_demo_arguments(parser)
-    raise SystemExit(train(parser.parse_args()))
+    ns = parser.parse_args()
+    check_demo_args(parser, ns)
+    raise SystemExit(train(ns))

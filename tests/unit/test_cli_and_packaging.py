@@ -116,3 +116,81 @@ def test_run_launches_a_script_on_two_ranks_through_torchrun(tmp_path):
     losses = per_rank[1]
     # 2bw: batches 1 and 2 both compute on W(0), so the same batch gives the same loss twice
     assert losses[0] == losses[1] and losses[2] < losses[1]
+
+
+def _usage_error(capsys, argv):
+    """In this process: the parser refuses ``argv`` with exit code 2 and one ``error:`` line."""
+    from fxpipe.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["demo", "--steps", "3", "--save-every", "2"], "--save-every 2 needs --checkpoint-dir"),
+    (["demo", "--microbatches", "0"], "--microbatches: expected a positive integer, found 0"),
+    (["demo", "--microbatch-size", "0"], "--microbatch-size: expected a positive integer, found 0"),
+    (["demo", "--steps", "0"], "--steps: expected a positive integer, found 0"),
+    (["demo", "--save-every", "-1"], "--save-every: expected a non-negative integer, found -1"),
+    (["run", "--nproc", "0", "x.py"], "--nproc: expected a positive integer, found 0"),
+    (["run", "--nproc", "-2", "x.py"], "--nproc: expected a positive integer, found -2"),
+])
+def test_bad_numbers_are_usage_errors_before_anything_runs(capsys, argv, words):
+    line = _usage_error(capsys, argv)
+    assert "error:" in line and words in line, line
+
+
+def test_demo_save_every_with_checkpoint_dir_parses(tmp_path):
+    from fxpipe.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--save-every", "2", "--checkpoint-dir", str(tmp_path)])
+    args.check(args)  # no usage error
+    assert args.save_every == 2
+
+
+def test_plan_json_into_a_missing_folder_fails_before_planning(tmp_path, monkeypatch):
+    import fxpipe.partition
+    from fxpipe.cli import main
+
+    def no_plan(*a, **k):
+        raise AssertionError("planned before checking --json")
+
+    monkeypatch.setattr(fxpipe.partition, "plan", no_plan)
+    bad = str(tmp_path / "nonexist" / "p.json")
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "fxpipe.demo:demo_factory", "--cluster", "p3.16xlarge", "--global-batch", "8", "--json", bad])
+    msg = str(e.value.code)
+    assert msg.startswith("fxpipe plan: --json") and "does not exist" in msg and "\n" not in msg
+
+
+def test_plan_json_write_error_is_one_line(tmp_path, monkeypatch):
+    import fxpipe.partition
+    from fxpipe.cli import main
+
+    class FakePlan:
+        def to_json(self):
+            return "{}"
+
+    monkeypatch.setattr(fxpipe.partition, "plan", lambda *a, **k: FakePlan())
+    target = tmp_path / "p.json"
+    target.mkdir()  # a folder where the file should go: open() raises IsADirectoryError
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "fxpipe.demo:demo_factory", "--cluster", "p3.16xlarge", "--global-batch", "8",
+              "--json", str(target)])
+    msg = str(e.value.code)
+    assert msg.startswith("fxpipe plan: cannot write --json") and "\n" not in msg
+
+
+def test_inspect_unwritable_out_is_one_line(tmp_path):
+    from fxpipe.cli import main
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "fxpipe.demo:demo_factory", "--out", str(blocker / "out")])
+    msg = str(e.value.code)
+    assert msg.startswith("fxpipe inspect: cannot write to --out") and "\n" not in msg
