@@ -6,6 +6,7 @@ import argparse
 import importlib
 import os
 import sys
+from typing import Callable
 
 
 def _load_factory(spec: str, cmd: str = "inspect"):
@@ -79,14 +80,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, found {v}")
-    return v
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (``what`` names it in the error)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {v}")
+        return v
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "a non-negative integer")
 
 
 def _microbatches(text: str) -> int:

@@ -128,20 +128,8 @@ def demo_factory(microbatch: int = 4, seq_len: int = 32, **cfg):
     return model, (x,)
 
 
-def _non_negative_int(text: str) -> int:
-    import argparse
-
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, found {v}")
-    return v
-
-
 def add_demo_arguments(p) -> None:
-    from .cli import _positive_int
+    from .cli import _non_negative_int, _positive_int
 
     p.add_argument("--nproc", type=int, default=2, help="local CPU ranks (1 = all stages in this process)")
     p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps")

@@ -96,6 +96,7 @@ from .errors import PlanError
 from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint
+from .trace import alias_base, written_values
 from .schedule import zb_bounds
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
@@ -844,9 +845,9 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
     # cut, a view and its base arrive as two tensors, and the write no longer reaches the base.
     # So no cut falls between the first view of such a chain and the write.
     for w, nd in enumerate(compute):
-        for value in _written_values(nd):
+        for value in written_values(nd):
             first, v = None, value
-            while (base := _alias_base(v)) is not None:
+            while (base := alias_base(v)) is not None:
                 first, v = v, base
             if first is not None and first.name in pos and pos[first.name] < w:
                 lo.append(pos[first.name])
@@ -897,32 +898,6 @@ def _chain_parts(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, schedul
     i64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
     return _Parts([nd.name for nd in compute], fwd, bwd, held, _weight_reads(compute, pos, act, params), i64(lo),
                   i64(hi), np.asarray(size, dtype=np.float64), np.asarray(grad, dtype=bool), np.asarray(bad, dtype=bool), tensors)
-
-
-def _written_values(nd: fx.Node) -> list[fx.Node]:
-    """The values call ``nd`` writes in place (its schema's ``Tensor(a!)`` arguments)."""
-    schema = getattr(nd.target, "_schema", None) if nd.op == "call_function" else None
-    if schema is None or not schema.is_mutable:
-        return []
-    out = []
-    for i, arg in enumerate(schema.arguments):
-        value = nd.args[i] if i < len(nd.args) else nd.kwargs.get(arg.name)
-        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
-            out.append(value)
-    return out
-
-
-def _alias_base(nd: fx.Node) -> fx.Node | None:
-    """The node whose storage ``nd``'s output shares, per its schema (a view, or the ``self`` an
-    in-place op returns; ``getitem`` of a tuple of views), else None."""
-    if nd.op != "call_function" or not nd.args or not isinstance(nd.args[0], fx.Node):
-        return None
-    if nd.target is operator.getitem:
-        return nd.args[0]
-    schema = getattr(nd.target, "_schema", None)
-    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
-        return None
-    return nd.args[0] if schema.arguments and schema.arguments[0].alias_info is not None else None
 
 
 def _assemble(parts: _Parts) -> Chain:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
-import operator
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from .comm import Comm, Handle
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision, fp32_params
 from .schedule import Action, Kind, waits_for
+from .trace import alias_base, written_values
 from .weights import WeightStore
 
 __all__ = ["StageWorker", "WorkerConfig", "compute_loss"]
@@ -573,33 +573,16 @@ class _Multi(Handle):
 
 def _written_args(module: torch.fx.GraphModule) -> set[int]:
     """Positions of the module's arguments that some operation writes in place, directly or
-    through a view (``h[:, :8] += 1`` is a ``slice`` then a ``copy_``), per the operators'
-    schemas: an argument annotated ``Tensor(a!)`` is written; an output that carries an alias
-    annotation (a view, or the ``self`` an in-place op returns; ``getitem`` of a ``split``'s
-    views) aliases the annotated arguments it was computed from."""
-    aliases: dict[torch.fx.Node, set[int]] = {
-        n: {i} for i, n in enumerate(n for n in module.graph.nodes if n.op == "placeholder")}
+    through a view (``h[:, :8] += 1`` is a ``slice`` then a ``copy_``): each written value is
+    followed up its alias chain (:func:`fxpipe.trace.alias_base`) to what it shares storage with."""
+    placeholders = {n: i for i, n in enumerate(n for n in module.graph.nodes if n.op == "placeholder")}
     written: set[int] = set()
     for node in module.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is operator.getitem:
-            if node.args[0] in aliases:
-                aliases[node] = aliases[node.args[0]]
-            continue
-        schema = getattr(node.target, "_schema", None)
-        if schema is None:
-            continue
-        touched: set[int] = set()
-        for i, arg in enumerate(schema.arguments):
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-            if arg.alias_info is None or not isinstance(value, torch.fx.Node) or value not in aliases:
-                continue
-            touched |= aliases[value]
-            if arg.alias_info.is_write:
-                written |= aliases[value]
-        if touched and any(r.alias_info is not None for r in schema.returns):
-            aliases[node] = touched
+        for value in written_values(node):
+            while (base := alias_base(value)) is not None:
+                value = base
+            if value in placeholders:
+                written.add(placeholders[value])
     return written
 
 

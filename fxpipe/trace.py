@@ -605,3 +605,29 @@ def _module_of_frame(model: nn.Module, frame: traceback.FrameSummary) -> str:
             if start <= (frame.lineno or 0) < start + len(lines):
                 return name or "<root>"
     return ""
+
+
+def written_values(nd: fx.Node) -> list[fx.Node]:
+    """The values call ``nd`` writes in place (its schema's ``Tensor(a!)`` arguments)."""
+    schema = getattr(nd.target, "_schema", None) if nd.op == "call_function" else None
+    if schema is None or not schema.is_mutable:
+        return []
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        value = nd.args[i] if i < len(nd.args) else nd.kwargs.get(arg.name)
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, fx.Node):
+            out.append(value)
+    return out
+
+
+def alias_base(nd: fx.Node) -> fx.Node | None:
+    """The node whose storage ``nd``'s output shares, per its schema (a view, or the ``self`` an
+    in-place op returns; ``getitem`` of a tuple of views), else None."""
+    if nd.op != "call_function" or not nd.args or not isinstance(nd.args[0], fx.Node):
+        return None
+    if nd.target is operator.getitem:
+        return nd.args[0]
+    schema = getattr(nd.target, "_schema", None)
+    if schema is None or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    return nd.args[0] if schema.arguments and schema.arguments[0].alias_info is not None else None
