@@ -9,11 +9,15 @@ does with ``torch.autocast``:
 * each stage runs its forward (and the loss) under ``torch.autocast`` for the device it runs on,
   so which ops stay in fp32 is autocast's policy *for that device type* (CPU's lists differ from
   CUDA's: on the CPU, softmax and layer_norm follow their inputs into bf16);
-* but batch norm's weight and bias (:func:`fp32_params`) keep an fp32 compute copy, as they are
-  under eager autocast: ``batch_norm`` is on neither device's cast list, so eager autocast runs
-  it on the fp32 parameters, and its kernels take the parameters in the dtype of the fp32
-  running statistics (a 16-bit weight beside them fails: "expected scalar type BFloat16 but
-  found Float"), whatever the input's dtype;
+* but two kinds of weights keep an fp32 compute copy (:func:`fp32_params`), as they are under
+  eager autocast: batch norm's weight and bias (``batch_norm`` is on neither device's cast list,
+  so eager autocast runs it on the fp32 parameters, and its kernels take the parameters in the
+  dtype of the fp32 running statistics: a 16-bit weight beside them fails, "expected scalar type
+  BFloat16 but found Float", whatever the input's dtype); and the weight and bias of a layer or
+  group norm whose input is fp32 under the policy (a model that normalizes ``x.float()``, as
+  CLIP's and Whisper's LayerNorm and Stable Diffusion's GroupNorm32 do: the CPU kernels refuse
+  a 16-bit weight beside an fp32 input, "mixed dtype (CPU): expect parameter to have scalar type
+  of Float", and CUDA's autocast runs both ops in fp32);
 * gradients accumulate over micro-batches in fp32, the optimizer state is fp32, losses are
   reported in fp32;
 * a boundary value travels in the dtype the policy gives it (:func:`prepare` finds it with fake
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.nn.modules.batchnorm import _NormBase
 
 from .device import follow_call, follow_device
 from .errors import ConfigError
@@ -138,38 +143,80 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
             elif _device_move(n):
                 _follow_input_dtype(n)
         sub.recompile()
-    _annotate(gm, precision, device)
+    # which weights stay fp32 depends on the dtypes the policy gives (a layer norm of an fp32
+    # input), and those on which weights stay fp32: annotate until the two agree. An fp32 weight
+    # only ever makes values fp32 (type promotion), so the set only grows and this ends.
+    keep = None
+    while keep != (keep := fp32_params(gm)):
+        _annotate(gm, precision, device, keep)
 
 
 def fp32_params(gm: fx.GraphModule) -> frozenset[str]:
     """The parameters of ``gm`` (names as ``gm.named_parameters()`` gives them) whose compute
-    copy stays fp32 under mixed precision: the weight and bias of every op that takes running
-    statistics (``batch_norm`` and its lowerings, ``instance_norm``; a ``BatchNorm``/``InstanceNorm``
-    leaf module of a ``symbolic_trace`` graph). Eager autocast runs these ops on the fp32
-    parameters, and their kernels want the parameters in the statistics' dtype (module docstring).
+    copy stays fp32 under mixed precision (module docstring):
+
+    * the weight and bias of every op that takes running statistics (``batch_norm`` and its
+      lowerings, ``instance_norm``; a ``BatchNorm``/``InstanceNorm`` leaf module of a
+      ``symbolic_trace`` graph): eager autocast runs these ops on the fp32 parameters, and their
+      kernels want the parameters in the statistics' dtype;
+    * the weight and bias of a ``layer_norm`` or ``group_norm`` (op, functional call or leaf
+      module) whose input is fp32 under the policy: known once :func:`prepare` has annotated the
+      graph (a stage module keeps its nodes' annotations), so ``gm`` unprepared gives only the
+      first kind.
+
     A parameter read elsewhere too stays fp32 as well: autocast's cast lists round it where eager
     autocast would."""
     import inspect
 
-    from torch.nn.modules.batchnorm import _NormBase
-
     params = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
     keep: set[str] = set()
     for n in gm.graph.nodes:
-        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), _NormBase):
-            keep.update(f"{n.target}.{name}" for name, _ in gm.get_submodule(n.target).named_parameters())
+        if n.op == "call_module":
+            module = gm.get_submodule(n.target)
+            if isinstance(module, _STATISTICS_MODULES) or (
+                    isinstance(module, _INPUT_DTYPE_MODULES) and n.args and _fp32_input(n.args[0])):
+                keep.update(f"{n.target}.{name}" for name, _ in module.named_parameters())
         elif n.op == "call_function":
             if isinstance(n.target, torch._ops.OpOverload):
                 bound = _bound(n)
-            else:  # a symbolic_trace graph's torch.nn.functional.batch_norm
+            else:  # a symbolic_trace graph's torch.nn.functional.batch_norm / layer_norm / group_norm
                 try:
                     bound = inspect.signature(n.target).bind(*n.args, **n.kwargs).arguments
                 except (TypeError, ValueError):
                     continue
-            if "running_mean" in bound:
+            if "running_mean" in bound or (_name_of(n.target) in _INPUT_DTYPE_OPS
+                                           and _fp32_input(bound.get("input"))):
                 keep.update(a.target for a in (bound.get("weight"), bound.get("bias"))
                             if isinstance(a, fx.Node) and a.op == "get_attr" and a.target in params)
     return frozenset(keep & params)
+
+
+#: leaf modules that take running statistics: BatchNorm*, InstanceNorm*, SyncBatchNorm
+_STATISTICS_MODULES = (_NormBase,)
+#: leaf modules and ops whose CPU kernels need the weight in the input's dtype when it is fp32
+_INPUT_DTYPE_MODULES = (torch.nn.LayerNorm, torch.nn.GroupNorm)
+_INPUT_DTYPE_OPS = {"layer_norm", "native_layer_norm", "group_norm", "native_group_norm"}
+
+
+def _name_of(target) -> str:
+    """An op's or function's bare name: ``aten.layer_norm.default`` and ``F.layer_norm`` both
+    give "layer_norm"."""
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name.split("::")[-1]
+    return getattr(target, "__name__", "")
+
+
+def _fp32_input(a) -> bool:
+    """Whether graph value ``a`` is fp32 under the precision policy :func:`prepare` annotated
+    (a compute node's annotation; a model input keeps its traced dtype). Unannotated compute
+    nodes (no policy applied yet) are not known to be fp32."""
+    if not isinstance(a, fx.Node):
+        return False
+    spec = a.meta.get(AUTOCAST_META)
+    if spec is not None:
+        return spec.dtype == "float32"
+    val = a.meta.get("val")
+    return a.op == "placeholder" and isinstance(val, torch.Tensor) and val.dtype == torch.float32
 
 
 # not aten.to.device: export records x.to(device, dtype) with it, an explicit cast (prepare's docstring)
@@ -207,10 +254,10 @@ def _follow_input_dtype(n: fx.Node) -> None:
     n.kwargs = keep
 
 
-def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device) -> None:
+def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device, keep: frozenset[str]) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)} - fp32_params(gm)  # the 16-bit copies
+    params = {n for n, _ in gm.named_parameters(remove_duplicate=False)} - keep  # the 16-bit copies
     info = gm.meta.get("fxpipe")  # a meta model traces as if on its device (TraceInfo.device)
     src = getattr(info, "device", None) or next((p.device for p in gm.parameters()), torch.device("cpu"))
     mode = FakeTensorMode(allow_non_fake_inputs=True)

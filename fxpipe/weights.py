@@ -59,9 +59,9 @@ def weight_bytes(numel: int, itemsize: int, *, requires_grad: bool, schedule: st
 
     ``precision="bf16"``/``"fp16"``: the versions and the scratch gradient are 2-byte compute
     copies, and one master copy in the tensor's own dtype (``itemsize``) is held beside them;
-    the gradient accumulators keep the master's dtype. (Batch norm's weight and bias keep fp32
-    versions and scratch gradient, :func:`fxpipe.precision.fp32_params`, which this counts at 2
-    bytes: two numbers per channel, a rounding error beside any layer's weights.)
+    the gradient accumulators keep the master's dtype. (Norm weights that keep fp32
+    versions and scratch gradient, :func:`fxpipe.precision.fp32_params`, are counted at 2 bytes
+    here: two numbers per channel, a rounding error beside any layer's weights.)
     """
     nbytes = numel * itemsize
     low = compute_dtype(precision)
@@ -89,7 +89,7 @@ class WeightStore:
         own = flat.buffers if share_initial else flat.clone_buffers()
         if precision.mixed:
             self.master = own
-            # ``keep_fp32`` (batch norm's weight and bias, fxpipe.precision.fp32_params): fp32 copies
+            # ``keep_fp32`` (norm weights eager autocast leaves fp32, fxpipe.precision.fp32_params): fp32 copies
             self.compute_layout = layout.cast(precision.dtype, keep=keep_fp32)
             self.slots = [self.compute_layout.pack(layout.views(own)) for _ in range(n)]
             self._rounding = _runs(layout, self.compute_layout)
@@ -518,7 +518,7 @@ class _Fused:
         self.scratch = store.compute_layout.zeros_like()  # one micro-batch's gradient, flat, compute dtypes
         self.scratch_views = store.compute_layout.views(self.scratch)
         # mixed precision: where each run of the master (one fp32 buffer) lies in the scratch (one
-        # run, unless batch norm's fp32 copies lie among the 16-bit ones: fxpipe.precision.fp32_params)
+        # run, unless norms' fp32 copies lie among the 16-bit ones: fxpipe.precision.fp32_params)
         self.runs = store._rounding if store.master is not None else None
         # the new weights' compute copy in the update's own pass where it is one 16-bit buffer laid
         # out as the master; else the update rounds the master into it after (WeightStore.round_into)

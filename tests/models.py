@@ -89,6 +89,36 @@ def transformer_encoder(*, seed: int = 0, batch: int = 2, dropout: float = 0.0):
     return model, (torch.randn(batch, 8, 32),)
 
 
+class Fp32LayerNorm(nn.LayerNorm):
+    """CLIP's and Whisper's LayerNorm: normalizes in fp32 whatever the input's dtype."""
+
+    def forward(self, x):
+        return super().forward(x.float()).type(x.dtype)
+
+
+class Fp32Norms(nn.Module):
+    """Linear layers around norms of three kinds: an fp32-computing LayerNorm (as CLIP writes
+    it), a GroupNorm of an explicit ``h.float()`` (Stable Diffusion's GroupNorm32), and a plain
+    LayerNorm of a linear's output (16-bit under autocast)."""
+
+    def __init__(self, dim: int = 16, classes: int = 4):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, classes)
+        self.ln32, self.gn32, self.ln = Fp32LayerNorm(dim), nn.GroupNorm(4, dim), nn.LayerNorm(dim)
+
+    def forward(self, x):
+        h = self.ln32(torch.relu(self.a(x)))
+        h = self.gn32(self.b(h).float())
+        return self.head(self.ln(self.c(h)))
+
+
+def fp32_norms(*, seed: int = 0, batch: int = 4):
+    """:class:`Fp32Norms` on ``(batch, 16)``."""
+    torch.manual_seed(seed)
+    return Fp32Norms(), (torch.randn(batch, 16),)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm as Llama writes it: the weight is read by a plain ``x * weight``, not by a
     module call, so the parameter reaches the graph as a bare ``get_attr``."""

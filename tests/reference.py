@@ -106,7 +106,8 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
     16-bit copy) is added into an fp32 sum. Batch t computes on the copy of the master after
     ``max(t-2, 0)`` updates under 2bw, ``t-1`` otherwise. ``cast_params=False``: the copy stays
     fp32 and autocast alone rounds what its cast lists say, as in plain eager autocast (a
-    BatchNorm model, whose batch_norm autocast runs on the fp32 parameters, needs it). The
+    BatchNorm model, whose batch_norm autocast runs on the fp32 parameters, needs it); a set of
+    names: only those parameters' copies are ``dtype``. The
     returned master holds the buffers after the last forward (BatchNorm statistics).
 
     ``scaler``: None, or ``(init_scale, growth_factor, backoff_factor, growth_interval)`` for
@@ -116,8 +117,9 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
     master = copy.deepcopy(model)
     opt = optimizer_factory(list(master.named_parameters()))
     probe = copy.deepcopy(model)  # the compute copy; owns the buffers
-    for p in probe.parameters():
-        p.data = p.data.to(dtype if cast_params else p.dtype)
+    for n, p in probe.named_parameters():
+        low = cast_params if isinstance(cast_params, bool) else n in cast_params
+        p.data = p.data.to(dtype if low else p.dtype)
     names = [n for n, _ in probe.named_parameters()]
     snapshots = [{n: p.detach().clone() for n, p in master.named_parameters()}]
     scale, tracker = (float(scaler[0]), 0) if scaler else (1.0, 0)

@@ -13,7 +13,7 @@ from fxpipe import precision as precision_module
 from fxpipe.errors import ConfigError
 from fxpipe.weights import weight_bytes
 from tests.cases import build_mixed, relative_update_error
-from tests.models import cnn_bn
+from tests.models import cnn_bn, fp32_norms
 from tests.reference import train_2bw, train_flush, train_mixed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -125,6 +125,48 @@ def test_batch_norm_weights_are_found_in_either_kind_of_graph():
     assert fp32(torch.fx.symbolic_trace(norms)) == {"1.weight", "1.bias", "4.weight", "4.bias"}
     assert fp32(torch.fx.symbolic_trace(Functional())) == fp32(fxpipe.trace(Functional(), (torch.randn(2, 4),))) \
         == {"w", "b"}
+
+
+@pytest.mark.parametrize("schedule,precision,kernels", [("2bw", "bf16", "off"), ("1f1b", "fp16", "torch")])
+def test_norms_of_fp32_inputs_train_as_eager_autocast(schedule, precision, kernels):
+    # A LayerNorm or GroupNorm of an fp32 input (CLIP's LayerNorm, Stable Diffusion's
+    # GroupNorm32) failed at the first forward on CPU: "mixed dtype (CPU): expect parameter to
+    # have scalar type of Float", a 16-bit weight beside the fp32 input. Their weights now keep
+    # fp32 copies, as under eager autocast; a LayerNorm of a 16-bit value keeps its 16-bit copy.
+    net, example = fp32_norms(batch=2)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(5)]
+    opt = functools.partial(torch.optim.AdamW, lr=1e-2)
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER[0]) if precision == "fp16" else None
+    pipe = fxpipe.compile(net, example, loss_fn=F.cross_entropy, optimizer=opt, microbatches=4, stages=2,
+                          schedule=schedule, precision=precision, scaler=scaler, kernels=kernels, verbose=False)
+    losses = [pipe.step(*b) for b in batches]
+    ref_losses, ref, skipped = train_mixed(net, batches, 4, F.cross_entropy, opt, dtype=DTYPES[precision],
+                                           schedule=schedule, scaler=SCALER if scaler else None,
+                                           cast_params={"ln.weight", "ln.bias"})
+    assert skipped == pipe.skipped_steps == []
+    # eager autocast on fp32 weights but the plain LayerNorm's (16-bit, as fxpipe's copies):
+    # every op sees the same numbers
+    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 1e-4
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    kept = {"ln32.weight", "ln32.bias", "gn32.weight", "gn32.bias"}
+    assert precision_module.fp32_params(pipe.staged_graph) == kept
+    fp32 = {n for wk in pipe.workers.values() for n, w in wk.store.compute(0).items() if w.dtype == torch.float32}
+    assert fp32 == kept
+
+
+def test_fp32_norm_inputs_are_found_in_either_kind_of_graph():
+    # export's aten.layer_norm / group_norm and a symbolic_trace graph's leaf modules; only once
+    # prepare has given the graph the policy's dtypes
+    model, example = fp32_norms()
+    for gm in (fxpipe.trace(model, example), fxpipe.trace(model, example, prefer="symbolic_trace")):
+        assert gm.meta["fxpipe"].path in ("export", "symbolic_trace")
+        before = precision_module.fp32_params(gm)
+        precision_module.prepare(gm, precision_module.Precision("bf16"), torch.device("cpu"))
+        after = precision_module.fp32_params(gm)
+        assert not before & {"gn32.weight", "ln.weight"}
+        assert {"gn32.weight", "gn32.bias"} <= after and not after & {"ln.weight", "ln.bias", "a.weight"}
 
 
 def test_batch_norm_with_adama_rounds_every_other_weight():
