@@ -143,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="write node table, graph, plan, stage code and schedule dumps")
     i.add_argument("factory", help="MODULE:FACTORY, a function returning (model, example_inputs)")
     i.add_argument("--out", default="fxpipe-out", help="output folder (default: fxpipe-out)")
-    i.add_argument("--stages", type=int, default=2, help="pipeline depth to plan for (0: trace dumps only)")
+    i.add_argument("--stages", type=_non_negative_int, default=2, help="pipeline depth to plan for (0: trace dumps only)")
     i.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe", "zb"), help="schedule to draw")
     i.add_argument("--microbatches", type=_microbatches, default=None,
                    help="micro-batches per step (default: max(2 x stages, 4))")

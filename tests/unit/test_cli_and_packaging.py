@@ -137,6 +137,7 @@ def _usage_error(capsys, argv):
     (["demo", "--steps", "0"], "--steps: expected a positive integer, found 0"),
     (["demo", "--save-every", "-1"], "--save-every: expected a non-negative integer, found -1"),
     (["run", "--nproc", "0", "x.py"], "--nproc: expected a positive integer, found 0"),
+    (["inspect", "--stages", "-1", "m:f"], "--stages: expected a non-negative integer, found -1"),
     (["run", "--nproc", "-2", "x.py"], "--nproc: expected a positive integer, found -2"),
 ])
 def test_bad_numbers_are_usage_errors_before_anything_runs(capsys, argv, words):
