@@ -41,7 +41,7 @@ from .errors import ConfigError, FxpipeError, NonFiniteError, PlanError, Runtime
 from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig
-from .schedule import SCHEDULES, Action, Program, format_actions, rank_of, stage_and_replica
+from .schedule import SCHEDULES, Action, Program, format_actions, norm_every_step, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
@@ -453,7 +453,7 @@ class Pipeline:
                         recompute=o.recompute,
                         torch_device=self.device,
                         # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
-                        clip=o.accumulate != "optimizer",
+                        clip=norm_every_step(o.accumulate),
                         accumulation=("optimizer" if o.accumulate == "optimizer" else
                                       "autograd" if kernels is None else "fused"),
                         precision=o.precision,
