@@ -280,7 +280,8 @@ def saved_peaks() -> None:
     """Per stage, the peak of autograd-saved tensors alive (MiB, each storage counted once) over one
     step of the pinned configuration, in one process: 1f1b against zb, beside the activations the
     planner priced the stage at. Sampled after every action through a saved-tensor hook of the
-    caller's, which fxpipe's own (zb) wraps."""
+    caller's, which fxpipe's own (zb) wraps; under zb with the gradients each ``I`` recorded for
+    its ``W`` (fxpipe.backward.PendingWeights) added."""
     import collections
     import weakref
 
@@ -312,6 +313,9 @@ def saved_peaks() -> None:
                 stage[0] = r
                 run(a)
                 mine = {ptr: n for owner, ptr, n in live.values() if owner == r}
+                for ctx in pipe.workers[r].ctx.values():  # zb: the anchors' gradients kept for W
+                    for _, grads, _ in getattr(ctx.get("pending"), "calls", ()):
+                        mine.update((g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()) for g in grads)
                 peak[r] = max(peak[r], sum(mine.values()))
             worker.run = traced
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda box: box.t):

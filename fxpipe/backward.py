@@ -33,8 +33,8 @@ would have: a node's once the next node on its thread has read
 last when ``I`` returns. What a micro-batch holds from ``I`` to ``W`` is then what the anchors
 and the nodes below them saved, and the gradients recorded at the anchors; ``W`` frees those
 group by group. For the pinned GPT of ``benchmarks/limit.py`` this cuts the last stage's peak of saved
-tensors under zb from 83.7 to 67.7 MiB (1f1b: 48.6; ZB-H1 holds two micro-batches there, 1f1b
-one). Export traces ``torch.func`` transforms into plain operators; a stage that still disables
+tensors under zb from 83.7 to 67.7 MiB (97.6 with the recorded gradients; 1f1b: 48.6; ZB-H1
+holds two micro-batches there, 1f1b one). Export traces ``torch.func`` transforms into plain operators; a stage that still disables
 saved-tensor hooks at run time (an opaque leaf module of the ``symbolic_trace`` path running
 ``torch.func``, say) makes torch raise under zb: use 1f1b for it.
 

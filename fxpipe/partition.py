@@ -25,8 +25,8 @@ autograd may save; a view, such as ``transpose`` or a ``split``'s pieces, shares
 adds none, :func:`fxpipe.cost.is_view`; it includes the values the stage sends, which the runtime
 keeps until the micro-batch's backward: it does not free a sent output's storage as Megatron-LM's
 ``deallocate_output_tensor`` does, so the gradient received for it is a buffer of its own),
-``W(l, r)`` the activation inputs of its nodes that read a trainable parameter (what a
-micro-batch keeps between zb's ``I`` and ``W``, :func:`_weight_reads`), ``I(l)``/``S(l)`` the
+``W(l, r)`` the activation inputs and output gradients of its nodes that read a trainable
+parameter (what a micro-batch keeps between zb's ``I`` and ``W``, :func:`_weight_reads`), ``I(l)``/``S(l)`` the
 bytes (and gradient bytes) crossing its input cut, ``G(r)``/``O(r)`` the gradient bytes (and
 bytes) crossing its output cut, and ``X(l, r)`` a micro-batch of the model inputs its nodes read.
 The moments (:class:`Held`, :func:`_moments`) count what the runtime's action lists hold at once
@@ -926,16 +926,18 @@ def _weight_reads(compute: list[fx.Node], pos: dict[str, int], act: np.ndarray,
                   params: dict[str, torch.Tensor]) -> np.ndarray:
     """Per compute node, the bytes zb's weight pass keeps of a micro-batch from its ``I`` to its
     ``W`` (:mod:`fxpipe.backward`): ``I`` frees what only the input-gradient chain saved, so what
-    stays is what the nodes reading a trainable parameter saved: their activation inputs (``x`` of
-    ``x @ W.T``, a norm's input). Each value counts once, at its first such reader; a view counts
-    as the value it views. A node's other saved tensors (a norm's mean and rstd) are small beside
-    these and not counted; inputs of the graph are the stage's input buffer, counted apart.
+    stays is what the nodes reading a trainable parameter saved, their activation inputs (``x`` of
+    ``x @ W.T``, a norm's input), and the gradient ``I`` recorded flowing into each such node (an
+    *anchor*), the size of its output. Each input counts once, at its first such reader; a view
+    counts as the value it views. A node's other saved tensors (a norm's mean and rstd) are small
+    beside these and not counted; inputs of the graph are the stage's input buffer, counted apart.
     ``pos``: each compute node's position; ``params``: the graph's parameters by name."""
     out = np.zeros(len(compute))
     seen: set[str] = set()
     for i, nd in enumerate(compute):
         if not any(t in params and params[t].requires_grad for t in nd.meta["fxpipe"].params):
             continue
+        out[i] += act[i]  # the gradient recorded at the anchor
         for u in nd.all_input_nodes:
             while u.target is not operator.getitem and is_view(u) and u.args and isinstance(u.args[0], fx.Node):
                 u = u.args[0]

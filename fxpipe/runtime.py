@@ -281,7 +281,10 @@ class StageWorker:
         if recompute:
             # Keep only the inputs; R recomputes the rest right before B (arXiv 2006.09503 §3.3),
             # from the buffer values this forward saw (saved before it ran: it may update them).
-            ctx = {"args": [x.detach() for x in args], "outputs": outputs, "buffers": buffers}
+            # The outputs wait for SEND_ACT; the last stage sends none and has its loss already,
+            # so it keeps none (the model's output, logits say, is often its largest tensor).
+            ctx = {"args": [x.detach() for x in args], "outputs": () if self.is_last else outputs,
+                   "buffers": buffers}
         else:
             ctx = {"boundary": boundary, "outputs": outputs, "loss": loss, "saved": saved}
         if loss is not None:

@@ -487,18 +487,24 @@ def test_planner_prices_a_deferred_w_at_the_inputs_its_weights_read():
               for t in nd.meta["fxpipe"].params}
     reads = dict(zip(chain.names, chain.weight_reads))
     gelu = next(n.name for n in gm.graph.nodes if "gelu" in str(n.target))
-    h = 4 * 32 * 4  # bytes of h at micro-batch size 4
+    h, y = 4 * 32 * 4, 4 * 8 * 4  # bytes of h and of each of b's and c's outputs at micro-batch size 4
     assert chain.act[chain.names.index(gelu)] == h
-    assert reads[reader["a.weight"]] == 0  # x is the graph's input: the stage's input buffer
-    assert reads[reader["b.weight"]] + reads[reader["c.weight"]] == h
-    assert reads[reader["frozen.weight"]] == 0 and sum(reads.values()) == h
-    # the last of 2 stages holds one micro-batch whole and defers one W: 1f1b's price plus h, and
-    # one more received input (ZB-H1 keeps min(d, m) micro-batches' inputs between F and W)
+    # x is the graph's input (the stage's input buffer): a's share is the gradient I records
+    # flowing into it (an anchor's), the size of its output
+    assert reads[reader["a.weight"]] == h
+    assert reads[reader["b.weight"]] + reads[reader["c.weight"]] == h + 2 * y  # h once, two anchors' gradients
+    assert reads[reader["frozen.weight"]] == 0 and sum(reads.values()) == 2 * h + 2 * y
+    # the last of 2 stages, at the fuller of ZB-H1's two moments: one micro-batch whole and one
+    # W deferred, with one more received input than 1f1b (ZB-H1 keeps min(d, m) micro-batches'
+    # inputs between F and W); or two W deferred and none whole, with the next two inputs
+    # received (the last stage has no output cut: no gradient receive either way)
     device = costs.device
     zb, flush = (StageModel.for_schedule(s, 2, 4, False, device) for s in ("zb", "1f1b"))
     n = chain.n
     assert chain.cross[0] == h and chain.cross_grad[0] == h  # a(x) crosses the cut after it
-    assert stage_memory(chain, zb, 1, 1, n - 1) == stage_memory(chain, flush, 1, 1, n - 1) + h + chain.cross[0]
+    E, A, inp = h + 2 * y, float(chain.act[1:].sum()), chain.cross[0]
+    assert stage_memory(chain, zb, 1, 1, n - 1) == stage_memory(chain, flush, 1, 1, n - 1) + max(
+        E + inp, 2 * E + 2 * inp - A)
     assert stage_memory(chain, zb, 0, 0, n - 1) == stage_memory(chain, flush, 0, 0, n - 1)
     # a stage whose input carries no gradient has an empty I: its W keeps the whole activations
     acts = float(chain.act.sum())
@@ -532,7 +538,8 @@ def _live_microbatches(schedule, recompute=False):
     acting = [None]
     reads: dict = collections.defaultdict(set)  # (rank, kind, micro-batch index) -> ids of the boxes read there
     kept: dict = {}  # (rank, micro-batch index) -> ids of its boxes alive after its I or B
-    kept_bytes: dict = {}  # the same: the bytes of their storages other than weights, each once
+    kept_bytes: dict = {}  # the same: the bytes of their storages other than weights, each once,
+    # and of the gradients I recorded at the anchors for W
 
     def unpack(box):
         reads[acting[0]].add(id(box))
@@ -554,6 +561,9 @@ def _live_microbatches(schedule, recompute=False):
                 weights = {t.untyped_storage().data_ptr() for v in wk.store.leaves for t in v.values()}
                 storages = {b.t.untyped_storage().data_ptr(): b.t.untyped_storage().nbytes()
                             for b, owner in live.items() if owner == (r, a.index)}
+                pending = wk.ctx.get(a.index, {}).get("pending")  # PendingWeights where I split
+                for _, grads, _ in getattr(pending, "calls", ()):
+                    storages.update((g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()) for g in grads)
                 kept_bytes[r, a.index] = sum(n for ptr, n in storages.items() if ptr not in weights)
 
         wk.run = traced
@@ -575,7 +585,8 @@ def test_a_real_zb_step_keeps_at_most_the_bound_alive():
     assert pipe.workers[1].store.unsplit is None and (cache.misses, cache.hits) == (1, 7)
     for (r, k), ids in kept.items():
         assert ids and ids <= reads[r, Kind.W, k], (r, k, len(ids - reads[r, Kind.W, k]))
-    # the planner prices a deferred micro-batch on the last stage at what its W reads: within 5%
+    # the planner prices a deferred micro-batch on the last stage at what its W reads (the
+    # saved tensors and the anchors' gradients): within 5%
     gm = pipe.staged_graph
     chain = chain_from_graph(gm, annotate(gm), pipe.plan.microbatch_size, schedule="zb")
     priced = sum(w for name, w in zip(chain.names, chain.weight_reads) if pipe.plan.assignment[name] == 1)
