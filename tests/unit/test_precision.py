@@ -72,20 +72,30 @@ def _bn_batches(steps=6, n=8):
     return [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(steps)]
 
 
-@pytest.mark.parametrize("schedule,precision,kernels", [("2bw", "bf16", "off"), ("1f1b", "fp16", "torch")])
-def test_batch_norm_trains_as_eager_autocast(schedule, precision, kernels):
-    # Conv + BatchNorm2d failed at the first forward ("expected scalar type BFloat16 but found
-    # Float": a 16-bit weight beside the fp32 running statistics). Eager autocast runs batch_norm
-    # on the fp32 parameters; so does fxpipe now (fp32_params), against plain eager autocast.
-    net, example = cnn_bn(batch=2)
-    batches, opt = _bn_batches(), functools.partial(torch.optim.AdamW, lr=1e-2)
+def _against_eager_autocast(net, example, batches, schedule, precision, kernels, cast_params=False):
+    """Train ``net`` with fxpipe (AdamW, m = 4, 2 stages) and with eager autocast
+    (train_mixed, ``cast_params`` as it takes it): (pipe, initial weights, losses, reference
+    losses, reference model, reference's skipped steps)."""
+    opt = functools.partial(torch.optim.AdamW, lr=1e-2)
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALER[0]) if precision == "fp16" else None
     pipe = fxpipe.compile(net, example, loss_fn=F.cross_entropy, optimizer=opt, microbatches=4, stages=2,
                           schedule=schedule, precision=precision, scaler=scaler, kernels=kernels, verbose=False)
     losses = [pipe.step(*b) for b in batches]
     ref_losses, ref, skipped = train_mixed(net, batches, 4, F.cross_entropy, opt, dtype=DTYPES[precision],
-                                           schedule=schedule, scaler=SCALER if scaler else None, cast_params=False)
+                                           schedule=schedule, scaler=SCALER if scaler else None,
+                                           cast_params=cast_params)
+    return pipe, initial, losses, ref_losses, ref, skipped
+
+
+@pytest.mark.parametrize("schedule,precision,kernels", [("2bw", "bf16", "off"), ("1f1b", "fp16", "torch")])
+def test_batch_norm_trains_as_eager_autocast(schedule, precision, kernels):
+    # Conv + BatchNorm2d failed at the first forward ("expected scalar type BFloat16 but found
+    # Float": a 16-bit weight beside the fp32 running statistics). Eager autocast runs batch_norm
+    # on the fp32 parameters; so does fxpipe now (fp32_params), against plain eager autocast.
+    net, example = cnn_bn(batch=2)
+    pipe, initial, losses, ref_losses, ref, skipped = _against_eager_autocast(net, example, _bn_batches(), schedule,
+                                                                            precision, kernels)
     sd = pipe.state_dict()
     assert skipped == pipe.skipped_steps == []
     # the same numbers: every op sees what eager autocast gives it (the fused path's scratch
@@ -136,15 +146,8 @@ def test_norms_of_fp32_inputs_train_as_eager_autocast(schedule, precision, kerne
     net, example = fp32_norms(batch=2)
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(5)]
-    opt = functools.partial(torch.optim.AdamW, lr=1e-2)
-    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
-    scaler = torch.amp.GradScaler("cpu", init_scale=SCALER[0]) if precision == "fp16" else None
-    pipe = fxpipe.compile(net, example, loss_fn=F.cross_entropy, optimizer=opt, microbatches=4, stages=2,
-                          schedule=schedule, precision=precision, scaler=scaler, kernels=kernels, verbose=False)
-    losses = [pipe.step(*b) for b in batches]
-    ref_losses, ref, skipped = train_mixed(net, batches, 4, F.cross_entropy, opt, dtype=DTYPES[precision],
-                                           schedule=schedule, scaler=SCALER if scaler else None,
-                                           cast_params={"ln.weight", "ln.bias"})
+    pipe, initial, losses, ref_losses, ref, skipped = _against_eager_autocast(
+        net, example, batches, schedule, precision, kernels, cast_params={"ln.weight", "ln.bias"})
     assert skipped == pipe.skipped_steps == []
     # eager autocast on fp32 weights but the plain LayerNorm's (16-bit, as fxpipe's copies):
     # every op sees the same numbers
