@@ -66,7 +66,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     model, example_inputs = _load_factory(args.factory, "plan")
     try:
         p = plan(model, example_inputs, cluster=cluster, global_batch=args.global_batch, schedule=args.schedule,
-                 precision=args.precision, world_size=args.world_size, stages=args.stages, top=args.top)
+                 precision=args.precision, world_size=args.world_size, stages=args.stages, top=args.top,
+                 device_memory=args.device_memory)
     except FxpipeError as e:  # a PlanError, or a TraceError: its message, no traceback
         raise SystemExit(f"fxpipe plan: {e}") from None
     print(p)
@@ -95,6 +96,17 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1, "a positive integer")
+
+
+def _positive_bytes(text: str) -> float:
+    """An argparse type: a positive, finite number of bytes (``30e9`` or ``30000000000``)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes such as 30e9, found {text!r}") from None
+    if not (0 < v < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a positive number of bytes such as 30e9, found {text!r}")
+    return v
 _non_negative_int = _int_at_least(0, "a non-negative integer")
 
 
@@ -164,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="accelerators to use (default: the planner chooses whole nodes up to the cluster)")
     pl.add_argument("--stages", type=_positive_int, default=None, help="pipeline depth (default: searched)")
     pl.add_argument("--top", type=_positive_int, default=8, help="configurations to list (the best of each depth)")
+    pl.add_argument("--device-memory", type=_positive_bytes, default=None, metavar="BYTES",
+                    help="bytes each accelerator may fill, e.g. 30e9 (default: the cluster's memory less its reserve)")
     pl.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON (Plan.to_json) to PATH")
     pl.set_defaults(fn=_cmd_plan)
 

@@ -140,17 +140,22 @@ def plan_costs(plan):
     from .simulate import Costs
     from .weights import versions_of
 
+    from .partition import stage_links
+
     sps = plan.stage_plans
     if not sps:
         return None
     dev = plan.device
     backward = [sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps]
+    # each boundary's link: a cluster's intra- or inter-node one, as the planner priced it
+    links = (stage_links(plan.cluster, plan.stages, plan.width, plan.layout) if plan.cluster is not None
+             else [(dev.p2p_latency, dev.p2p_bandwidth)] * (len(sps) - 1))
     return Costs(
         forward=[sp.forward_time for sp in sps],
         backward=backward,
         backward_input=[dev.backward_input_share * b for b in backward],
         backward_weight=[dev.backward_weight_share * b for b in backward],
-        p2p=max(sp.send_bytes / dev.p2p_bandwidth + dev.p2p_latency for sp in sps),
+        p2p=[lat + sp.send_bytes / bw for sp, (lat, bw) in zip(sps, links)] or 0.0,
         # one copy of the weights at each update where the runtime keeps two versions (2bw's
         # W(t-1)) or a master (mixed precision's rounded compute copy)
         update=[dev.update_time(sp.param_bytes, copies=int(versions_of(plan.schedule) > 1 or plan.precision != "fp32"))

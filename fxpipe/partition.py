@@ -1383,12 +1383,13 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
             best = max(best, c.throughput)
     found.sort(key=_Candidate.key)
     # what the rows report of a depth where nothing fits: its first configuration (best bound)
-    # that did not, priced without the limit
+    # that did not, priced without the limit on its best layout, as a fitting one is
     fitting = {(c.accelerators, c.d, c.recompute) for c in found}
     shown: dict[tuple[int, int, bool], _Candidate] = {}
     for world, d, w, bb, m, rc in missed:
         if (world, d, rc) not in fitting and (world, d, rc) not in shown:
-            c = _price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, fit=False)
+            c = max((_price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, fit=False,
+                            layout=lay) for lay in _layouts(cluster, d, w)), key=lambda x: x.throughput)
             shown[world, d, rc] = dataclasses.replace(c, fits=False)
     return _Search(found + sorted(shown.values(), key=_Candidate.key), sorted({c[1] for c in configs}), missed)
 
@@ -1403,8 +1404,8 @@ def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Searc
     if cfg is None:
         return head + "; give more memory or more devices"
     world, d, w, b, m, rc = cfg
-    advice = [f"Give device_memory >= {need} (it fits d={d}, w={w}, b={b}, m={m} "
-              f"{'with' if rc else 'without'} recomputation)", "more devices"]
+    advice = [f"Give device_memory >= {need} bytes (fxpipe.plan(device_memory=...), fxpipe plan --device-memory; "
+              f"it fits d={d}, w={w}, b={b}, m={m} {'with' if rc else 'without'} recomputation)", "more devices"]
     if recompute is False:
         advice.append("recompute=None (recomputation holds one micro-batch's activations, not all in flight)")
     if global_batch is None:
@@ -1919,7 +1920,8 @@ def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: 
         first_module=module_path(nodes[first]) if first in nodes else "",
         last_module=module_path(nodes[last]) if last in nodes else "",
         forward_time=f, backward_time=bw,
-        comm_time=_comm(chain, model, l - 1, s - 1) + _comm(chain, model, r, s),
+        comm_time=_comm(chain, model, l - 1, s - 1) + _comm(chain, model, r, s), comm_out_time=_comm(chain, model, r, s),
+        overlap=model.overlap,
         memory=weights + acts + bufs, memory_weights=copies, memory_activations=acts,
         memory_optimizer=opt, memory_grads=grads, memory_buffers=bufs,
         param_bytes=pbytes, send_bytes=float(chain.cross[r]) if r < chain.n - 1 else 0.0, recompute=rc,

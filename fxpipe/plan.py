@@ -57,11 +57,19 @@ class StagePlan:
     param_bytes: float  #: bytes of the parameters the stage owns (tied ones counted here too)
     send_bytes: float  #: bytes crossing its output cut per micro-batch
     recompute: bool
+    comm_out_time: float = 0.0  #: the part of ``comm_time`` spent on its output cut
+    #: its sends run beside its compute (a cluster's ``overlap_p2p``): :attr:`time` is the larger
+    #: of its compute and each cut's link time, not their sum
+    overlap: bool = False
 
     @property
     def time(self) -> float:
-        """The stage's time per micro-batch: compute plus communication."""
-        return self.forward_time + self.backward_time + self.comm_time
+        """The stage's time per micro-batch, as the planner priced it: compute plus
+        communication, or under :attr:`overlap` the largest of compute and each cut's link time."""
+        compute = self.forward_time + self.backward_time
+        if self.overlap:
+            return max(compute, self.comm_time - self.comm_out_time, self.comm_out_time)
+        return compute + self.comm_time
 
 
 @dataclass(frozen=True)

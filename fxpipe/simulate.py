@@ -78,8 +78,10 @@ class Costs:
     ``I`` costs 0 and ``W`` costs ``backward``."""
     recompute: float | Sequence[float] | None = None
     """Recomputed forward before a backward; None = the forward time again."""
-    p2p: float = 0.0
-    """One activation or gradient transfer between neighbouring stages."""
+    p2p: float | Sequence[float] = 0.0
+    """One activation or gradient transfer between neighbouring stages; a sequence is per
+    boundary, entry s between stage s and s + 1 (a cluster's links differ inside and across
+    nodes)."""
     update: float | Sequence[float] = 0.0
     """Optimizer step of one stage."""
     reduce: float = 0.0
@@ -100,7 +102,9 @@ class Costs:
         if isinstance(value, (int, float)):
             return float(value)
         if stage >= len(value):
-            raise ScheduleError(f"Costs.{name} has {len(value)} entries, expected one per stage (stage {stage} is missing)")
+            what = (f"one per boundary between stages (boundary {stage}, between stage {stage} and {stage + 1}, "
+                    f"is missing)" if name == "p2p" else f"one per stage (stage {stage} is missing)")
+            raise ScheduleError(f"Costs.{name} has {len(value)} entries, expected {what}")
         return float(value[stage])
 
 
@@ -210,6 +214,8 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
         name = SPEC[a.kind].cost
         if s == 0 and a.kind in (Kind.I, Kind.W):  # the first stage's W is its whole backward
             return 0.0 if a.kind is Kind.I else costs.per_stage("backward", s)
+        if name == "p2p":  # both ends of a transfer take their boundary's time
+            return costs.per_stage(name, s if a.kind in (Kind.SEND_ACT, Kind.RECV_GRAD) else s - 1)
         return 0.0 if name is None else costs.per_stage(name, s)
 
     def finish(key, start: float, end: float) -> None:

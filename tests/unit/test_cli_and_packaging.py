@@ -138,6 +138,10 @@ def _usage_error(capsys, argv):
     (["demo", "--save-every", "-1"], "--save-every: expected a non-negative integer, found -1"),
     (["run", "--nproc", "0", "x.py"], "--nproc: expected a positive integer, found 0"),
     (["inspect", "--stages", "-1", "m:f"], "--stages: expected a non-negative integer, found -1"),
+    (["plan", "m:f", "--cluster", "dgx-a100", "--global-batch", "8", "--device-memory", "0"],
+     "--device-memory: expected a positive number of bytes such as 30e9, found '0'"),
+    (["plan", "m:f", "--cluster", "dgx-a100", "--global-batch", "8", "--device-memory", "30GB"],
+     "--device-memory: expected a number of bytes such as 30e9, found '30GB'"),
     (["run", "--nproc", "-2", "x.py"], "--nproc: expected a positive integer, found -2"),
 ])
 def test_bad_numbers_are_usage_errors_before_anything_runs(capsys, argv, words):
@@ -166,6 +170,22 @@ def test_plan_json_into_a_missing_folder_fails_before_planning(tmp_path, monkeyp
         main(["plan", "fxpipe.demo:demo_factory", "--cluster", "p3.16xlarge", "--global-batch", "8", "--json", bad])
     msg = str(e.value.code)
     assert msg.startswith("fxpipe plan: --json") and "does not exist" in msg and "\n" not in msg
+
+
+def test_plan_nothing_fits_advice_is_an_option_the_cli_has(capsys):
+    # the advice named fxpipe.plan's device_memory=, which the CLI did not take
+    import re
+
+    from fxpipe.cli import main
+
+    argv = ["plan", "fxpipe.demo:demo_factory", "--cluster", "p3.16xlarge", "--global-batch", "8"]
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--device-memory", "1e5"])
+    msg = str(e.value.code)
+    need = re.search(r"Give device_memory >= (\d+) bytes \(.*fxpipe plan --device-memory", msg)
+    assert msg.startswith("fxpipe plan: no configuration fits in 0.1 MB per device of p3.16xlarge") and need, msg
+    assert main([*argv, "--device-memory", need.group(1)]) == 0
+    assert "fits" in capsys.readouterr().out
 
 
 def test_plan_json_write_error_is_one_line(tmp_path, monkeypatch):
