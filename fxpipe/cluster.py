@@ -234,9 +234,12 @@ class Cluster:
                 + "; see the example in fxpipe/cluster.py"
             )
 
-        def num(key: str, value: Any, scale: float) -> float:
-            if not _number(value):
-                raise PlanError(f"{key} must be a number, found {value!r}; write e.g. {key} = 16")
+        # each value is checked here, in the file's units and words, before the Cluster's own
+        # checks (which speak of bytes and Python) could see it
+        def num(key: str, value: Any, scale: float, zero: bool = False) -> float:
+            if not _number(value) or value < 0 or (value == 0 and not zero):
+                expected = "a number >= 0" if zero else "a positive number"
+                raise PlanError(f"{key} must be {expected}, found {value!r}; write e.g. {key} = 16")
             # microseconds divide (5 / 1e6 is the double 5e-6; 5 * 1e-6 is not)
             return float(value) / (1 / scale) if scale < 1 else float(value) * scale
 
@@ -245,20 +248,25 @@ class Cluster:
             if not isinstance(v, Mapping) or "bandwidth_gbs" not in v or set(v) - {"bandwidth_gbs", "latency_us"}:
                 raise PlanError(f"{key} must be a table with bandwidth_gbs (and latency_us), found {v!r}; "
                                 f"write e.g. [{key}] bandwidth_gbs = 25, latency_us = 10")
-            return Link(num(f"{key}.bandwidth_gbs", v["bandwidth_gbs"], _G), num(f"{key}.latency_us", v.get("latency_us", 0), 1e-6))
+            return Link(num(f"[{key}] bandwidth_gbs", v["bandwidth_gbs"], _G),
+                        num(f"[{key}] latency_us", v.get("latency_us", 0), 1e-6, zero=True))
 
         flops = data["flops_tflops"]
         if not isinstance(flops, Mapping):
             raise PlanError(f"flops_tflops must be a table of dtype = TFLOP/s, found {flops!r}; write e.g. "
                             f"[flops_tflops] fp32 = 15.7, fp16 = 125")
+        unknown_dtypes = sorted(str(k) for k in flops if k not in DTYPES)
+        if unknown_dtypes:
+            raise PlanError(f"[flops_tflops] has {unknown_dtypes}, expected dtypes among {list(DTYPES)}; "
+                            f"write e.g. [flops_tflops] fp32 = 15.7, fp16 = 125")
         nodes, per_node = data["nodes"], data["per_node"]
         for key, v in (("nodes", nodes), ("per_node", per_node)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise PlanError(f"{key} must be an integer, found {v!r}; write e.g. {key} = 8")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"{key} must be a positive integer, found {v!r}; write e.g. {key} = 8")
         kw: dict[str, Any] = dict(
             name=str(data.get("name", "cluster")), nodes=nodes, per_node=per_node,
             memory=num("memory_gb", data["memory_gb"], _G),
-            flops={str(k): num(f"flops_tflops.{k}", v, _T) for k, v in flops.items()},
+            flops={str(k): num(f"[flops_tflops] {k}", v, _T) for k, v in flops.items()},
             mem_bandwidth=num("mem_bandwidth_gbs", data["mem_bandwidth_gbs"], _G),
             intra=link("intra"), inter=link("inter"),
             accelerator=str(data.get("accelerator", "")),
@@ -267,7 +275,14 @@ class Cluster:
                                   ("op_latency_us", "op_latency", 1e-6),
                                   ("intra_allreduce_bandwidth_gbs", "intra_allreduce_bandwidth", _G)):
             if key in data:
-                kw[fname] = num(key, data[key], scale)
+                kw[fname] = num(key, data[key], scale, zero=key in ("reserved_gb", "op_latency_us"))
+        if kw.get("efficiency", 0.5) > 1:
+            raise PlanError(f"efficiency must be a fraction of the peak in (0, 1], found {data['efficiency']!r}; "
+                            f"write e.g. efficiency = 0.4")
+        if kw.get("reserved", 0.0) >= kw["memory"]:
+            raise PlanError(f"reserved_gb must be less than memory_gb ({data['memory_gb']!r}), found "
+                            f"{data['reserved_gb']!r}; reserve what the CUDA context and NCCL take, about 1 GB: "
+                            f"write e.g. reserved_gb = 1")
         if "overlap_p2p" in data:
             if not isinstance(data["overlap_p2p"], bool):
                 raise PlanError(f"overlap_p2p must be true or false, found {data['overlap_p2p']!r}; write e.g. "

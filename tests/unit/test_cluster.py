@@ -239,11 +239,21 @@ def test_errors_say_what_was_expected_found_and_what_to_do(make, match):
 @pytest.mark.parametrize("text, ext, match", [
     (TOML.replace("memory_gb = 40\n", ""), ".toml", r"expected keys .*; missing \['memory_gb'\]; see the example"),
     ("colour = 'red'\n" + TOML, ".toml", r"unknown \['colour'\]"),
-    (TOML.replace("nodes = 2", "nodes = 'two'"), ".toml", r"nodes must be an integer, found 'two'; write e\.g\. nodes = 8"),
+    (TOML.replace("nodes = 2", "nodes = 'two'"), ".toml", r"nodes must be a positive integer, found 'two'; write e\.g\. nodes = 8"),
     (TOML.replace("bandwidth_gbs = 25", "bandwidth = 25"), ".toml", r"inter must be a table with bandwidth_gbs"),
     ("nodes = [", ".toml", r"is not valid TOML: .*; fix the syntax"),
     ("{}", ".yaml", r"expected a .json or .toml file, found extension '.yaml'"),
-], ids=["missing", "unknown", "type", "link", "syntax", "extension"])
+    # values are checked in the file's keys and units, before the Cluster's checks (bytes, Python)
+    (TOML.replace("bandwidth_gbs = 25", "bandwidth_gbs = -1"), ".toml",
+     r"\[inter\] bandwidth_gbs must be a positive number, found -1; write e\.g\. \[inter\] bandwidth_gbs = "),
+    (TOML.replace("bf16 = 312", "fp8 = 312"), ".toml", r"\[flops_tflops\] has \['fp8'\], expected dtypes among"),
+    (TOML.replace("reserved_gb = 0.5", "reserved_gb = 50"), ".toml",
+     r"reserved_gb must be less than memory_gb \(40\), found 50; .* write e\.g\. reserved_gb = 1"),
+    (TOML.replace("nodes = 2", "nodes = 0"), ".toml", r"nodes must be a positive integer, found 0; write e\.g\. nodes = 8"),
+    (TOML.replace("efficiency = 0.5", "efficiency = 52"), ".toml",
+     r"efficiency must be a fraction of the peak in \(0, 1\], found 52; write e\.g\. efficiency = 0\.4"),
+], ids=["missing", "unknown", "type", "link", "syntax", "extension", "negative", "dtype", "reserved", "zero",
+        "efficiency"])
 def test_file_errors(tmp_path, text, ext, match):
     path = tmp_path / f"c{ext}"
     path.write_text(text)
