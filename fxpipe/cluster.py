@@ -19,7 +19,9 @@ the planner prices on a layout:
 
 * **Activations between stages s and s+1** use the intra link when every replica's two ranks
   share a node, else the inter link, its bandwidth divided among the flows that leave the node
-  at once (replicas run in lockstep, so the most crowded replica sets the pace). With
+  at once (replicas run in lockstep, so the most crowded replica sets the pace), and one flow
+  never gets more than one of the node's ``nics`` interfaces (a GPU sends through the NIC
+  beside it: on a DGX A100 one of eight 200 Gbit/s NICs, 25 GB/s, not the node's 200 GB/s). With
   ``overlap_p2p`` (the presets: NCCL's sends run beside compute) a stage costs the larger of its
   compute and its link time per micro-batch, else their sum (this machine's CPU ranks).
 * **A ring all-reduce** among ``k`` ranks moves ``2(k-1)/k`` of the data over each hop of the
@@ -54,6 +56,9 @@ in GB (1e9 bytes) and GB/s, e.g. ``my.toml``::
     [inter]
     bandwidth_gbs = 100
     latency_us = 5
+
+``nics`` (default 1) is how many interfaces share ``inter``'s bandwidth; ``overlap_p2p``,
+``reserved_gb``, ``op_latency_us`` and ``intra_allreduce_bandwidth_gbs`` are optional too.
 """
 
 from __future__ import annotations
@@ -112,12 +117,15 @@ class Cluster:
     #: a stage's per-micro-batch time is the larger of its compute and its link time, not their
     #: sum; False for this machine as measured (CPU ranks: gloo's copies share the cores)
     overlap_p2p: bool = True
+    #: network interfaces per node, sharing ``inter.bandwidth`` equally: one stage-to-stage flow
+    #: uses one of them (an all-reduce's rings are spread over all)
+    nics: int = 1
 
     def __post_init__(self) -> None:
         def bad(what: str, expected: str, found: Any, fix: str) -> None:
             raise PlanError(f"Cluster {self.name!r}: {what} must be {expected}, found {found!r}; {fix}")
 
-        for name in ("nodes", "per_node"):
+        for name in ("nodes", "per_node", "nics"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 bad(name, "a positive integer", v, f"pass e.g. {name}=8")
@@ -156,7 +164,7 @@ class Cluster:
     def __hash__(self) -> int:  # ``flops`` is a dict: hash its items (a Plan holding a Cluster stays hashable)
         return hash((self.name, self.nodes, self.per_node, self.memory, tuple(sorted(self.flops.items())),
                      self.mem_bandwidth, self.intra, self.inter, self.efficiency, self.reserved, self.op_latency,
-                     self.accelerator, self.intra_allreduce_bandwidth, self.overlap_p2p))
+                     self.accelerator, self.intra_allreduce_bandwidth, self.overlap_p2p, self.nics))
 
     # ------------------------------------------------------------------------ constructors
 
@@ -259,12 +267,12 @@ class Cluster:
         if unknown_dtypes:
             raise PlanError(f"[flops_tflops] has {unknown_dtypes}, expected dtypes among {list(DTYPES)}; "
                             f"write e.g. [flops_tflops] fp32 = 15.7, fp16 = 125")
-        nodes, per_node = data["nodes"], data["per_node"]
-        for key, v in (("nodes", nodes), ("per_node", per_node)):
+        nodes, per_node, nics = data["nodes"], data["per_node"], data.get("nics", 1)
+        for key, v in (("nodes", nodes), ("per_node", per_node), ("nics", nics)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise PlanError(f"{key} must be a positive integer, found {v!r}; write e.g. {key} = 8")
         kw: dict[str, Any] = dict(
-            name=str(data.get("name", "cluster")), nodes=nodes, per_node=per_node,
+            name=str(data.get("name", "cluster")), nodes=nodes, per_node=per_node, nics=nics,
             memory=num("memory_gb", data["memory_gb"], _G),
             flops={str(k): num(f"[flops_tflops] {k}", v, _T) for k, v in flops.items()},
             mem_bandwidth=num("mem_bandwidth_gbs", data["mem_bandwidth_gbs"], _G),
@@ -299,7 +307,7 @@ class Cluster:
             "efficiency": self.efficiency, "mem_bandwidth_gbs": self.mem_bandwidth / _G,
             "intra": {"bandwidth_gbs": self.intra.bandwidth / _G, "latency_us": self.intra.latency * 1e6},
             "inter": {"bandwidth_gbs": self.inter.bandwidth / _G, "latency_us": self.inter.latency * 1e6},
-            "op_latency_us": self.op_latency * 1e6, "overlap_p2p": self.overlap_p2p,
+            "op_latency_us": self.op_latency * 1e6, "overlap_p2p": self.overlap_p2p, "nics": self.nics,
         }
         if self.intra_allreduce_bandwidth is not None:
             out["intra_allreduce_bandwidth_gbs"] = self.intra_allreduce_bandwidth / _G
@@ -460,7 +468,7 @@ def _number(v: Any) -> bool:
 
 _REQUIRED = ("nodes", "per_node", "memory_gb", "flops_tflops", "mem_bandwidth_gbs", "intra", "inter")
 _KEYS = (*_REQUIRED, "name", "accelerator", "efficiency", "reserved_gb", "op_latency_us",
-         "intra_allreduce_bandwidth_gbs", "overlap_p2p")
+         "intra_allreduce_bandwidth_gbs", "overlap_p2p", "nics")
 
 # What the presets reserve per accelerator: the CUDA context (several hundred MB), NCCL's
 # buffers and the caching allocator's fragmentation. An estimate, not a vendor figure.
@@ -489,7 +497,7 @@ PRESETS: dict[str, Cluster] = {
     "dgx-a100": Cluster(
         name="dgx-a100", accelerator="A100-SXM4-80GB", nodes=1, per_node=8, memory=80e9, reserved=_RESERVED,
         flops={"fp64": 9.7e12, "fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12},
-        mem_bandwidth=2039e9, intra=Link(300e9, 5e-6), inter=Link(200e9, 5e-6), efficiency=0.52,
+        mem_bandwidth=2039e9, intra=Link(300e9, 5e-6), inter=Link(200e9, 5e-6), efficiency=0.52, nics=8,
     ),
     # NVIDIA DGX H100 (DGX H100 datasheet): 8 x H100-SXM5-80GB on NVSwitch (NVLink 4: 900 GB/s per
     # GPU both ways, 450 each way), 8 x 400 Gbit/s NDR InfiniBand (ConnectX-7): 400 GB/s per node.
@@ -499,6 +507,6 @@ PRESETS: dict[str, Cluster] = {
     "dgx-h100": Cluster(
         name="dgx-h100", accelerator="H100-SXM5-80GB", nodes=1, per_node=8, memory=80e9, reserved=_RESERVED,
         flops={"fp64": 67e12, "fp32": 67e12, "tf32": 495e12, "bf16": 989e12, "fp16": 989e12},
-        mem_bandwidth=3350e9, intra=Link(450e9, 5e-6), inter=Link(400e9, 5e-6), efficiency=0.40,
+        mem_bandwidth=3350e9, intra=Link(450e9, 5e-6), inter=Link(400e9, 5e-6), efficiency=0.40, nics=8,
     ),
 }

@@ -1070,8 +1070,9 @@ def stage_links(cluster: Cluster, stages: int, width: int,
     link. Across nodes the inter-node link, shared: every stage pair of every replica sends at
     once in a pipeline's steady state, so a node's interface is divided among the flows leaving
     it (activations out of the sending node, gradients out of the receiving one), and a
-    boundary runs at the pace of its most crowded replica (replicas run in lockstep). Ranks are
-    placed by ``layout`` (:func:`fxpipe.schedule.rank_of`)."""
+    boundary runs at the pace of its most crowded replica (replicas run in lockstep); and one
+    flow gets at most one of the node's ``nics`` interfaces. Ranks are placed by ``layout``
+    (:func:`fxpipe.schedule.rank_of`)."""
     ranks = [[_rank(s, r, stages, width, layout) for r in range(width)] for s in range(stages)]
     node = cluster.node_of
     crossing = [(s, r) for s in range(stages - 1) for r in range(width) if node(ranks[s][r]) != node(ranks[s + 1][r])]
@@ -1083,8 +1084,8 @@ def stage_links(cluster: Cluster, stages: int, width: int,
     for s, r in crossing:
         share[s] = max(share.get(s, 0), out[node(ranks[s][r])], out[node(ranks[s + 1][r])])
     intra = (cluster.intra.latency, cluster.intra.bandwidth)
-    return tuple((cluster.inter.latency, cluster.inter.bandwidth / share[s]) if s in share else intra
-                 for s in range(stages - 1))
+    return tuple((cluster.inter.latency, cluster.inter.bandwidth / max(share[s], cluster.nics)) if s in share
+                 else intra for s in range(stages - 1))
 
 
 def crossing_stages(cluster: Cluster, stages: int, width: int, layout: str = "replica") -> list[int]:

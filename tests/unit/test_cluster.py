@@ -312,7 +312,7 @@ def test_a_plan_reports_and_simulates_the_times_it_priced(overlap):
 
     import torch
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    c = Cluster.preset("dgx-a100", nodes=2, per_node=1, inter=Link(2e9, 50e-6), overlap_p2p=overlap)
+    c = Cluster.preset("dgx-a100", nodes=2, per_node=1, nics=1, inter=Link(2e9, 50e-6), overlap_p2p=overlap)
     p = fxpipe.plan(model, (torch.randn(8, 256),), cluster=c, world_size=2, stages=2, global_batch=64)
     s0, s1 = p.stage_plans
     assert s0.comm_out_time == pytest.approx(2 * c.inter.time(s0.send_bytes)) and s1.comm_out_time == 0
@@ -343,3 +343,22 @@ def test_a_configuration_that_does_not_fit_is_priced_on_its_best_layout():
     assert {(d, w) for d, w, *_ in missing} == {(2, 4), (4, 2)} and plans[1].layout == "stage"
     for key in missing:
         assert rows[1][key].fits and rows[0][key].throughput == pytest.approx(rows[1][key].throughput)
+
+
+def test_one_flow_across_nodes_gets_one_nic():
+    # A DGX A100's 200 GB/s of network is eight 200 Gbit/s NICs, one beside each GPU: one
+    # stage-to-stage flow was priced at all eight (200 GB/s, near NVLink's 300).
+    c = Cluster.preset("dgx-a100", nodes=2)
+    assert stage_links(c, 16, 1)[7] == (c.inter.latency, 25e9)  # ranks 7 -> 8: one flow each way
+    # eight replicas crossing at once: eight flows leave each node, one per NIC; on a node of one
+    # NIC they share it
+    assert set(stage_links(c, 2, 8, layout="stage")) == {(c.inter.latency, 25e9)}
+    assert set(stage_links(dataclasses.replace(c, nics=1), 2, 8, layout="stage")) == {(c.inter.latency, 25e9)}
+    assert set(stage_links(dataclasses.replace(c, nics=1), 4, 4, layout="stage")) == {
+        (c.intra.latency, c.intra.bandwidth), (c.inter.latency, 50e9)}
+    # a file says how many NICs a node has; one (the default) gives a flow the whole interface
+    assert Cluster.from_dict({**c.to_dict(), "nics": 1}).nics == 1
+    assert stage_links(dataclasses.replace(c, nics=1), 16, 1)[7] == (c.inter.latency, 200e9)
+    assert Cluster.from_dict(c.to_dict()) == c
+    with pytest.raises(PlanError, match=r"nics must be a positive integer, found 0; write e\.g\. nics = 8"):
+        Cluster.from_dict({**c.to_dict(), "nics": 0})
