@@ -1057,8 +1057,9 @@ class Pipeline:
         return self._saving[0]
 
     def wait_for_checkpoint(self) -> str | None:
-        """Wait until the checkpoint being written (if any) is complete and ``latest`` names it;
-        returns its directory. Raises what the writer raised."""
+        """Wait until this rank's part of the checkpoint being written (if any) is written (on rank
+        0: the whole of it, and ``latest`` names it); returns its directory. Raises what the
+        writer raised."""
         if self._saving is None:
             return None
         path, future = self._saving
@@ -1083,7 +1084,7 @@ class Pipeline:
 
         self._check_not_broken("load")  # a half-run step cannot be drained, nor its messages matched
         self.wait_for_checkpoint()
-        resolved = checkpoint.resolve(path)
+        resolved = self._resolve_agreed(path)
         meta = checkpoint.read_meta(resolved)
         if not self._setup_done:
             self._setup_from_checkpoint(meta, resolved)
@@ -1096,6 +1097,27 @@ class Pipeline:
         self._revive()
         self.t = self.epoch_start = meta["steps"]
         return extra
+
+    def _resolve_agreed(self, path: str) -> str:
+        """The checkpoint directory ``path`` names, as rank 0 reads it: rank 0 points ``latest``
+        at a checkpoint once the whole of it is written, so right after a ``save`` another rank
+        could still find the one before (or none); every rank loads rank 0's answer, or raises
+        its error. The answer travels on the checkpoint writers' group, whose collectives each
+        rank's writer finished before :meth:`wait_for_checkpoint` returned."""
+        from .checkpoint import CheckpointError, resolve
+
+        if not self.distributed:
+            return resolve(path)
+        box: list = [None, None]  # (the directory, rank 0's error)
+        if self.rank == 0:
+            try:
+                box[0] = resolve(path)
+            except CheckpointError as e:
+                box[1] = str(e)
+        dist.broadcast_object_list(box, src=0, group=self._checkpoint_pg())
+        if box[1] is not None:
+            raise CheckpointError(box[1] if self.rank == 0 else f"rank 0 found no checkpoint to load: {box[1]}")
+        return box[0]
 
     def _revive(self) -> None:
         """After a load, nothing of the steps before it is kept: a stop by a non-finite step

@@ -215,3 +215,8 @@ def test_inspect_unwritable_out_is_one_line(tmp_path):
         main(["inspect", "fxpipe.demo:demo_factory", "--out", str(blocker / "out")])
     msg = str(e.value.code)
     assert msg.startswith("fxpipe inspect: cannot write to --out") and "\n" not in msg
+
+
+def test_python_dash_m_fxpipe_is_the_fxpipe_command():
+    out = subprocess.run([sys.executable, "-m", "fxpipe", "plan", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("usage: fxpipe plan"), out.stderr

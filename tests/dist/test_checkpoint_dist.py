@@ -1,0 +1,66 @@
+"""Checkpoints on gloo ranks: a load right after a save reads the checkpoint just written on
+every rank."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dist.harness import run_function
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+
+
+def save_then_load(rank: int, world: int):
+    import tempfile
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fxpipe
+    from fxpipe import checkpoint
+    from fxpipe.checkpoint import CheckpointError
+
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = box[0]
+    point = checkpoint._point_latest
+
+    def late(*args):  # rank 0 points `latest` at a checkpoint once it is whole: here a second later
+        time.sleep(1.0)
+        point(*args)
+
+    checkpoint._point_latest = late
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    pipe = fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, microbatches=2, schedule="1f1b",
+                          stages=world, verbose=False, timeout=60)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    pipe.step(x, y)
+    pipe.save(root, extra={"after": 1})
+    pipe.wait_for_checkpoint()
+    dist.barrier()  # every rank's `latest` reads step 1 now
+    pipe.step(x, y)
+    pipe.save(root, extra={"after": 2})
+    extra = pipe.load(root)  # rank 0 is still to point `latest` at step 2 when the others get here
+    got = [extra["after"], pipe.steps]
+    missing = f"{root}/nowhere"
+    try:
+        pipe.load(missing)
+    except CheckpointError as e:
+        got.append(str(e))
+    dist.barrier()
+    return got
+
+
+def test_a_load_right_after_a_save_reads_the_new_checkpoint_on_every_rank():
+    # Rank 0 points `latest` at a checkpoint once all of it is written; another rank's wait for
+    # its own part returned before that, and its load read the checkpoint before (or none, and
+    # raised while the others waited for it): ranks resumed from different steps, silently.
+    results = run_function(2, "tests.dist.test_checkpoint_dist:save_then_load", timeout=150)
+    assert [r["error"] for r in results] == [None, None], results
+    (after0, steps0, err0), (after1, steps1, err1) = (r["value"] for r in results)
+    assert (after0, steps0) == (after1, steps1) == (2, 2)
+    assert err0.startswith("no checkpoint at") and err1.startswith("rank 0 found no checkpoint to load: no checkpoint at")
