@@ -745,7 +745,9 @@ def _build_stage(
 
 def _originals(gm: fx.GraphModule, info: TraceInfo, canon, readers) -> tuple[dict[str, list[str]], dict[str, torch.Tensor]]:
     """Canonical name -> original state_dict keys, and copies of the persistent state no
-    stage reads (so the merged state dict still loads strictly)."""
+    stage reads (so the merged state dict still loads strictly). A tensor constant the trace
+    lifted out of the model's code (export's ``lifted_tensor_0``: a ``torch.tensor(2)`` in a
+    forward) is no state of the model, and has no key, as a non-persistent buffer."""
     sd_keys = set(gm.state_dict(keep_vars=True))
     originals: dict[str, list[str]] = {}
     unused: dict[str, torch.Tensor] = {}
@@ -758,6 +760,9 @@ def _originals(gm: fx.GraphModule, info: TraceInfo, canon, readers) -> tuple[dic
         originals[c] = keys if persistent else []
         if persistent and c not in readers:
             unused[c] = t if t.is_meta else t.detach().clone()  # a meta one is filled by split
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and canon(n.target) not in originals:
+            originals[canon(n.target)] = []  # a tensor constant (or a higher-order op's subgraph)
     return originals, unused
 
 

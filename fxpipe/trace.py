@@ -234,16 +234,17 @@ def trace(
 @contextlib.contextmanager
 def _no_kv_cache(model: nn.Module):
     """Hugging Face decoders return a KV cache unless ``config.use_cache`` is False; a cache
-    object cannot cross pipeline stages and training never reads it, so trace without one."""
-    config = getattr(model, "config", None)
-    old = getattr(config, "use_cache", None)
-    if old:
-        config.use_cache = False
+    object cannot cross pipeline stages and training never reads it, so trace without one. Every
+    config the model's modules hold is switched off: T5 gives its decoder stack a copy of its own."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+               and getattr(c, "use_cache", None)}
+    for c in configs.values():
+        c.use_cache = False
     try:
         yield
     finally:
-        if old:
-            config.use_cache = old
+        for c in configs.values():
+            c.use_cache = True
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:

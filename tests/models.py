@@ -213,6 +213,18 @@ def gpt2_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 
     return model, _token_inputs(batch, seq, labels)
 
 
+def t5_tiny(*, seed: int = 0, batch: int = 2, seq: int = 8):
+    """Hugging Face ``T5ForConditionalGeneration`` (2 + 2 layers, 32 wide, vocab 100) with its
+    default config: ``use_cache`` on, in the model's config and in the copy its decoder stack
+    keeps. Keyword inputs ``input_ids`` and ``labels``; the model computes its own loss."""
+    tf = _transformers()
+    torch.manual_seed(seed)
+    config = tf.T5Config(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                         decoder_start_token_id=0, pad_token_id=0, eos_token_id=1, dropout_rate=0.0)
+    model = tf.T5ForConditionalGeneration(config)
+    return model, _token_inputs(batch, seq, labels=True)
+
+
 def bert_tiny(*, seed: int = 0, batch: int = 2, seq: int = 16, dropout: float = 0.0, labels: bool = False):
     """Hugging Face ``BertForMaskedLM`` (2 layers, 32 wide, 4 heads, vocab 100; the decoder is
     tied to the word embeddings), keyword inputs ``input_ids`` and ``attention_mask`` (the

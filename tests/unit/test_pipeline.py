@@ -14,7 +14,8 @@ import torch
 import fxpipe
 from fxpipe.errors import FxpipeError, RuntimeMismatchError
 from tests.cases import CASES, build, compare
-from tests.models import gpt2_tiny, rmsnorm_residual
+from tests.models import gpt2_tiny, rmsnorm_residual, t5_tiny
+from tests.reference import train_flush
 
 SINGLE = [name for name, c in CASES.items() if c.width == 1 and not c.dropout]
 
@@ -50,6 +51,29 @@ def test_state_dict_loads_into_original_model_and_tied_copies_agree():
     w0 = pipe.workers[0].local_state()["transformer.wte.weight"]
     w1 = pipe.workers[1].local_state()["transformer.wte.weight"]
     assert torch.equal(w0, w1), "the tied copies on the first and last stage drifted apart"
+
+
+def test_t5_with_its_default_cache_trains_and_its_state_dict_round_trips():
+    # T5's decoder stack keeps its own copy of the config: use_cache stayed on there, and the
+    # trace failed on the cache object it returned. Its trace lifts a tensor constant out of the
+    # forward (export's lifted_tensor_0), which state_dict() returned as a key of the model's and
+    # load_state_dict(model.state_dict()) asked for.
+    model, example = t5_tiny(batch=2)
+    model = model.double()
+    g = torch.Generator().manual_seed(1)
+    batches = [({"input_ids": ids, "labels": ids.clone()}, None)
+                for ids in (torch.randint(2, 100, (4, 8), generator=g) for _ in range(2))]
+    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    pipe = fxpipe.compile(model, example, microbatches=2, stages=2, schedule="1f1b", optimizer=opt, verbose=False)
+    losses = [pipe.step(x) for x, _ in batches]
+    ref_losses, ref = train_flush(model, batches, 2, None, opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-10)
+    sd = pipe.state_dict()
+    assert set(sd) == set(model.state_dict())
+    for name, p in ref.named_parameters():
+        assert torch.allclose(sd[name], p, rtol=1e-10, atol=1e-12), name
+    model.load_state_dict(sd)  # strict
+    pipe.load_state_dict(ref.state_dict())
 
 
 def test_load_state_dict_round_trip_and_continue_after_flush():
