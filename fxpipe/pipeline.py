@@ -789,11 +789,13 @@ class Pipeline:
         self._execute(lambda stage: self.program.drain(stage, t, self.epoch_start), f"flush after step {t}")
         for wk in self.workers.values():
             wk.drain()
+        # drained: what follows may raise (a non-finite batch found in the drain), and a second
+        # flush (the load that error asks for) must not run the drain again
+        self.epoch_start = t
         self._report_nonfinite(None)
         self._check_loss_sums(None)
         if self.config.accumulate == "optimizer":
             self._check_drained_updates(t)
-        self.epoch_start = t
 
     def _report_nonfinite(self, through: int | None) -> None:
         """Report non-finite batches once EVERY rank has seen them: by the end of the segment of

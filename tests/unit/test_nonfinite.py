@@ -71,6 +71,27 @@ def test_raise_stops_every_rank_before_the_bad_update(poisoned_gradient, schedul
         assert _same(_snapshot(wk.store, wk.store.updates), _snapshot(ref.store, ref.store.updates))
 
 
+@pytest.mark.parametrize("schedule, where", [("2bw", "flush"), ("1f1b", "eval_step"), ("gpipe", "save")])
+def test_a_bad_batch_found_by_a_flush_then_load_resumes(poisoned_gradient, schedule, where, tmp_path):
+    # The bad batch is the last before a flush, so its check runs in the drain: flush (or
+    # eval_step, save, state_dict) raises. The drain was not marked done, and the load the
+    # error asks for drained again: KeyError 11 (2bw), KeyError (TIED_START, 3) (1f1b, gpipe),
+    # and on ranks, operations that cannot pair.
+    pipe = resume.compile(schedule, 3, 4, dropout=0.0)
+    for t in range(1, BAD):
+        pipe.step(*resume.batch(t))
+    pipe.save(str(tmp_path))
+    pipe.step(*resume.batch(BAD))
+    with pytest.raises(NonFiniteError, match=rf"in step {BAD}: stage\(s\) \[1\]"):
+        {"flush": pipe.flush, "eval_step": lambda: pipe.eval_step(*resume.batch(BAD + 1)),
+         "save": lambda: pipe.save(str(tmp_path / "again"))}[where]()
+    assert pipe.load(str(tmp_path)) is None and pipe.steps == BAD - 1
+    clean = resume.compile(schedule, 3, 4, dropout=0.0)
+    for t in range(1, BAD):
+        clean.step(*resume.batch(t))
+    assert float(pipe.step(*resume.batch(BAD + 1))) == float(clean.step(*resume.batch(BAD + 1)))
+
+
 def test_skip_drops_the_update_everywhere_and_trains_on(poisoned_gradient):
     pipe = resume.compile("2bw", 3, 4, dropout=0.0, nonfinite="skip")
     with pytest.warns(RuntimeWarning, match=rf"step {BAD}: stage\(s\) \[1\]; that update was skipped on every rank"):
