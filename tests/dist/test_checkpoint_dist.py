@@ -1,5 +1,5 @@
 """Checkpoints on gloo ranks: a load right after a save reads the checkpoint just written on
-every rank."""
+every rank; a checkpoint one stage cannot take is refused on every rank."""
 
 from __future__ import annotations
 
@@ -51,6 +51,17 @@ def save_then_load(rank: int, world: int):
         pipe.load(missing)
     except CheckpointError as e:
         got.append(str(e))
+    # another model whose last layer (the last stage's) has another shape: only that rank's
+    # check found it, and it raised alone while the others waited in the load's collectives
+    wider = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    other = fxpipe.compile(wider, (torch.randn(2, 8),), loss_fn=F.mse_loss, microbatches=2, schedule="1f1b",
+                           stages=world, verbose=False, timeout=60)
+    other.step(x, torch.randn(4, 2))
+    start = time.monotonic()
+    try:
+        other.load(root)
+    except CheckpointError as e:
+        got.append((str(e), time.monotonic() - start))
     dist.barrier()
     return got
 
@@ -61,6 +72,8 @@ def test_a_load_right_after_a_save_reads_the_new_checkpoint_on_every_rank():
     # raised while the others waited for it): ranks resumed from different steps, silently.
     results = run_function(2, "tests.dist.test_checkpoint_dist:save_then_load", timeout=150)
     assert [r["error"] for r in results] == [None, None], results
-    (after0, steps0, err0), (after1, steps1, err1) = (r["value"] for r in results)
+    (after0, steps0, err0, shape0), (after1, steps1, err1, shape1) = (r["value"] for r in results)
     assert (after0, steps0) == (after1, steps1) == (2, 2)
     assert err0.startswith("no checkpoint at") and err1.startswith("rank 0 found no checkpoint to load: no checkpoint at")
+    assert shape0[0].startswith("rank 1 cannot load this checkpoint, so no rank does: load: ") and shape0[1] < 10
+    assert "2 tensors of another shape or dtype" in shape1[0] and shape1[0].startswith("load: ")
