@@ -889,18 +889,11 @@ class Pipeline:
                                          what="eval_step()")
         self.flush()
         if self._eval is None:
-            self._eval = self._build_eval()
+            self._eval = self._checked_eval(self._build_eval())
         chunks = _split_batch((args, kwargs, target), m * w)
         for wk in self.workers.values():
             s = wk.index
             stage = self._eval.stages[s]
-            missing = [n for n in stage.param_names if n not in wk.layout_names()]
-            if missing:
-                raise FxpipeError(
-                    f"eval stage {s} reads parameters {missing[:3]} that training stage {s} does not hold: the "
-                    f"eval-mode trace differs from the training one beyond dropout. Evaluate with the "
-                    f"state_dict() loaded into the plain model instead, and report the model to fxpipe."
-                )
             newest = wk.store.compute(wk.store.updates)  # what a training forward would read next
             # this worker's own buffers (BatchNorm statistics), passed in as its weights are: in one
             # process the replicas of a stage share one eval module
@@ -922,6 +915,25 @@ class Pipeline:
             wk.batch_loss.clear()
         handle.wait()
         return float(total[0] / (m * w))
+
+    def _checked_eval(self, staged):
+        """``staged`` (the eval-mode stages), once every rank found that each of its eval stages
+        reads only parameters its training stage holds; else every rank raises (a rank that
+        raised alone would leave the others in the eval pass). After a flush: the group is idle."""
+        problem = None
+        for wk in self.workers.values():
+            missing = [n for n in staged.stages[wk.index].param_names if n not in wk.layout_names()]
+            if missing and problem is None:
+                problem = (f"eval stage {wk.index} reads parameters {missing[:3]} that training stage {wk.index} does "
+                           f"not hold: the eval-mode trace differs from the training one beyond dropout. Evaluate "
+                           f"with the state_dict() loaded into the plain model instead, and report the model to fxpipe.")
+        if self.distributed:
+            found: list = [None] * self.world_size
+            dist.all_gather_object(found, problem)
+            problem = next((p if r == self.rank else f"rank {r}: {p}" for r, p in enumerate(found) if p), None)
+        if problem is not None:
+            raise FxpipeError(problem)
+        return staged
 
     def _build_eval(self):
         """Stages of an eval-mode trace, cut where the training stages are: each eval node takes

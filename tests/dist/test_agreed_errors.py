@@ -1,5 +1,6 @@
-"""Checkpoints on gloo ranks: a load right after a save reads the checkpoint just written on
-every rank; a checkpoint one stage cannot take is refused on every rank."""
+"""What one rank finds, every rank acts on (gloo ranks): a load right after a save reads the
+checkpoint just written on every rank; a checkpoint one stage cannot take, and an eval pass one
+stage cannot run, are refused on every rank at once, not by one rank while the others wait."""
 
 from __future__ import annotations
 
@@ -70,10 +71,65 @@ def test_a_load_right_after_a_save_reads_the_new_checkpoint_on_every_rank():
     # Rank 0 points `latest` at a checkpoint once all of it is written; another rank's wait for
     # its own part returned before that, and its load read the checkpoint before (or none, and
     # raised while the others waited for it): ranks resumed from different steps, silently.
-    results = run_function(2, "tests.dist.test_checkpoint_dist:save_then_load", timeout=150)
+    results = run_function(2, "tests.dist.test_agreed_errors:save_then_load", timeout=150)
     assert [r["error"] for r in results] == [None, None], results
     (after0, steps0, err0, shape0), (after1, steps1, err1, shape1) = (r["value"] for r in results)
     assert (after0, steps0) == (after1, steps1) == (2, 2)
     assert err0.startswith("no checkpoint at") and err1.startswith("rank 0 found no checkpoint to load: no checkpoint at")
     assert shape0[0].startswith("rank 1 cannot load this checkpoint, so no rank does: load: ") and shape0[1] < 10
     assert "2 tensors of another shape or dtype" in shape1[0] and shape1[0].startswith("load: ")
+
+
+class EvalReadsMore:
+    """Built in the ranks: in eval mode the last layer's output also reads ``l1.bias``, which
+    the first stage holds in training."""
+
+    @staticmethod
+    def make():
+        import torch.nn as nn
+
+        class Net(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.l1, self.l2, self.l3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+            def forward(self, x):
+                h = self.l3(self.l2(self.l1(x).relu()).relu())
+                return h + self.l1.bias[:8] if not self.training else h
+
+        return Net()
+
+
+def eval_reads_more(rank: int, world: int):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    import fxpipe
+
+    torch.manual_seed(0)
+    pipe = fxpipe.compile(EvalReadsMore.make(), (torch.randn(2, 16),), loss_fn=F.mse_loss, microbatches=2,
+                          schedule="1f1b", stages=world, verbose=False, timeout=60)
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    pipe.step(x, y)
+    start = time.monotonic()
+    try:
+        pipe.eval_step(x, y)
+        got = None
+    except fxpipe.FxpipeError as e:
+        got = (str(e), time.monotonic() - start)
+    pipe.step(x, y)  # the ranks are still in step
+    dist.barrier()
+    return got
+
+
+def test_an_eval_pass_one_stage_cannot_run_is_refused_on_every_rank():
+    # Only stage 1's eval module reads l1.bias; rank 1 raised, rank 0 sent its eval activations
+    # and waited until rank 1's process went away.
+    results = run_function(2, "tests.dist.test_agreed_errors:eval_reads_more", timeout=150)
+    assert [r["error"] for r in results] == [None, None], results
+    (msg0, took0), (msg1, _) = (r["value"] for r in results)
+    assert msg1.startswith("eval stage 1 reads parameters ['l1.bias'] that training stage 1 does not hold")
+    assert msg0 == f"rank 1: {msg1}" and took0 < 10
