@@ -49,8 +49,10 @@ def _record_posts(log: list) -> None:
                     tensor, peer = args[0], args[1]
                     log.append((name, peer, tensor.numel(), str(tensor.dtype)))
                 else:
-                    group = kwargs.get("group")
-                    ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(dist.get_world_size()))
+                    group = kwargs.get("group") or dist.group.WORLD
+                    # a group by its members and its name (every rank names its groups alike, in
+                    # creation order): a checkpoint group and the default one of the same ranks differ
+                    ranks = (*dist.get_process_group_ranks(group), group.group_name)
                     first = args[0] if args else None
                     size = first.numel() if isinstance(first, torch.Tensor) else None
                     log.append((name, ranks, size, str(first.dtype) if isinstance(first, torch.Tensor) else None))
@@ -105,7 +107,8 @@ def record(rank: int, world: int) -> list:
 
 
 def check(world: int, per_rank: list[list]) -> list[str]:
-    """Rules (a) and (b) on the recordings of every configuration; returns the violations."""
+    """Rules (a) and (b) on the recordings of every configuration, and (c): the members of a
+    collective post it with the same size and dtype; returns the violations."""
     problems = []
     for i, (config, _) in enumerate(per_rank[0]):
         logs = {r: per_rank[r][i][1] for r in range(world)}
@@ -122,14 +125,23 @@ def check(world: int, per_rank: list[list]) -> list[str]:
                         problems.append(f"{config}: op {n} between ranks {a} and {b} is {x} on {a} but {y} on {b}")
                     node_of[a, pa] = node_of[b, pb] = ("p2p", a, b, n)
         seen: dict[tuple, int] = defaultdict(int)
+        shapes: dict[tuple, set] = defaultdict(set)
         for r in range(world):
             for p, op in enumerate(logs[r]):
                 if op[0] in _COLLECTIVES:
                     key = (op[0], op[1])
                     node_of[r, p] = ("coll", key, seen[r, key])
+                    shapes[node_of[r, p]].add(op[2:])
                     seen[r, key] += 1
-        # (b) one global order: Kahn's algorithm over program-order edges between nodes
+        # (c) a collective's members agree on what they reduce
+        problems += [f"{config}: collective {node} is posted with different (size, dtype) {sorted(map(str, s))}"
+                     for node, s in shapes.items() if len(s) > 1]
+        # (b) one global order: Kahn's algorithm over program-order edges between nodes (a p2p
+        # op without a counterpart, reported under (a), is a node of its own)
         edges: dict[tuple, set] = defaultdict(set)
+        for r in range(world):
+            for p in range(len(logs[r])):
+                node_of.setdefault((r, p), ("unmatched", r, p))
         nodes = set(node_of.values())
         for r in range(world):
             seq = [node_of[r, p] for p in range(len(logs[r]))]
@@ -186,3 +198,18 @@ def test_the_checker_sees_a_send_against_a_send_and_a_cycle():
     cyc = [[("cfg", [("all_reduce", (0, 1), 1, "f"), ("isend", 1, 4, "f")])],
            [("cfg", [("irecv", 0, 4, "f"), ("all_reduce", (0, 1), 1, "f")])]]
     assert "cycle" in check(2, cyc)[0]
+
+
+def test_the_check_finds_what_nccl_cannot_pair():
+    # the checker itself, on hand-made recordings of 2 ranks: a pair posting different numbers
+    # of ops, a collective of two sizes, a group told apart from another of the same members
+    send, recv = ("isend", 1, 8, "torch.float32"), ("irecv", 0, 8, "torch.float32")
+    norm = lambda n, g="0": ("all_reduce", (0, 1, g), n, "torch.float32")  # noqa: E731
+    good = [[("cfg", [send, norm(3)])], [("cfg", [recv, norm(3)])]]
+    assert check(2, good) == []
+    extra = [[("cfg", [send, send, norm(3)])], [("cfg", [recv, norm(3)])]]
+    assert check(2, extra)[0] == "cfg: rank 0 posts 2 ops towards 1, rank 1 1 back"
+    sizes = [[("cfg", [send, norm(3)])], [("cfg", [recv, norm(4)])]]
+    assert any("posted with different (size, dtype)" in p for p in check(2, sizes))
+    groups = [[("cfg", [norm(3, "0"), norm(3, "1")])], [("cfg", [norm(3, "1"), norm(3, "0")])]]
+    assert any("cycle" in p for p in check(2, groups))
