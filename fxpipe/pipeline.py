@@ -81,6 +81,7 @@ def compile(
     scaler=None,
     accumulate: str = "gradients",
     weights=None,
+    leaf_modules=(),
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
 
@@ -100,13 +101,16 @@ def compile(
     ``torch.save`` file of one or a ``Pipeline.save`` checkpoint directory; each rank reads only
     its stage's keys. With a model built on the meta device, each rank materialises only its own
     stage, from ``weights`` or else the modules' initialisers seeded per module (fxpipe/materialize.py).
+    ``leaf_modules``: module classes or qualified names captured as opaque calls
+    (:func:`fxpipe.trace`), each run whole inside one stage: a module whose Python control flow
+    depends on tensor values.
     """
     config = PipelineConfig(
         loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
         stages=stages, plan=plan, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, recompute=recompute,
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
         device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite, precision=precision, scaler=scaler,
-        accumulate=accumulate, weights=weights,
+        accumulate=accumulate, weights=weights, leaf_modules=tuple(leaf_modules),
     )
     return Pipeline(model, example_inputs, config)
 
@@ -146,6 +150,9 @@ class PipelineConfig:
     # initial weights (a state dict under the original keys, a torch.save file, a Pipeline.save
     # checkpoint); a model on the meta device without them: its modules' initialisers
     weights: Any = None
+    # module classes (or qualified names) kept as opaque calls when the model is captured with
+    # torch.fx.symbolic_trace (fxpipe.trace's leaf_modules): a module with data-dependent control flow
+    leaf_modules: tuple = ()
 
     @property
     def policy(self) -> Precision:
@@ -403,7 +410,8 @@ class Pipeline:
                                        and x.is_meta else x, (args, kwargs))
         self._example = kwargs if kwargs else args
         self._eval = None
-        gm = trace(self.model, self._example)  # a meta model traces as the same model on the CPU
+        # a meta model traces as the same model on the CPU
+        gm = trace(self.model, self._example, leaf_modules=o.leaf_modules)
         self._source = None
         if o.weights is not None or has_meta(self.model):
             # Each rank fills only the stage(s) it builds. Checked before the plan is broadcast:
@@ -944,7 +952,7 @@ class Pipeline:
         was = self.model.training
         self.model.eval()
         try:
-            gm = trace(self.model, self._example)
+            gm = trace(self.model, self._example, leaf_modules=self.config.leaf_modules)
         finally:
             self.model.train(was)
         train = self.staged.assignment

@@ -584,7 +584,8 @@ def _trace_error(model: nn.Module, export_exc: BaseException | None, fx_exc: Bas
         lines.append(f"  torch.export: {type(export_exc).__name__}: {str(export_exc).splitlines()[0][:300] if str(export_exc) else ''}")
     lines.append(f"  torch.fx.symbolic_trace: {type(fx_exc).__name__}: {str(fx_exc).splitlines()[0][:300] if str(fx_exc) else ''}")
     lines.append(
-        "  What to try: make the failing module a leaf (fxpipe.trace(..., leaf_modules=[ThatModule])); "
+        "  What to try: make the failing module a leaf (fxpipe.compile or fxpipe.trace(..., "
+        "leaf_modules=[ThatModule]): it then runs as an opaque call inside one stage); "
         "replace data-dependent Python control flow (if/for on tensor values) with torch ops "
         "(torch.where, masking); for Hugging Face decoders build the config with use_cache=False."
     )

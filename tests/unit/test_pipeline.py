@@ -76,6 +76,46 @@ def test_t5_with_its_default_cache_trains_and_its_state_dict_round_trips():
     pipe.load_state_dict(ref.state_dict())
 
 
+class _Branchy(torch.nn.Module):
+    """Data-dependent control flow: neither export nor symbolic_trace can capture it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+
+def test_a_leaf_module_with_data_dependent_control_flow_trains():
+    # compile had no leaf_modules=, so the advice of its own TraceError (make the module a
+    # leaf) could not be followed when training
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(8, 8), _Branchy(), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.c(self.b(self.a(x)))
+
+    torch.manual_seed(0)
+    net = Net().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g, dtype=torch.float64) * (1 if i % 2 else -3),
+                torch.randn(8, 1, generator=g, dtype=torch.float64)) for i in range(4)]
+    opt, loss = functools.partial(torch.optim.SGD, lr=0.1), torch.nn.functional.mse_loss
+    with pytest.raises(fxpipe.TraceError, match=r"make the failing module a leaf \(fxpipe.compile or fxpipe.trace"):
+        fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, stages=2, verbose=False)
+    pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, optimizer=opt, microbatches=4, stages=2,
+                          schedule="1f1b", verbose=False, leaf_modules=[_Branchy])
+    assert "b" in {n.target for n in pipe.staged_graph.graph.nodes if n.op == "call_module"}
+    losses = [pipe.step(x, y) for x, y in batches]
+    ref_losses, ref = train_flush(net, batches, 4, loss, opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    sd = pipe.state_dict()
+    assert all(torch.allclose(sd[n], t, rtol=1e-12, atol=1e-14) for n, t in ref.named_parameters())
+
+
 def test_load_state_dict_round_trip_and_continue_after_flush():
     case = CASES["2bw_sgd"]
     pipe, batches = _compile(case)
