@@ -1,6 +1,6 @@
 """Planning for a cluster: the PipeDream-2BW paper's GPT models on its 64-V100 cluster, from meta.
 
-    python benchmarks/planning.py            # about 3.5 minutes on 2 CPU cores (2-core Xeon host)
+    python benchmarks/planning.py            # about 3 minutes on 2 CPU cores (2-core Xeon host)
     python benchmarks/planning.py --quick    # the 1.3B model and the capacity search only (about 2.5)
 
 (1) GPT-1.3B (24 layers x 2048 x 16 heads), GPT-2.2B (32 x 2304 x 32) and GPT-3.8B
