@@ -110,7 +110,8 @@ def compile(
         stages=stages, plan=plan, lr_scheduler=lr_scheduler, max_grad_norm=max_grad_norm, recompute=recompute,
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
         device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite, precision=precision, scaler=scaler,
-        accumulate=accumulate, weights=weights, leaf_modules=tuple(leaf_modules),
+        accumulate=accumulate, weights=weights,
+        leaf_modules=(leaf_modules,) if isinstance(leaf_modules, (type, str)) else tuple(leaf_modules),
     )
     return Pipeline(model, example_inputs, config)
 
@@ -241,6 +242,9 @@ class PipelineConfig:
             bad("device_model", "a fxpipe.cost.DeviceModel (or None)", self.device_model,
                 "pass e.g. fxpipe.cost.DeviceModel.for_device(torch.device('cpu')) with your figures replaced, or "
                 "None for the device's defaults; the device to compute on is device=")
+        if not all(isinstance(x, (type, str)) for x in self.leaf_modules):
+            bad("leaf_modules", "module classes or qualified names (strings)", self.leaf_modules,
+                "pass e.g. leaf_modules=[MyBlock] or leaf_modules=['encoder.branchy']")
         if self.plan is not None:
             object.__setattr__(self, "plan", _read_plan(self.plan))  # frozen: a Plan from here on
 

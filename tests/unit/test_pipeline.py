@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fxpipe
-from fxpipe.errors import FxpipeError, RuntimeMismatchError
+from fxpipe.errors import ConfigError, FxpipeError, RuntimeMismatchError
 from tests.cases import CASES, build, compare
 from tests.models import gpt2_tiny, rmsnorm_residual, t5_tiny
 from tests.reference import train_flush
@@ -106,8 +106,10 @@ def test_a_leaf_module_with_data_dependent_control_flow_trains():
     opt, loss = functools.partial(torch.optim.SGD, lr=0.1), torch.nn.functional.mse_loss
     with pytest.raises(fxpipe.TraceError, match=r"make the failing module a leaf \(fxpipe.compile or fxpipe.trace"):
         fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, stages=2, verbose=False)
+    with pytest.raises(ConfigError, match=r"leaf_modules must be module classes or qualified names"):
+        fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, leaf_modules=[_Branchy()], verbose=False)
     pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, optimizer=opt, microbatches=4, stages=2,
-                          schedule="1f1b", verbose=False, leaf_modules=[_Branchy])
+                          schedule="1f1b", verbose=False, leaf_modules=_Branchy)
     assert "b" in {n.target for n in pipe.staged_graph.graph.nodes if n.op == "call_module"}
     losses = [pipe.step(x, y) for x, y in batches]
     ref_losses, ref = train_flush(net, batches, 4, loss, opt)
