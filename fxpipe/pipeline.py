@@ -1237,7 +1237,9 @@ class Pipeline:
         from .inspect import write_pipeline_dumps
 
         self._require_setup("dump")
-        events = self.recorded_timeline() if self.record or self.timeline else []
+        # gathered whatever this rank recorded: a rank that set pipe.record while another did not
+        # would otherwise gather alone
+        events = self.recorded_timeline()
         if self.rank != 0:
             return []
         return write_pipeline_dumps(self, out_dir, events)

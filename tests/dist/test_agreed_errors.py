@@ -113,7 +113,11 @@ def eval_reads_more(rank: int, world: int):
     pipe = fxpipe.compile(EvalReadsMore.make(), (torch.randn(2, 16),), loss_fn=F.mse_loss, microbatches=2,
                           schedule="1f1b", stages=world, verbose=False, timeout=60)
     x, y = torch.randn(4, 16), torch.randn(4, 8)
+    pipe.record = rank == 0  # on one rank only: dump gathered there alone, and waited
     pipe.step(x, y)
+    import tempfile
+
+    dumped = pipe.dump(tempfile.mkdtemp())
     start = time.monotonic()
     try:
         pipe.eval_step(x, y)
@@ -122,14 +126,15 @@ def eval_reads_more(rank: int, world: int):
         got = (str(e), time.monotonic() - start)
     pipe.step(x, y)  # the ranks are still in step
     dist.barrier()
-    return got
+    return got, len(dumped)
 
 
 def test_an_eval_pass_one_stage_cannot_run_is_refused_on_every_rank():
     # Only stage 1's eval module reads l1.bias; rank 1 raised, rank 0 sent its eval activations
-    # and waited until rank 1's process went away.
+    # and waited until rank 1's process went away. And dump() with pipe.record set on one rank.
     results = run_function(2, "tests.dist.test_agreed_errors:eval_reads_more", timeout=150)
     assert [r["error"] for r in results] == [None, None], results
-    (msg0, took0), (msg1, _) = (r["value"] for r in results)
+    ((msg0, took0), dumped0), ((msg1, _), dumped1) = (r["value"] for r in results)
+    assert dumped0 > 0 and dumped1 == 0  # rank 0 wrote the dumps, with rank 0's recorded timeline
     assert msg1.startswith("eval stage 1 reads parameters ['l1.bias'] that training stage 1 does not hold")
     assert msg0 == f"rank 1: {msg1}" and took0 < 10
