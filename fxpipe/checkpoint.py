@@ -293,7 +293,12 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
     workers, which are flushed; returns the caller's extra dict."""
     key = _key_of(pipe)
     stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # key -> shape, dtype
-    _agree(pipe, group, lambda: _check_keys(pipe, path, stored))
+    try:  # each rank checks its own stages: all raise if one does
+        _check_keys(pipe, path, stored)
+        problem = None
+    except CheckpointError as e:
+        problem = str(e)
+    pipe._raise_agreed(problem, CheckpointError, "rank {rank} cannot load this checkpoint, so no rank does: ", group)
     if meta["seed"] != pipe.config.seed:
         raise CheckpointError(
             f"load: {path} was trained with seed={meta['seed']}, this pipeline has seed={pipe.config.seed}; "
@@ -368,28 +373,6 @@ def _empty(md) -> torch.Tensor:
 def _key_of(pipe: "Pipeline") -> dict[str, str]:
     """Canonical name -> the original key a checkpoint stores it under (the first alias)."""
     return {n: keys[0] for n, keys in pipe.staged.originals.items() if keys}
-
-
-def _agree(pipe: "Pipeline", group, check) -> None:
-    """Run this rank's ``check`` (which raises :class:`CheckpointError`) and raise on every rank
-    if it failed on any: each rank checks only its own stages, and one that raised alone would
-    leave the others waiting in the load's collectives."""
-    try:
-        check()
-        mine = None
-    except CheckpointError as e:
-        if not pipe.distributed:
-            raise
-        mine = str(e)
-    if not pipe.distributed:
-        return
-    found: list = [None] * pipe.world_size
-    dist.all_gather_object(found, mine, group=group)
-    if mine is not None:
-        raise CheckpointError(mine)
-    rank, problem = next(((r, p) for r, p in enumerate(found) if p is not None), (None, None))
-    if problem is not None:
-        raise CheckpointError(f"rank {rank} cannot load this checkpoint, so no rank does: {problem}")
 
 
 def _check_keys(pipe: "Pipeline", path: str, stored: dict) -> None:

@@ -96,6 +96,7 @@ def _int_at_least(low: int, what: str) -> Callable[[str], int]:
 
 
 _positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "a non-negative integer")
 
 
 def _positive_bytes(text: str) -> float:
@@ -107,7 +108,6 @@ def _positive_bytes(text: str) -> float:
     if not (0 < v < float("inf")):
         raise argparse.ArgumentTypeError(f"expected a positive number of bytes such as 30e9, found {text!r}")
     return v
-_non_negative_int = _int_at_least(0, "a non-negative integer")
 
 
 def _microbatches(text: str) -> int:

@@ -137,10 +137,9 @@ def inspect(model, example_inputs, out_dir: str, *, stages: int | None = None, m
 
 def plan_costs(plan):
     """Simulator costs (seconds per action) from a plan's per-stage predictions."""
+    from .partition import stage_links
     from .simulate import Costs
     from .weights import versions_of
-
-    from .partition import stage_links
 
     sps = plan.stage_plans
     if not sps:

@@ -939,13 +939,22 @@ class Pipeline:
                 problem = (f"eval stage {wk.index} reads parameters {missing[:3]} that training stage {wk.index} does "
                            f"not hold: the eval-mode trace differs from the training one beyond dropout. Evaluate "
                            f"with the state_dict() loaded into the plain model instead, and report the model to fxpipe.")
+        self._raise_agreed(problem, FxpipeError, "rank {rank}: ")
+        return staged
+
+    def _raise_agreed(self, problem: str | None, kind: type[Exception], elsewhere: str, group=None) -> None:
+        """Raise ``kind`` on every rank if any rank found a problem: ``problem`` is this rank's
+        message (None: none found), each rank checking only its own stages. Under torchrun the
+        messages are all-gathered on ``group``, so a rank does not raise alone while the others
+        wait for it; a rank raises its own message, or else the first rank's, after
+        ``elsewhere`` (formatted with ``rank``)."""
         if self.distributed:
             found: list = [None] * self.world_size
-            dist.all_gather_object(found, problem)
-            problem = next((p if r == self.rank else f"rank {r}: {p}" for r, p in enumerate(found) if p), None)
+            dist.all_gather_object(found, problem, group=group)
+            if problem is None:
+                problem = next((elsewhere.format(rank=r) + p for r, p in enumerate(found) if p is not None), None)
         if problem is not None:
-            raise FxpipeError(problem)
-        return staged
+            raise kind(problem)
 
     def _build_eval(self):
         """Stages of an eval-mode trace, cut where the training stages are: each eval node takes

@@ -236,15 +236,15 @@ def _no_kv_cache(model: nn.Module):
     """Hugging Face decoders return a KV cache unless ``config.use_cache`` is False; a cache
     object cannot cross pipeline stages and training never reads it, so trace without one. Every
     config the model's modules hold is switched off: T5 gives its decoder stack a copy of its own."""
-    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
+    configs = {id(c): (c, c.use_cache) for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and getattr(c, "use_cache", None)}
-    for c in configs.values():
+    for c, _ in configs.values():
         c.use_cache = False
     try:
         yield
     finally:
-        for c in configs.values():
-            c.use_cache = True
+        for c, old in configs.values():
+            c.use_cache = old
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
