@@ -130,10 +130,6 @@ class FlatLayout:
     sizes: tuple[tuple[torch.dtype, int], ...]  # (dtype, numel) in order of first appearance
     device: torch.device
 
-    @property
-    def dtypes(self) -> tuple[torch.dtype, ...]:
-        return tuple(d for d, _ in self.sizes)
-
     def numel(self, dtype: torch.dtype) -> int:
         return dict(self.sizes)[dtype]
 
@@ -262,7 +258,6 @@ class Stage:
     model_inputs: tuple[str, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    model_input_specs: tuple[TensorSpec | None, ...]
     input_specs: tuple[TensorSpec, ...]
     output_specs: tuple[TensorSpec | None, ...]
     param_names: tuple[str, ...]
@@ -275,10 +270,6 @@ class Stage:
     @property
     def code(self) -> str:
         return stage_code(self)
-
-    @property
-    def params(self) -> dict[str, nn.Parameter]:
-        return self.flat.params
 
     def buffers(self) -> dict[str, torch.Tensor]:
         return {name: self.module.get_buffer(name) for name in self.buffer_names}
@@ -731,7 +722,6 @@ def _build_stage(
         model_inputs=tuple(n.name for n in model_inputs),
         inputs=tuple(n.name for n in inputs),
         outputs=names,
-        model_input_specs=tuple(_spec(n) for n in model_inputs),
         input_specs=tuple(_spec(n) for n in inputs),
         output_specs=tuple(_spec(o) for o in outs),
         param_names=tuple(flat.params),

@@ -50,7 +50,6 @@ __all__ = ["DeviceModel", "Linear", "NodeCost", "GraphCosts", "annotate", "fit_t
 #: The micro-batch size, the one free symbol of every cost expression.
 b = sympy.Symbol("b", positive=True, integer=True)
 
-_GB = 1e9
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ from .trace import trace
 
 __all__ = ["inspect", "node_rows", "write_node_table", "write_dot"]
 
-_COLUMNS = ["name", "op", "target", "module", "shape", "dtype", "bytes", "param_bytes"]
 # Distinguishable pastel fills for up to 12 stages (cycled beyond).
 _PALETTE = [
     "#a6cee3", "#b2df8a", "#fb9a99", "#fdbf6f", "#cab2d6", "#ffff99",
@@ -75,7 +74,11 @@ def write_node_table(gm: fx.GraphModule, out_dir: str, assignment: Mapping[str, 
     txt = os.path.join(out_dir, "nodes.txt")
     js = os.path.join(out_dir, "nodes.json")
     info = gm.meta.get("fxpipe")
-    header = f"# {info.model_class}: {len(rows)} nodes, traced with {info.path}\n" if info else ""
+    header = ""
+    if info:
+        header = f"# {info.model_class}: {len(rows)} nodes, traced with {info.path}\n"
+        if info.export_error:  # why torch.export refused the model, the first line of its error
+            header += f"# torch.export failed first: {info.export_error.splitlines()[0]}\n"
     with open(txt, "w") as f:
         f.write(header + tabulate(rows, headers="keys", tablefmt="simple") + "\n")
     with open(js, "w") as f:

@@ -163,10 +163,6 @@ class Plan:
         """Samples per optimizer step, b * m * w: exactly what ``Pipeline.step`` needs."""
         return self.microbatch_size * self.microbatches * self.width
 
-    def stage_nodes(self, stage: int) -> list[str]:
-        """Names of the nodes (inputs and parameters included) on ``stage``, in graph order."""
-        return [n for n, s in self.assignment_pairs if s == stage]
-
     # ---------------------------------------------------------------------------------- JSON
 
     def to_json(self) -> str:

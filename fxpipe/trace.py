@@ -483,6 +483,21 @@ def _del_attr(gm: nn.Module, target: str) -> None:
 # metadata
 
 
+def _static_spec(node: fx.Node, t: torch.Tensor) -> TensorSpec:
+    """``t``'s spec; a size that depends on the values (a boolean-mask index, ``nonzero``) is refused:
+    the planner prices, and the runtime sizes its messages, by the traced shapes."""
+    if any(isinstance(s, torch.SymInt) and not s.node.has_hint() for s in t.shape):
+        owner = module_path(node)
+        where = f"module {owner!r}" if owner else "the model's own forward"
+        raise TraceError(
+            f"node {node.name!r} ({node.target}, in {where}) has a size that depends on the input's values: "
+            f"shape {tuple(t.shape)}. fxpipe needs every size fixed by the input's shape. Compute it with "
+            f"static shapes (e.g. torch.where(mask, x, 0) instead of x[mask]), or pass the module that "
+            f"computes it in compile(leaf_modules=[...]) if its outputs have fixed sizes: it then runs "
+            f"whole inside one stage")
+    return TensorSpec.of(t)
+
+
 def _annotate(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, path: str) -> None:
     params = dict(gm.named_parameters())
     buffers = dict(gm.named_buffers())
@@ -492,7 +507,7 @@ def _annotate(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, p
         if node.op == "output":
             continue
         val = node.meta.get("val", node.meta.get("tensor_meta"))
-        outs = tuple(TensorSpec.of(t) for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor))
+        outs = tuple(_static_spec(node, t) for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor))
         if node.op == "get_attr":
             obj = _get_attr(gm, node.target)
             outs = (TensorSpec.of(obj),) if isinstance(obj, torch.Tensor) else ()

@@ -207,6 +207,56 @@ def test_untraceable_model_raises_a_trace_error_naming_class_module_and_line():
     assert e.value.__cause__ is not None, "the original exception must be chained"
 
 
+class MaskedSum(nn.Module):
+    """A boolean-mask index: a size that depends on the values, not only on the input's shape."""
+
+    def forward(self, y):
+        return y[y > 0].sum().expand(y.shape[-1])
+
+
+class Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 4)
+        self.masked = MaskedSum()
+        self.out = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.out(self.masked(self.inp(x)) + x)
+
+
+def test_a_value_dependent_size_is_refused_by_name_and_a_leaf_module_takes_it():
+    torch.manual_seed(0)
+    model, x = Masked(), torch.randn(3, 4)
+    with pytest.raises(TraceError) as e:
+        fxpipe.trace(model, (x,))
+    msg = str(e.value)
+    assert "in module 'masked'" in msg and "depends on the input's values" in msg, msg
+    assert "torch.where(mask, x, 0)" in msg and "leaf_modules" in msg, msg
+    gm = fxpipe.trace(model, (x,), leaf_modules=[MaskedSum])
+    assert gm.meta["fxpipe"].path == "symbolic_trace" and torch.equal(gm(x), model(x))
+
+
+def test_the_node_table_says_why_export_failed(tmp_path, monkeypatch):
+    import importlib
+
+    from fxpipe.inspect import write_node_table
+
+    trace_module = importlib.import_module("fxpipe.trace")  # the module; fxpipe.trace is the function
+
+    def refuse(*a, **k):
+        raise RuntimeError("export refused this model\nsecond line")
+
+    monkeypatch.setattr(trace_module, "_export", refuse)
+    model, inputs = _build("mlp")
+    gm = fxpipe.trace(model, inputs)
+    assert gm.meta["fxpipe"].path == "symbolic_trace"
+    txt = write_node_table(gm, str(tmp_path))[0]
+    head = open(txt).read().splitlines()[:2]
+    assert head[0].endswith("traced with symbolic_trace"), head
+    assert head[1] == "# torch.export failed first: RuntimeError: export refused this model", head
+
+
 def test_prefer_symbolic_trace_and_bad_arguments():
     model, inputs = _build("mlp")
     gm = fxpipe.trace(model, inputs, prefer="symbolic_trace")
