@@ -8,6 +8,8 @@ import os
 import sys
 from typing import Callable
 
+from .schedule import SCHEDULES
+
 
 def _load_factory(spec: str, cmd: str = "inspect"):
     if ":" not in spec:
@@ -156,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("factory", help="MODULE:FACTORY, a function returning (model, example_inputs)")
     i.add_argument("--out", default="fxpipe-out", help="output folder (default: fxpipe-out)")
     i.add_argument("--stages", type=_non_negative_int, default=2, help="pipeline depth to plan for (0: trace dumps only)")
-    i.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe", "zb"), help="schedule to draw")
+    i.add_argument("--schedule", default="2bw", choices=SCHEDULES, help="schedule to draw")
     i.add_argument("--microbatches", type=_microbatches, default=None,
                    help="micro-batches per step (default: max(2 x stages, 4))")
     i.set_defaults(fn=_cmd_inspect)
@@ -170,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"a preset ({', '.join(sorted(PRESETS))}) or a .json/.toml file (see fxpipe/cluster.py)")
     pl.add_argument("--nodes", type=_positive_int, default=None, help="nodes of the cluster (presets: default 1)")
     pl.add_argument("--global-batch", type=_positive_int, required=True, help="samples per optimizer step")
-    pl.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe", "zb"))
+    pl.add_argument("--schedule", default="2bw", choices=SCHEDULES)
     pl.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     pl.add_argument("--world-size", type=_positive_int, default=None,
                     help="accelerators to use (default: the planner chooses whole nodes up to the cluster)")

@@ -355,13 +355,12 @@ class StagedModel:
 
 
 def from_plan(gm: fx.GraphModule, plan, **kwargs) -> StagedModel:
-    """:func:`split` with ``plan.assignment``; checks the plan's stage count against it."""
+    """:func:`split` with ``plan.assignment`` (a :class:`fxpipe.plan.Plan`); checks the plan's
+    stage count against it."""
     staged = split(gm, plan.assignment, **kwargs)
-    stages = getattr(plan, "stages", None)
-    count = stages if isinstance(stages, int) or stages is None else len(stages)
-    if count is not None and count != staged.num_stages:
+    if plan.stages != staged.num_stages:
         raise PlanError(
-            f"the plan has {count} stages but its assignment uses {staged.num_stages} "
+            f"the plan has {plan.stages} stages but its assignment uses {staged.num_stages} "
             f"(0..{staged.num_stages - 1}); the plan is inconsistent: re-plan."
         )
     return staged
@@ -439,7 +438,7 @@ def split(
         for r in per_stage[s] + ([output] if s == d - 1 else []):
             for name in _state_read(gm, r, canon):
                 readers.setdefault(name, set()).add(s)
-    _check_mutated_buffers(gm, compute, stage_of, readers, canon, gm_params)
+    _check_mutated_buffers(compute, stage_of, readers, canon, gm_params)
 
     produced_on = {n.name: stage_of[n] for n in compute}
     stages = []
@@ -578,7 +577,7 @@ def _writes_state(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _check_mutated_buffers(gm, compute, stage_of, readers, canon, gm_params) -> None:
+def _check_mutated_buffers(compute, stage_of, readers, canon, gm_params) -> None:
     for n in compute:
         for a in _writes_state(n):
             name = canon(a.target)

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .schedule import SCHEDULES
+
 __all__ = ["GPTConfig", "GPT", "fibonacci_batch", "demo_factory", "lm_loss"]
 
 
@@ -133,7 +135,7 @@ def add_demo_arguments(p) -> None:
 
     p.add_argument("--nproc", type=int, default=2, help="local CPU ranks (1 = all stages in this process)")
     p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps")
-    p.add_argument("--schedule", default="2bw", choices=("2bw", "1f1b", "gpipe", "zb"))
+    p.add_argument("--schedule", default="2bw", choices=SCHEDULES)
     p.add_argument("--microbatches", type=_positive_int, default=4, help="micro-batches per step")
     p.add_argument("--microbatch-size", type=_positive_int, default=8, help="sequences per micro-batch")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
@@ -194,8 +196,6 @@ def train(args) -> int:
     batch = m * b * pipe.plan.width
     say = pipe.rank == pipe.world_size - 1  # the last stage holds the loss
     ckpt = args.checkpoint_dir
-    if args.save_every and not ckpt:
-        raise SystemExit(f"fxpipe demo: --save-every {args.save_every} needs --checkpoint-dir DIR to save into")
     if ckpt and os.path.exists(os.path.join(ckpt, "latest")):
         # Resume: weights, optimizer, step count, RNG; the data stream's position is ours to keep.
         data.set_state(pipe.load(ckpt)["data"])
@@ -210,7 +210,7 @@ def train(args) -> int:
         if say:
             first = loss if first is None else first
             last = loss
-            if say and (step % 25 == 0 or step == 1):
+            if step % 25 == 0 or step == 1:
                 rate = (step - done) * batch / (time.perf_counter() - start)
                 print(f"step {step:4d}  loss {loss:.4f}  {rate:8.1f} samples/s", flush=True)
         if ckpt and (step == args.steps or args.save_every and step % args.save_every == 0):

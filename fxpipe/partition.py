@@ -97,13 +97,12 @@ from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint
 from .trace import alias_base, written_values
-from .schedule import zb_bounds
+from .schedule import SCHEDULES, min_microbatches, zb_bounds
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
            "placement", "stage_links", "reduction_time", "BlockCosting", "Capacity", "capacity"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
-_SCHEDULES = ("2bw", "1f1b", "gpipe", "zb")
 _REL_TOL = 1e-9
 _REDUCTION_PROBES = 16  # at most this many solver calls in _cut_for_reduction's bisection; its grids take
 _REDUCTION_TOL = 1e-3  # half that plus one each; the bisection ends within this of the all-reduce time
@@ -1017,7 +1016,8 @@ def pipeline_time(schedule: str, stages: int, microbatches: int, bottleneck: flo
     al. 2024, section 3) fills the drain with deferred weight passes, leaving
     ``m * bottleneck + (d - 1) * (F + I - W)``; with I = W (the simulator's default split of a
     backward) that is ``(d - 1) * forward``, ``forward`` defaulting to a third of the bottleneck
-    (a backward of two forwards), for m >= d. A recomputing zb stage defers no W, so zb with
+    (a backward of two forwards). With m < d fewer weight passes are left to fill the drain:
+    ``max(d - m, 0) * W`` more. A recomputing zb stage defers no W, so zb with
     ``recompute`` is priced as 1f1b. Equal to what :func:`fxpipe.simulate.simulate` measures on
     the generated lists for gpipe, 1f1b and 2bw, and for zb where F = I = W (the default); with
     other zb passes (a weight pass longer than a forward) it is a lower bound the simulator can
@@ -1025,7 +1025,8 @@ def pipeline_time(schedule: str, stages: int, microbatches: int, bottleneck: flo
     its step time from the simulator (tests/unit/test_simulate.py, test_zero_bubble.py)."""
     if schedule == "zb" and not recompute:
         f = bottleneck / 3 if forward is None else forward
-        return microbatches * bottleneck + (stages - 1) * f
+        w = (bottleneck - f) / 2  # I = W
+        return microbatches * bottleneck + (stages - 1) * f + max(stages - microbatches, 0) * w
     return (microbatches if schedule == "2bw" else microbatches + stages - 1) * bottleneck
 
 
@@ -1284,9 +1285,9 @@ def _configs(world: int, depths: Sequence[int], global_batch: int | None, microb
         else:
             per = global_batch // w
             got = [(d, w, bb, per // bb) for bb in _divisors(per)]
-        if schedule != "gpipe":
+        if min_microbatches(schedule, d) > 1:
             most = max(c[3] for c in got)
-            got = [c for c in got if c[3] >= d]
+            got = [c for c in got if c[3] >= min_microbatches(schedule, d)]
             if not got:
                 why[d] = (f"d={d}: {schedule!r} needs at least d micro-batches, found at most m={most}; use "
                           f"microbatches >= {d}" + ("" if global_batch is None else f" (global_batch >= {d * w})"))
@@ -1614,8 +1615,8 @@ def plan(
     built on the meta device (with meta example inputs): nothing is allocated.
     ``top``: how many configurations ``plan.configurations`` keeps (the best of each depth).
     """
-    if schedule not in _SCHEDULES:
-        raise PlanError(f"schedule must be one of {_SCHEDULES}, found {schedule!r}")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule must be one of {SCHEDULES}, found {schedule!r}")
     if accumulation not in ("autograd", "fused", "optimizer"):
         raise PlanError(f"accumulation must be 'autograd', 'fused' or 'optimizer' (AdamA), found {accumulation!r}")
     if precision not in PRECISIONS:
@@ -1693,12 +1694,8 @@ def plan(
     source = _GraphSource(gm, costs, schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param,
                           accumulation=accumulation, precision=precision)
     if stages is not None:
-        if stages > source.n:
-            raise PlanError(
-                f"cannot cut {source.n} compute nodes into {stages} stages (each stage needs at least one "
-                f"node): use stages <= {source.n}"
-            )
-        if schedule != "gpipe" and microbatches is not None and microbatches < stages:
+        _check_depth(source.chain(source.batch_size, 1), stages)
+        if microbatches is not None and microbatches < min_microbatches(schedule, stages):
             raise PlanError(
                 f"schedule {schedule!r} needs at least as many micro-batches as stages: found microbatches="
                 f"{microbatches} < stages={stages}; use microbatches >= {stages}"
@@ -2225,12 +2222,14 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
     needs: micro-batches of the smallest size, recomputation on, and every depth d (deepest
     first) of the world size. Depths double until one does not fit, then bisect; each try costs
     the model one block at a time (:class:`BlockCosting`) and asks the partitioner whether any
-    cut fits. Returns the depth, its parameter count and the fitting configuration."""
+    cut fits. Returns the depth, its parameter count and the fitting configuration. ``clip``: the
+    training clips by the global norm (two gradient buffers per stage, as with data parallelism;
+    without either, one)."""
     cluster = _resolve_cluster(cluster)
     if cluster is None:
         raise PlanError("capacity needs a cluster (a fxpipe.Cluster, a preset name or a .json/.toml path), found None")
-    if schedule not in _SCHEDULES:
-        raise PlanError(f"schedule must be one of {_SCHEDULES}, found {schedule!r}")
+    if schedule not in SCHEDULES:
+        raise PlanError(f"schedule must be one of {SCHEDULES}, found {schedule!r}")
     global_batch = _positive("global_batch", global_batch, allow_none=False)
     world_size = _positive("world_size", world_size)
     device_memory = _positive("device_memory", device_memory, integer=False)
@@ -2255,7 +2254,9 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
             if b is None:
                 continue
             m = per // b
-            chain = source.chain(b, 2)  # two gradient buffers: overlapped reductions or a tied weight
+            # two gradient buffers under clipping or data parallelism, as _price counts them (one
+            # otherwise: a tied weight's second buffer is not counted here)
+            chain = source.chain(b, 2 if (w > 1 or clip) else 1)
             sm = StageModel.for_schedule(schedule, d, m, True, device, limit, stage_links(cluster, d, w),
                                          cluster.overlap_p2p)
             if sum(chain.valid) >= d - 1 and _Solver(chain, sm).feasible(math.inf) is not None:

@@ -171,7 +171,7 @@ class PipelineConfig:
             raise ConfigError(f"fxpipe.compile: {name} must be {expected}, found {found!r}{fix}")
 
         if self.schedule not in SCHEDULES:
-            bad("schedule", "'2bw', '1f1b', 'gpipe' or 'zb'", self.schedule,
+            bad("schedule", ", ".join(map(repr, SCHEDULES[:-1])) + f" or {SCHEDULES[-1]!r}", self.schedule,
                 "'2bw' is PipeDream-2BW (the default), '1f1b' PipeDream-Flush, 'gpipe' GPipe, "
                 "'zb' zero-bubble ZB-H1 (1f1b's numbers, each backward split into I and a deferred W)")
         for name in ("microbatches", "stages"):
@@ -488,8 +488,6 @@ class Pipeline:
                     kind = kind if isinstance(kind, type) and issubclass(kind, FxpipeError) else PlanError
                     raise kind(f"rank 0 could not plan the pipeline ({name}): {message}")
             plan = Plan.from_json(plan_json)
-        elif isinstance(plan, str):
-            plan = Plan.from_json(plan)
         traced = self.trace_info.batch_size
         if traced is not None and plan.microbatch_size != traced:  # every rank has this plan: all raise
             raise ConfigError(
@@ -662,7 +660,7 @@ class Pipeline:
                                          needs_target=self.config.loss_fn is not None, what="step()")
         chunks = _split_batch((args, kwargs, target), m * w)
         if self.t == 0 and self.config.check_batch and self.distributed:
-            _check_same_batch((args, kwargs, target), self.rank, self.world_size, self.device)
+            _check_same_batch((args, kwargs, target), self.world_size, self.device)
         self.t += 1
         t = self.t
         for r, wk in self.workers.items():
@@ -1186,8 +1184,7 @@ class Pipeline:
                 and o.microbatches in (None, saved.microbatches) and saved.stages * saved.width == world):
             self.config = replace(o, plan=saved)
         elif o.plan is not None:  # its micro-batch size, which its graph was traced with
-            given = Plan.from_json(o.plan) if isinstance(o.plan, str) else o.plan
-            example = _resize_example(example, given.microbatch_size)
+            example = _resize_example(example, o.plan.microbatch_size)
         else:
             if o.microbatches is None:
                 self.config = o = replace(o, microbatches=saved.microbatches)
@@ -1452,7 +1449,7 @@ def _split_batch(batch, n: int) -> list:
     return [pytree.tree_unflatten([s[i] for s in split], spec) for i in range(n)]
 
 
-def _check_same_batch(batch, rank: int, world: int, device: torch.device) -> None:
+def _check_same_batch(batch, world: int, device: torch.device) -> None:
     """Every rank must pass the same global batch; compare cheap checksums across ranks."""
     sums = []
     for x in pytree.tree_leaves(batch):

@@ -133,6 +133,7 @@ from fxpipe.errors import ScheduleError
 
 __all__ = [
     "SCHEDULES",
+    "min_microbatches",
     "Action",
     "Kind",
     "KindSpec",
@@ -156,7 +157,8 @@ __all__ = [
     "zb_bounds",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "2bw", "zb")
+#: Every schedule, the default first: the one list the API, the planner and the CLI accept.
+SCHEDULES = ("2bw", "1f1b", "gpipe", "zb")
 
 
 class Kind(str, enum.Enum):
@@ -378,13 +380,20 @@ def _check_args(schedule: str, stages: int, microbatches: int, steps: int, width
     for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps), ("width", width)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be an int >= 1, found {value!r}")
-    if schedule == "2bw" and microbatches < stages:
-        # With m < d stage 0's warm-up would run a forward of batch t+2 before batch t's last
-        # backward, so no UPDATE position could give it W(t) (docs/design.md: a batch is m >= d).
-        raise ScheduleError(
-            f"2bw needs at least as many micro-batches as stages (m >= d), found m={microbatches} < "
-            f"d={stages}: pass microbatches={stages} or more, or use schedule='1f1b'"
-        )
+    if microbatches < (least := min_microbatches(schedule, stages)):
+        raise ScheduleError(f"{schedule} needs at least as many micro-batches as stages (m >= d), found "
+                            f"m={microbatches} < d={stages}: pass microbatches={least} or more, or use "
+                            f"schedule='1f1b'")
+
+
+def min_microbatches(schedule: str, stages: int) -> int:
+    """The fewest micro-batches a step of ``schedule`` may have on ``stages`` stages: ``stages``
+    under 2bw, 1 otherwise. 2bw needs m >= d for its version rule: with fewer, stage 0's warm-up
+    would run a forward of batch t+2 before batch t's last backward, so no UPDATE position could
+    give it W(t) (docs/design.md: a batch is m >= d). 1f1b and zb take any m (with m < d stage s
+    holds min(d - s, m) micro-batches, so the later stages hold fewer than gpipe's m). The
+    generator and the planner both read this rule."""
+    return stages if schedule == "2bw" else 1
 
 
 def _one_f_one_b(first: int, last: int, warmup: int) -> list[tuple[Kind, int]]:
@@ -1172,15 +1181,15 @@ def _groups(by_stage: Mapping[int, Sequence[Action]]) -> dict[str, list[int]]:
     return groups
 
 
-def comm_op(a: Action, rank: int | None = None, peer_rank: int | None = None) -> CommOp:
-    """The :class:`~fxpipe.deps.CommOp` that posting ``a`` makes in the validator's replay."""
+def comm_op(a: Action) -> CommOp:
+    """The :class:`~fxpipe.deps.CommOp` that posting ``a`` makes in the validator's replay (its
+    stage as the rank, its peer stage as the peer)."""
     spec = SPEC[a.kind]
-    rank = a.stage if rank is None else rank
     if spec.comm == "collective":
         group = f"{a.kind.value}:{a.stage}" if a.kind is Kind.DP_START else a.kind.value
-        return CommOp(rank, "collective", str(a), (a.kind, a.index), group=group)
+        return CommOp(a.stage, "collective", str(a), (a.kind, a.index), group=group)
     data = "act" if a.kind in (Kind.SEND_ACT, Kind.RECV_ACT) else "grad"
-    return CommOp(rank, spec.comm, str(a), (data, a.index), peer=a.peer if peer_rank is None else peer_rank)
+    return CommOp(a.stage, spec.comm, str(a), (data, a.index), peer=a.peer)
 
 
 def _check_steps(ck: _Checker, s: int, m: int, steps: int) -> None:

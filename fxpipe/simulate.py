@@ -152,7 +152,7 @@ class Timeline:
 _BUSY = COMPUTE | {Kind.UPDATE, Kind.EVAL}
 
 
-def _derive(events: list[Event], steps_hint: int | None = None) -> Timeline:
+def _derive(events: list[Event]) -> Timeline:
     """Makespan, steady-state step time, bubble and peak in-flight micro-batches of a set of events."""
     if not events:
         return Timeline([], 0.0, 0.0, 0.0, {})

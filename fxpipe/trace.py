@@ -213,7 +213,7 @@ def trace(
 
     tied = _dedup_parameters(model, gm)
     _clean(gm)
-    _annotate(gm, model, args, kwargs, path)
+    _annotate(gm, args, kwargs, path)
     leaves = pytree.tree_leaves((args, kwargs))
     first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     gm.meta["fxpipe"] = TraceInfo(
@@ -498,7 +498,7 @@ def _static_spec(node: fx.Node, t: torch.Tensor) -> TensorSpec:
     return TensorSpec.of(t)
 
 
-def _annotate(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, path: str) -> None:
+def _annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, path: str) -> None:
     params = dict(gm.named_parameters())
     buffers = dict(gm.named_buffers())
     if path != "export" or any("val" not in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):

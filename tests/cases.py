@@ -202,6 +202,11 @@ CASES = {
         Case("d4_gpt2_zb", model="gpt2", schedule="zb", stages=4, optimizer="sgd", max_grad_norm=1.0),
         Case("d4_llama_zb_recompute", model="llama", schedule="zb", stages=4, optimizer="adamw", recompute=True,
              dtype=torch.float64),
+        # fewer micro-batches than stages (1f1b and zb take it; stage s holds min(d - s, m))
+        Case("d4_m2_gpt2_1f1b", model="gpt2", schedule="1f1b", stages=4, microbatches=2, optimizer="sgd",
+             max_grad_norm=1.0),
+        Case("d4_m3_gpt2_zb", model="gpt2", schedule="zb", stages=4, microbatches=3, optimizer="adamw",
+             dtype=torch.float64),
         # three stages
         Case("d3_2bw_sgd", schedule="2bw", stages=3, optimizer="sgd", max_grad_norm=0.5),
         Case("d3_2bw_adamw", schedule="2bw", stages=3, optimizer="groups"),

@@ -655,7 +655,7 @@ def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule):
     of each kind; a gradient being sent may take the place of a received input it is no larger
     than. And each count of each moment is reached somewhere: the bound is the lists' own."""
     from fxpipe.partition import Held, _moments
-    from fxpipe.schedule import zb_bounds
+    from fxpipe.schedule import min_microbatches, zb_bounds
 
     def covered(v, h: Held) -> bool:
         c = [a - b for a, b in zip((h.whole, h.deferred, h.outputs, h.inputs, h.sent, h.grads, h.model_inputs), v)]
@@ -663,7 +663,7 @@ def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule):
 
     for d in range(1, 7):
         for m in range(1, 13):
-            if schedule == "2bw" and m < d:
+            if m < min_microbatches(schedule, d):
                 continue
             alive = [zb_bounds(s, d, m)[0] if schedule == "zb" else m if schedule == "gpipe" else d - s for s in range(d)]
             for on in (False, True):

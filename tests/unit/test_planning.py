@@ -184,6 +184,9 @@ def test_capacity_finds_the_deepest_model_that_fits(blocks):
             partition_chain(more.chain(1, 2), sm)
     assert capacity(blocks, cluster=Cluster(**{**roomy.__dict__, "memory": per_block * 24}), global_batch=8,
                     precision="fp16").layers > cap.layers
+    # without clipping a pipeline of one replica keeps one gradient buffer: more blocks fit
+    unclipped = capacity(blocks, cluster=roomy, global_batch=8, precision="fp16", clip=False)
+    assert unclipped.width == 1 and unclipped.layers > cap.layers, (unclipped, cap)
 
 
 def test_block_costing_errors():

@@ -250,7 +250,7 @@ def test_rank_mapping():
 def test_generate_errors():
     with pytest.raises(ScheduleError, match=r"2bw needs at least as many micro-batches as stages \(m >= d\), found m=2 < d=4"):
         generate("2bw", 4, 2, 1)
-    with pytest.raises(ScheduleError, match="unknown schedule 'zb2': expected one of gpipe, 1f1b, 2bw, zb"):
+    with pytest.raises(ScheduleError, match="unknown schedule 'zb2': expected one of 2bw, 1f1b, gpipe, zb"):
         generate("zb2", 2, 2)
     with pytest.raises(ScheduleError, match="recompute needs one bool per stage: expected 3, found 2"):
         generate("1f1b", 3, 3, recompute=[True, False])
@@ -272,6 +272,7 @@ def test_1f1b_with_fewer_microbatches_than_stages():
     lists = generate("1f1b", 4, 2, 2)
     validate(lists, "1f1b", 4, 2, 2)
     assert compute_only(lists[0]) == "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1 0F3v1 0F4v1 0B3v1 0B4v1 0UPDATE2"
+    assert compute_only(lists[3]) == "3F1v0 3B1v0 3F2v0 3B2v0 3UPDATE1 3F3v1 3B3v1 3F4v1 3B4v1 3UPDATE2"
 
 
 # ---------------------------------------------------------------------------------------------
