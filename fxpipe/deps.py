@@ -22,7 +22,10 @@ Two things decide when an action of :mod:`fxpipe.schedule` may run or finish:
 
 :func:`fxpipe.schedule.validate` runs it with labels only (zero cost), :class:`fxpipe.comm.LocalHub`
 with real tensors (the single-process driver), and :func:`fxpipe.simulate.simulate` with times
-(each of a rank's streams a lane of its own); all three read the same :func:`waits_for`.
+(each of a rank's streams a lane of its own). What an action waits for comes from one table,
+``fxpipe.schedule.SPEC``: the validator and the single-process driver (``StageWorker.ready``)
+read it through :func:`fxpipe.schedule.waits_for`, the simulator through
+:func:`fxpipe.schedule.lower_to_streams`.
 """
 
 from __future__ import annotations

@@ -6,14 +6,20 @@ recomputation, and what the cost model predicts per stage. Rank 0 plans and broa
 ``plan.to_json()``; every rank rebuilds it with :meth:`Plan.from_json` and checks
 ``plan.graph_hash`` against :func:`graph_fingerprint` of its own trace.
 
-Example (``print(plan)``)::
+Example (``print(plan)`` of tests/models.py's tiny GPT-2, ``stages=2, microbatches=4``; columns
+trimmed)::
 
-    Plan: 2bw, d=2 stages x w=1 replicas, b=2, m=4 (analytic costs on cpu, graph 3f9c0a1b2d4e)
-    stage  nodes  span                             fwd ms  bwd ms  comm ms  memory MB  params MB  recompute
-    0      61     input_ids .. add_7 (h.0 .. h.1)   0.21    0.33     0.10       1.9        0.4   no
-    1      58     layer_norm_4 .. cross_entropy     0.24    0.38     0.10       1.7        0.4   no
-    predicted 2.36 ms per step, 3390 samples/s; chosen over d=1 w=2 b=2 recompute=off (3012 samples/s)
+    Plan: 2bw, d=2 stages x w=1 replicas, b=2, m=4 (analytic costs on cpu, memory limit 25276.1 MB, graph c037cfe3c0ef)
+      stage    nodes  span                                                   fwd ms    bwd ms    comm ms  ...  recompute
+          0       81  view .. mul_2 (transformer .. transformer.h.0.mlp.act)  0.425     0.224      0.137  ...  no
+          1       52  tanh .. linear (transformer.h.0.mlp.act .. lm_head)     0.299     0.337      0.137  ...  no
+    placement: rank = replica x 2 + stage (replica-major; the runtime places ranks so), node = rank // 2
+      node 0: replica 0 stages 0-1
+    predicted 3.147 ms per step, 2542.0 samples/s (all-reduce 0.113 ms); chosen over d=2 w=1 b=2 m=4 recompute=on (2161.1 samples/s)
     global batch: b·m·w = 2 x 4 x 1 = 8 samples per step
+    configurations searched (the best of each depth):
+      N    d    w    b    m  recompute      samples/s    step ms  ...  fits    why not chosen
+      2    2    1    2    4  off               2542.0        3.1  ...  yes     chosen
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from tabulate import tabulate
 
 from .cluster import Cluster, Link
 from .cost import DeviceModel
+from .errors import PlanError
+from .schedule import LAYOUTS, SCHEDULES
 
 __all__ = ["Plan", "StagePlan", "RunnerUp", "Configuration", "graph_fingerprint"]
 
@@ -152,6 +160,14 @@ class Plan:
     #: which rank runs which (stage, replica), as the runtime places them (fxpipe.schedule.rank_of):
     #: "replica" (rank = replica * d + stage) or "stage" (rank = stage * w + replica)
     layout: str = "replica"
+
+    def __post_init__(self):
+        # a plan read from JSON someone edited: the names every phase branches on must be known ones
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"the plan's schedule must be one of {SCHEDULES}, found {self.schedule!r}; re-plan")
+        if self.layout not in LAYOUTS:
+            raise PlanError(f"the plan's layout must be one of {LAYOUTS} (replica-major: rank = replica x d + stage; "
+                            f"stage-major: rank = stage x w + replica), found {self.layout!r}; re-plan")
 
     @property
     def assignment(self) -> dict[str, int]:

@@ -210,8 +210,8 @@ class StageWorker:
 
     def ready(self, a: Action) -> bool:
         """Whether ``a`` can run now without waiting: the one action it consumes
-        (:func:`fxpipe.schedule.waits_for`) has completed. Always true across processes, where
-        waiting is what the rank should do."""
+        (:func:`fxpipe.schedule.waits_for`) has completed. The single-process driver interleaves
+        the stages by it; across processes each rank runs its list in order and waits."""
         need = waits_for(a, self.cfg.stages)
         if need is None:
             return True

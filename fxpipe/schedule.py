@@ -112,9 +112,10 @@ Point-to-point posting (what the runtime does)
 post order, pairs matched in order, collectives once every member posted) and reports
 mismatches and deadlocks with the blocked posts.
 
-Ranks: with data-parallel width ``w``, rank ``= replica * d + stage`` (a pipeline replica owns
-consecutive ranks, so its p2p stays on one node); every replica of a stage runs the same list.
-See :func:`rank_of` and :func:`stage_and_replica`.
+Ranks: with data-parallel width ``w``, every replica of a stage runs the same list. The IR
+numbers ranks replica-major, rank ``= replica * d + stage`` (a pipeline replica owns consecutive
+ranks, so its p2p stays on one node); a plan may place them stage-major instead
+(``Plan.layout``, rank ``= stage * w + replica``). See :func:`rank_of` and :func:`stage_and_replica`.
 
 Stream lowering: :func:`lower_to_streams` maps one rank's list onto the streams ``compute``,
 ``p2p_prev``, ``p2p_next`` and ``reduce`` with the events each op waits for (see there).
@@ -1319,18 +1320,19 @@ class StreamOp(NamedTuple):
 def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
     """Place one rank's list on streams, with the events each op must wait for.
 
-    * ``compute`` (in list order): F, R, B, UPDATE and the ``*_WAIT`` joins. ``F k`` waits only
-      for ``RECV_ACT k`` (when the stage receives), ``B k`` only for ``RECV_GRAD k``, ``X_WAIT t``
-      only for ``X_START t``. Compute never waits for a send: the runtime keeps the sent tensor
+    * ``compute`` (in list order): F, R, B, zb's I and W, UPDATE and the ``*_WAIT`` joins: each
+      waits for the one action ``SPEC`` names (``F k`` for ``RECV_ACT k`` when the stage
+      receives, ``B k`` and ``I k`` for ``RECV_GRAD k``, ``X_WAIT t`` for ``X_START t``). Compute never waits for a send: the runtime keeps the sent tensor
       alive until the send finishes (``Tensor.record_stream`` on CUDA, the work handle on CPU).
     * ``p2p_prev`` / ``p2p_next``: every SEND and RECV with the previous / next stage, both
       directions on one stream in list order, so each matches the peer's op one-for-one (no
       unpaired concurrent NCCL send and receive). ``SEND_ACT k`` waits only for ``F k`` (an eval
       pass's ``EVAL k``),
-      ``SEND_GRAD k`` only for ``B k``; a RECV waits for nothing: it receives into a fresh buffer
-      from the caching allocator, so no compute has to finish first.
-    * ``reduce``: ``DP_START``/``TIED_START`` wait for the last B before them in the list (the
-      batch's gradients are then complete); ``NORM_START`` also waits for ``DP_START``/
+      ``SEND_GRAD k`` only for ``B k`` (zb: ``I k``, which computes the input gradient); a RECV
+      waits for nothing: it receives into a fresh buffer from the caching allocator, so no
+      compute has to finish first.
+    * ``reduce``: ``DP_START``/``TIED_START`` wait for the last backward pass before them in the
+      list (B, or zb's I or W: the batch's gradients are then complete); ``NORM_START`` also waits for ``DP_START``/
       ``TIED_START`` of its batch, whose completion the reduced gradient needs.
     """
     key = {(a.kind, a.index): str(a) for a in actions}

@@ -1,6 +1,7 @@
 """Tests of the partitioner: exact against brute force, memory, determinism, the planner, errors."""
 
 import itertools
+import json
 import math
 import random
 import re
@@ -204,6 +205,15 @@ def test_gpt2_plan_json_print_and_hash():
     assert p.stage_plans[0].param_bytes > 0 and p.stage_plans[-1].param_bytes >= 100 * 32 * 4
     # deterministic: the same inputs give the same plan
     assert plan(gm, inputs, stages=2, microbatches=4) == p
+    # a hand-edited JSON with a name no phase knows is refused, not read one way here and another there
+    edited = json.loads(p.to_json())
+    with pytest.raises(PlanError, match=r"the plan's layout must be one of \('replica', 'stage'\) \(replica-major: "
+                                        r"rank = replica x d \+ stage; stage-major: rank = stage x w \+ replica\), "
+                                        r"found 'bogus'; re-plan"):
+        Plan.from_json(json.dumps({**edited, "layout": "bogus"}))
+    with pytest.raises(PlanError, match=r"the plan's schedule must be one of \('2bw', '1f1b', 'gpipe', 'zb'\), "
+                                        r"found 'pipedream'; re-plan"):
+        Plan.from_json(json.dumps({**edited, "schedule": "pipedream"}))
     with pytest.raises(Exception):
         object.__setattr__  # noqa: B018 - frozen dataclass below
         p.stages = 3  # type: ignore[misc]
