@@ -35,7 +35,7 @@ import io
 import os
 import warnings
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from .errors import FxpipeError
 if TYPE_CHECKING:
     from .pipeline import Pipeline
 
-__all__ = ["save", "load", "resolve", "read_meta", "CheckpointError"]
+__all__ = ["save", "load", "resolve", "read_meta", "fit_problems", "CheckpointError"]
 
 # DCP warns on every single-process save and load that it assumes a single process: fxpipe
 # passes no_dist=True exactly then, so the warning says nothing.
@@ -375,36 +375,51 @@ def _key_of(pipe: "Pipeline") -> dict[str, str]:
     return {n: keys[0] for n, keys in pipe.staged.originals.items() if keys}
 
 
+def fit_problems(groups: Iterable[Sequence[str]], known: Collection[str], want: Mapping[str, str],
+                 have: Mapping[str, str], compared: str = "shape") -> list[str]:
+    """Why a state ``have`` (original key -> its shape, and dtype where that is compared, as text)
+    does not fit the model: ``load``, ``load_state_dict`` and ``compile(weights=)`` ask this one
+    question. ``groups``: the keys of each tensor to fill here (a tied weight's aliases, the first
+    named), of which ``have`` must hold one; ``known``: every key of the whole model (a key
+    outside it is unexpected); ``want``: the text each key's tensor has here (``compared`` says
+    what that text holds). Empty: it fits."""
+    missing = sorted(keys[0] for keys in groups if keys and not any(k in have for k in keys))
+    unexpected = sorted(set(have) - set(known))
+    differ = [f"{k} is {have[k]} there, {want[k]} here" for k in sorted(have) if k in want and have[k] != want[k]]
+    out = []
+    if missing:
+        out.append(f"missing {len(missing)} keys: {_few(missing)}")
+    if unexpected:
+        out.append(f"unexpected {len(unexpected)} keys: {_few(unexpected)}")
+    if differ:
+        out.append(f"{len(differ)} tensors of another {compared}: {_few(differ)}")
+    return out
+
+
+def _few(items: Sequence[str], n: int = 12) -> str:
+    return repr(list(items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
 def _check_keys(pipe: "Pipeline", path: str, stored: dict) -> None:
     """Every key the model needs is in the checkpoint, with the shape and dtype this model has,
     and every model key there belongs to the model: DCP would stop at the first missing key, fail
     on a shape with a message about storage offsets, and ignore unexpected keys."""
     originals = pipe.staged.originals
-    expected = {k for keys in originals.values() for k in keys}
-    have = {k[len("model."):] for k in stored if k.startswith("model.")}
-    missing = sorted(keys[0] for keys in originals.values() if keys and not any(k in have for k in keys))
-    unexpected = sorted(have - expected)
-    stepped = {n for wk in pipe.workers.values() for n in wk.store.stepped()}
-    no_optim = sorted(originals[n][0] for n in stepped
-                      if f"optim.param_groups.{originals[n][0]}" not in stored and originals[n][0] not in missing)
+    have = {k[len("model."):]: f"{list(md.size)} {md.properties.dtype}" for k, md in stored.items()
+            if k.startswith("model.")}
     mine = {}
     for wk in pipe.workers.values():
         mine.update({s.name: (s.shape, s.dtype) for s in wk.store.layout.slots})
         mine.update({n: (tuple(b.shape), b.dtype) for n, b in wk.buffers.items()})
     mine.update({n: (tuple(t.shape), t.dtype) for n, t in pipe.staged.unused_state.items()})
-    differ = []
-    for n, (shape, dtype) in sorted(mine.items()):
-        md = stored.get(f"model.{originals[n][0]}") if originals.get(n) else None
-        if md is not None and (tuple(md.size), md.properties.dtype) != (tuple(shape), dtype):
-            differ.append(f"{originals[n][0]} is {list(md.size)} {md.properties.dtype} there, {list(shape)} {dtype} here")
-    if missing or unexpected or differ:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} model keys: {missing}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} model keys: {unexpected}")
-        if differ:
-            parts.append(f"{len(differ)} tensors of another shape or dtype: {differ}")
+    want = {k: f"{list(shape)} {dtype}" for n, (shape, dtype) in mine.items() for k in originals.get(n, ())}
+    parts = fit_problems(originals.values(), {k for keys in originals.values() for k in keys}, want, have,
+                         compared="shape or dtype")
+    missing = {keys[0] for keys in originals.values() if keys and not any(k in have for k in keys)}
+    stepped = {n for wk in pipe.workers.values() for n in wk.store.stepped()}
+    no_optim = sorted(originals[n][0] for n in stepped
+                      if f"optim.param_groups.{originals[n][0]}" not in stored and originals[n][0] not in missing)
+    if parts:
         raise CheckpointError(
             f"load: {path} does not fit this model ({pipe.trace_info.model_class}): " + "; ".join(parts)
             + ". Load a checkpoint saved from the same model (for weights alone, load_state_dict takes a "

@@ -142,7 +142,7 @@ def plan_costs(plan):
     """Simulator costs (seconds per action) from a plan's per-stage predictions."""
     from .partition import stage_links
     from .simulate import Costs
-    from .weights import versions_of
+    from .schedule import versions_of
 
     sps = plan.stage_plans
     if not sps:

@@ -119,30 +119,12 @@ class Materializer:
                   "model with every key of model.state_dict(), or give those modules a reset_parameters().")
 
     def _check_weights(self) -> list[str]:
-        have = self.weights.shapes()
-        expected: dict[str, tuple[int, ...]] = {}
-        missing = []
-        for key, t in self.model.state_dict(keep_vars=True).items():
-            expected[key] = tuple(t.shape)
-        seen = set()
-        for tid, keys in self.keys.items():
-            if tid in seen:
-                continue
-            seen.add(tid)
-            if not any(k in have for k in keys):
-                missing.append(keys[0])
-        unexpected = sorted(k for k in have if k not in expected)
-        differ = [f"{k}: {list(have[k])} there, {list(expected[k])} in the model" for k in sorted(have)
-                  if k in expected and tuple(have[k]) != expected[k]]
-        out = []
-        if missing:
-            out.append(f"weights ({self.weights.what}) lack {len(missing)} keys of the model, e.g. {missing[:5]}")
-        if unexpected:
-            out.append(f"weights ({self.weights.what}) hold {len(unexpected)} keys the model does not have, "
-                       f"e.g. {unexpected[:5]}")
-        if differ:
-            out.append(f"{len(differ)} weights have another shape, e.g. {differ[:3]}")
-        return out
+        from .checkpoint import fit_problems
+
+        want = {key: str(list(t.shape)) for key, t in self.model.state_dict(keep_vars=True).items()}
+        have = {key: str(list(shape)) for key, shape in self.weights.shapes().items()}
+        return [f"weights ({self.weights.what}): {p}"
+                for p in fit_problems(self.keys.values(), want, want, have)]
 
     def _initialisable(self, path: str) -> bool:
         parts = path.split(".") if path else []

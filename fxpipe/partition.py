@@ -1142,9 +1142,14 @@ def _step(chain: Chain, model: StageModel, part: Partition, cluster: Cluster, sc
     pipe = pipeline_time(schedule, d, m, part.bottleneck, recompute=any(model.recompute),
                          forward=float(chain.fwd[l : r + 1].sum()))
     ar = reduction_time(cluster, chain, part.bounds, width, layout)
-    # 2bw applies batch t's gradients one step later, so the all-reduce overlaps the next
-    # batch (PipeDream-2BW §3.1); flushing schedules wait for it.
-    return (max(pipe, ar) if schedule == "2bw" else pipe + ar), pipe, ar, slow
+    return step_time(schedule, pipe, ar), pipe, ar, slow
+
+
+def step_time(schedule: str, pipe: float, allreduce: float) -> float:
+    """A step of ``pipe`` seconds of pipelining and an ``allreduce`` of the gradients: 2bw applies
+    batch t's gradients one step later, so the all-reduce overlaps the next batch (PipeDream-2BW
+    §3.1); the flushing schedules wait for it."""
+    return max(pipe, allreduce) if schedule == "2bw" else pipe + allreduce
 
 
 def _cut_for_reduction(chain: Chain, model: StageModel, part: Partition, cluster: Cluster, schedule: str, m: int,
@@ -1485,8 +1490,7 @@ def _bound(source, cluster: Cluster, schedule: str, world: int, d: int, w: int, 
         for layout in _layouts(cluster, d, w):  # a bound for every layout the search prices
             groups = [[_rank(s, r, d, w, layout) for r in range(w)] for s in range(d)]
             ar = min(ar, min(cluster.allreduce_time(share, g, groups) for g in groups))
-    step = max(pipe, ar) if schedule == "2bw" else pipe + ar
-    return b * m * w / step
+    return b * m * w / step_time(schedule, pipe, ar)
 
 
 def _reason(c: _Candidate, win: _Candidate, schedule: str, limit: float) -> str:
@@ -1793,8 +1797,7 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
             return None
         ar = reduction_time(cluster, chain, bounds, plan.width, plan.layout)
         pipe = simulate(lists, plan_costs(dataclasses.replace(plan, stage_plans=tuple(sps)))).step_time
-        step = max(pipe, ar) if plan.schedule == "2bw" else pipe + ar  # as _price prices it
-        return step, ar, tuple(sps)
+        return step_time(plan.schedule, pipe, ar), ar, tuple(sps)
 
     allowed = np.flatnonzero(chain.valid)
     done = np.cumsum(chain.fwd + chain.bwd)  # compute of positions 0..c

@@ -1010,41 +1010,30 @@ class Pipeline:
         """Load weights saved under the original model's keys (by fxpipe or plain PyTorch): every
         key :meth:`state_dict` has, the parameters no node reads included; a non-persistent
         buffer is in no state dict and keeps its value, as in PyTorch."""
+        from .checkpoint import fit_problems
+
         self._require_setup("load_state_dict")
         self.flush()
+        originals = self.staged.originals
+        shapes = {n: t.shape for n, t in self.staged.unused_state.items()}  # what this rank fills
+        for wk in self.workers.values():
+            shapes.update({sl.name: sl.shape for sl in wk.store.layout.slots})
+            shapes.update({n: b.shape for n, b in wk.buffers.items()})
+        # nn.Module.load_state_dict's rules (strict): every key, no other, each of its shape (a
+        # copy would broadcast a smaller one), all checked before anything is written
+        problems = fit_problems([originals.get(n, [n]) for n in shapes], {k for keys in originals.values() for k in keys},
+                                {k: str(list(s)) for n, s in shapes.items() for k in originals.get(n, [n])},
+                                {k: str(list(t.shape)) for k, t in sd.items()})
+        if problems:
+            raise ValueError(f"load_state_dict: the state dict does not fit this model ({self.trace_info.model_class}): "
+                             + "; ".join(problems) + ". Nothing was loaded. Pass a state dict of the same model, "
+                             "built with the same configuration (model.state_dict()).")
 
-        def pick(shapes: Mapping[str, torch.Size], where: str) -> dict[str, torch.Tensor]:
-            """Every name's tensor in ``sd``, checked against its shape here before anything is
-            written (nn.Module.load_state_dict's rule: a copy would broadcast a smaller one)."""
-            local, missing, wrong = {}, [], []
-            for name, shape in shapes.items():
-                keys = self.staged.originals.get(name, [name])
-                if not keys:  # a non-persistent buffer
-                    continue
-                key = next((k for k in keys if k in sd), None)
-                if key is None:
-                    missing.append(keys[0])
-                elif tuple(sd[key].shape) != tuple(shape):
-                    wrong.append(f"{key}: expected {list(shape)}, found {list(sd[key].shape)}")
-                else:
-                    local[name] = sd[key]
-            if missing:
-                raise KeyError(
-                    f"load_state_dict: {where} needs {len(missing)} keys the state dict lacks, "
-                    f"e.g. {missing[:3]}. Pass a state dict of the same model (model.state_dict())."
-                )
-            if wrong:
-                raise ValueError(
-                    f"load_state_dict: {where} has {len(wrong)} tensors of another shape in the state dict "
-                    f"({'; '.join(wrong[:3])}); nothing was loaded. Pass a state dict of the same model, built with "
-                    f"the same configuration (model.state_dict())."
-                )
-            return local
+        def pick(names) -> dict[str, torch.Tensor]:
+            return {n: sd[next(k for k in originals.get(n, [n]) if k in sd)] for n in names if originals.get(n, [n])}
 
-        unused = pick({n: t.shape for n, t in self.staged.unused_state.items()}, "the model's state that no node reads")
-        stages = [(wk, pick({**{sl.name: sl.shape for sl in wk.store.layout.slots},
-                             **{n: b.shape for n, b in wk.buffers.items()}}, f"stage {wk.index}"))
-                  for wk in self.workers.values()]
+        unused = pick(self.staged.unused_state)
+        stages = [(wk, pick([*(sl.name for sl in wk.store.layout.slots), *wk.buffers])) for wk in self.workers.values()]
         with torch.no_grad():
             for name, t in unused.items():
                 self.staged.unused_state[name].copy_(t)

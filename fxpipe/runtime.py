@@ -32,7 +32,7 @@ from .backward import SavedTensors
 from .comm import Comm, Handle
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision, fp32_params
-from .schedule import Action, Kind, waits_for
+from .schedule import Action, Kind, batch_of, waits_for
 from .trace import alias_base, written_values
 from .weights import WeightStore
 
@@ -154,7 +154,7 @@ class StageWorker:
     # ------------------------------------------------------------------ helpers
 
     def _batch(self, k: int) -> int:
-        return (k - 1) // self.cfg.microbatches + 1
+        return batch_of(k, self.cfg.microbatches)
 
     @contextlib.contextmanager
     def _rng(self, k: int):

@@ -134,6 +134,7 @@ from fxpipe.errors import ScheduleError
 
 __all__ = [
     "SCHEDULES",
+    "versions_of",
     "min_microbatches",
     "Action",
     "Kind",
@@ -320,6 +321,12 @@ def stream_of(a: Action) -> str:
     if stream == "p2p":
         return "p2p_next" if a.peer > a.stage else "p2p_prev"
     return stream
+
+
+def versions_of(schedule: str) -> int:
+    """Weight versions alive per stage: two under 2bw (W(t) and W(t-1), a delay of one step),
+    one otherwise."""
+    return 2 if schedule == "2bw" else 1
 
 
 def batch_of(k: int, microbatches: int) -> int:
@@ -994,7 +1001,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
     before_i: set[int] = set()
     backward = (Kind.I, Kind.W) if zb else (Kind.B,)  # what each micro-batch's backward is here
     reduced = {a.index for a in lst if a.kind in STARTS}  # batches whose gradient is reduced
-    max_versions = 2 if schedule == "2bw" else 1
+    max_versions = versions_of(schedule)
 
     def check_versions(alive: set[int], where: str) -> None:
         if len(alive) > max_versions:

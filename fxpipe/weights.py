@@ -34,15 +34,11 @@ from torch.autograd.graph import get_gradient_edge
 
 from .backward import PendingWeights, SplitCache, backward_input
 from .precision import Precision, compute_dtype
+from .schedule import versions_of
 
-__all__ = ["WeightStore", "weight_bytes", "versions_of"]
+__all__ = ["WeightStore", "weight_bytes"]
 
 _STRUCTURE = ("params", "param_names")  # what a param group holds beside its hyper-parameters
-
-
-def versions_of(schedule: str) -> int:
-    """Compute versions alive per stage: two under 2bw (W(t) and W(t-1)), one otherwise."""
-    return 2 if schedule == "2bw" else 1
 
 
 def weight_bytes(numel: int, itemsize: int, *, requires_grad: bool, schedule: str, grad_buffers: int,

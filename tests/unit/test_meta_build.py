@@ -116,9 +116,9 @@ def test_weights_errors_name_the_keys_before_anything_is_built(tmp_path):
     with pytest.raises(ConfigError) as e:
         fxpipe.compile(*on_meta(mlp), loss_fn=mse, microbatches=2, stages=2, verbose=False, weights=sd)
     msg = str(e.value)
-    assert "lack 1 keys of the model, e.g. ['3.bias']" in msg
-    assert "1 keys the model does not have, e.g. ['head.weight']" in msg
-    assert "5.weight: [4, 4] there, [32, 32] in the model" in msg
+    assert "missing 1 keys: ['3.bias']" in msg
+    assert "unexpected 1 keys: ['head.weight']" in msg
+    assert "1 tensors of another shape: ['5.weight is [4, 4] there, [32, 32] here']" in msg
     assert "Pass weights= a state dict" in msg
     with pytest.raises(ConfigError, match="weights must be an existing file.*found '.*nope.pt'.*check the path"):
         fxpipe.compile(*on_meta(mlp), weights=str(tmp_path / "nope.pt"))
