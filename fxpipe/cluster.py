@@ -397,10 +397,6 @@ class Cluster:
                 f"found a request for {ranks}; use world_size <= {self.size} or a cluster with more nodes"
             )
 
-    def p2p_link(self, rank_a: int, rank_b: int) -> Link:
-        """The link a point-to-point message between two ranks crosses."""
-        return self.intra if self.node_of(rank_a) == self.node_of(rank_b) else self.inter
-
     def ring_bandwidth(self, group: Sequence[int], concurrent: Sequence[Sequence[int]] = ()) -> float:
         """Bytes/s of each hop of a ring all-reduce over ``group``: the intra link inside one node;
         across nodes, the slowest node interface's share, each node's interface divided among the

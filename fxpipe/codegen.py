@@ -308,17 +308,11 @@ class StagedModel:
     def num_stages(self) -> int:
         return len(self.stages)
 
-    def param_to_original(self) -> dict[str, list[str]]:
-        """Canonical parameter/buffer name -> every key of the original model's ``state_dict``
-        that holds it (tied aliases included; ``[]`` for non-persistent buffers)."""
-        return {k: list(v) for k, v in self.originals.items()}
-
-    def state_dict(self, stage_dicts: Sequence[Mapping[str, torch.Tensor]] | None = None) -> dict[str, torch.Tensor]:
-        """The full state dict under the ORIGINAL model's keys: ``model.load_state_dict(sd)``
-        loads it strictly. ``stage_dicts`` (per stage, from ``Stage.state_dict``, e.g. gathered
-        from the ranks) default to the local stages'. Raises if copies of a tied tensor differ."""
-        if stage_dicts is None:
-            stage_dicts = [st.state_dict() for st in self.stages]
+    def state_dict(self, stage_dicts: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The full state dict under the ORIGINAL model's keys, merged from each stage's (canonical
+        names; the pipeline gathers them from its weight stores, the owners of the newest
+        version): ``model.load_state_dict(sd)`` loads it strictly. Raises if copies of a tied
+        tensor differ."""
         if len(stage_dicts) != len(self.stages):
             raise ValueError(f"expected {len(self.stages)} stage state dicts, found {len(stage_dicts)}")
         merged: dict[str, torch.Tensor] = {}

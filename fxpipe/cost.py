@@ -301,17 +301,6 @@ class DeviceModel:
                                    host_cores=cores, random_time_per_element=per_random,
                                    backward_input_share=shares[0], backward_weight_share=shares[1])
 
-    def p2p_time(self, nbytes: float) -> float:
-        """Seconds to send one message of ``nbytes`` between adjacent stages."""
-        return self.p2p_latency + nbytes / self.p2p_bandwidth
-
-    def allreduce_time(self, nbytes: float, width: int) -> float:
-        """Seconds of a ring all-reduce of ``nbytes`` among ``width`` replicas (2(w-1)/w of
-        the data crosses each link)."""
-        if width <= 1:
-            return 0.0
-        return 2 * (width - 1) / width * nbytes / self.allreduce_bandwidth + 2 * (width - 1) * self.p2p_latency
-
     def measure_p2p(self, group=None, *, sizes: tuple[int, int] = (4, 8 << 20), repeats: int = 10) -> "DeviceModel":
         """This model with ``p2p_latency``/``p2p_bandwidth`` measured by a ping-pong between
         ranks 0 and 1 of ``group`` (every rank of the group must call it; the result is

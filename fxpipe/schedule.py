@@ -367,10 +367,12 @@ def stage_and_replica(rank: int, stages: int, width: int = 1, layout: str = "rep
     return rank % stages, rank // stages
 
 
-def actions_by_rank(by_stage: Mapping[int, list[Action]], width: int = 1) -> dict[int, list[Action]]:
-    """Expand per-stage lists to every rank of ``width`` data-parallel replicas (same list per replica)."""
+def actions_by_rank(by_stage: Mapping[int, list[Action]], width: int = 1,
+                    layout: str = "replica") -> dict[int, list[Action]]:
+    """Expand per-stage lists to every rank of ``width`` data-parallel replicas (same list per
+    replica), the ranks placed by ``layout`` (:func:`rank_of`)."""
     d = len(by_stage)
-    return {rank_of(s, r, d): list(by_stage[s]) for r in range(width) for s in range(d)}
+    return {rank_of(s, r, d, width, layout): list(by_stage[s]) for r in range(width) for s in range(d)}
 
 
 def compute_only(actions: Iterable[Action]) -> str:

@@ -109,8 +109,9 @@ def test_the_local_machine_is_a_one_node_cluster():
     dm = DeviceModel.cpu()
     c = Cluster.from_device_model(dm, 4)
     assert (c.nodes, c.per_node, c.usable_memory) == (1, 4, dm.memory_bytes)
-    assert c.allreduce_time(8e6, range(4)) == pytest.approx(dm.allreduce_time(8e6, 4))
-    assert c.p2p_link(0, 3).time(1e6) == pytest.approx(dm.p2p_time(1e6))
+    # a ring of 4 moves 2 (w - 1) / w of the data over the all-reduce bandwidth, 2 (w - 1) latencies
+    assert c.allreduce_time(8e6, range(4)) == pytest.approx(1.5 * 8e6 / dm.allreduce_bandwidth + 6 * dm.p2p_latency)
+    assert c.intra.time(1e6) == pytest.approx(dm.p2p_latency + 1e6 / dm.p2p_bandwidth)
     back = c.device_model()
     assert (back.peak_flops, back.p2p_bandwidth, back.allreduce_bandwidth) == (dm.peak_flops, dm.p2p_bandwidth,
                                                                               dm.allreduce_bandwidth)

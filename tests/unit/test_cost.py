@@ -85,8 +85,6 @@ def test_linear_fit():
 def test_device_model_defaults_overrides_and_errors():
     cpu = DeviceModel.cpu(p2p_bandwidth=1e9)
     assert cpu.p2p_bandwidth == 1e9 and cpu.memory_bytes > 0
-    assert math.isclose(cpu.p2p_time(1e9), cpu.p2p_latency + 1.0)
-    assert cpu.allreduce_time(1e9, 1) == 0.0 and cpu.allreduce_time(1e9, 2) > 1e9 / cpu.allreduce_bandwidth * 0.99
     assert DeviceModel.gpu().peak_flops > cpu.peak_flops
     assert cpu.measure_p2p() is cpu  # no process group: unchanged
     with pytest.raises(PlanError, match=r"DeviceModel.peak_flops must be a positive, finite number, found -1"):

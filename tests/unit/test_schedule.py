@@ -242,9 +242,12 @@ def test_rank_mapping():
     d, w = 4, 3
     assert [rank_of(s, r, d) for r in range(w) for s in range(d)] == list(range(12))
     assert stage_and_replica(6, d) == (2, 1)
-    by_rank = actions_by_rank(generate("1f1b", d, 4, 1, width=w), w)
+    lists = generate("1f1b", d, 4, 1, width=w)
+    by_rank = actions_by_rank(lists, w)
     assert sorted(by_rank) == list(range(12))
-    assert by_rank[6] == by_rank[2]
+    assert by_rank[6] == by_rank[2] == lists[2]  # replica-major: rank = replica * d + stage
+    by_rank = actions_by_rank(lists, w, layout="stage")
+    assert sorted(by_rank) == list(range(12)) and by_rank[6] == by_rank[7] == lists[2]  # rank = stage * w + replica
 
 
 def test_generate_errors():
