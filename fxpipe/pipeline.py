@@ -595,14 +595,9 @@ class Pipeline:
             staged = split(gm, assignment, build=build, device=self.device, source=self._source)
         except Exception as e:  # noqa: BLE001 - re-raised below, after the ranks agree
             failed = e
-        if self._source is not None and self.distributed:
-            flags = torch.zeros(self.world_size, device=self.device)
-            flags[self.rank] = float(failed is not None)
-            dist.all_reduce(flags)
-            others = [r for r in range(self.world_size) if flags[r] and r != self.rank]
-            if failed is None and others:
-                raise FxpipeError(f"rank(s) {others} could not build their stage (their error says why); every rank stops")
-        if failed is not None:
+        if self._source is not None:
+            self._raise_agreed(failed, FxpipeError, "rank {rank} could not build its stage, so no rank goes on: ")
+        elif failed is not None:
             raise failed
         return staged
 
@@ -940,19 +935,25 @@ class Pipeline:
         self._raise_agreed(problem, FxpipeError, "rank {rank}: ")
         return staged
 
-    def _raise_agreed(self, problem: str | None, kind: type[Exception], elsewhere: str, group=None) -> None:
-        """Raise ``kind`` on every rank if any rank found a problem: ``problem`` is this rank's
-        message (None: none found), each rank checking only its own stages. Under torchrun the
+    def _raise_agreed(self, problem: str | Exception | None, kind: type[Exception], elsewhere: str,
+                      group=None) -> None:
+        """Raise on every rank if any rank found a problem: ``problem`` is this rank's message or
+        exception (None: none found), each rank checking only its own stages. Under torchrun the
         messages are all-gathered on ``group``, so a rank does not raise alone while the others
-        wait for it; a rank raises its own message, or else the first rank's, after
-        ``elsewhere`` (formatted with ``rank``)."""
+        wait for it. A rank raises its own problem (an exception as it is, a message as
+        ``kind``), or else ``kind`` with the first rank's message after ``elsewhere`` (formatted
+        with ``rank``)."""
+        text = None if problem is None else (f"{type(problem).__name__}: {problem}"
+                                             if isinstance(problem, Exception) else problem)
         if self.distributed:
             found: list = [None] * self.world_size
-            dist.all_gather_object(found, problem, group=group)
+            dist.all_gather_object(found, text, group=group)
             if problem is None:
-                problem = next((elsewhere.format(rank=r) + p for r, p in enumerate(found) if p is not None), None)
-        if problem is not None:
-            raise kind(problem)
+                text = next((elsewhere.format(rank=r) + p for r, p in enumerate(found) if p is not None), None)
+        if isinstance(problem, Exception):
+            raise problem
+        if text is not None:
+            raise kind(text)
 
     def _build_eval(self):
         """Stages of an eval-mode trace, cut where the training stages are: each eval node takes

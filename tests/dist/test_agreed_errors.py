@@ -80,6 +80,47 @@ def test_a_load_right_after_a_save_reads_the_new_checkpoint_on_every_rank():
     assert "2 tensors of another shape or dtype" in shape1[0] and shape1[0].startswith("load: ")
 
 
+def build_fails_on_one_rank(rank: int, world: int):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fxpipe
+    from fxpipe import codegen
+
+    split = codegen.split
+
+    def failing(*args, **kwargs):  # rank 1 cannot fill its stage (a full disk, a torn file)
+        if rank == 1:
+            raise OSError("no space left on device")
+        return split(*args, **kwargs)
+
+    codegen.split = failing
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    start = time.monotonic()
+    try:
+        fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, microbatches=2, schedule="1f1b", stages=world,
+                       verbose=False, timeout=60, weights=model.state_dict())
+        got = None
+    except Exception as e:  # noqa: BLE001
+        got = (type(e).__name__, str(e), time.monotonic() - start)
+    dist.barrier()
+    return got
+
+
+def test_a_stage_one_rank_cannot_build_stops_every_rank_with_its_reason():
+    results = run_function(2, "tests.dist.test_agreed_errors:build_fails_on_one_rank", timeout=150)
+    assert [r["error"] for r in results] == [None, None], results
+    (kind0, msg0, took0), (kind1, msg1, _) = (r["value"] for r in results)
+    assert (kind1, msg1) == ("OSError", "no space left on device")  # its own exception, as raised
+    assert kind0 == "FxpipeError" and took0 < 30, (kind0, took0)
+    assert msg0 == "rank 1 could not build its stage, so no rank goes on: OSError: no space left on device"
+
+
 class EvalReadsMore:
     """Built in the ranks: in eval mode the last layer's output also reads ``l1.bias``, which
     the first stage holds in training."""
