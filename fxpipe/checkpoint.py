@@ -42,12 +42,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.utils._pytree as pytree
 
-from .errors import FxpipeError
+from .errors import CheckpointError
 
 if TYPE_CHECKING:
     from .pipeline import Pipeline
 
-__all__ = ["save", "load", "resolve", "read_meta", "fit_problems", "CheckpointError"]
+__all__ = ["save", "load", "resolve", "read_meta", "fit_problems"]
 
 # DCP warns on every single-process save and load that it assumes a single process: fxpipe
 # passes no_dist=True exactly then, so the warning says nothing.
@@ -61,10 +61,6 @@ _OPTIMIZER = ("optimizer_steps", "lr_scheduler")  # equal on every rank whose st
 # stages may hold different numbers of groups (the lr itself is saved per parameter). CyclicLR
 # keeps max_lrs and its momenta, ReduceLROnPlateau min_lrs.
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "min_lrs", "base_momentums", "max_momentums")
-
-
-class CheckpointError(FxpipeError):
-    """A checkpoint cannot be written or does not fit this pipeline."""
 
 
 def step_dir(root: str, steps: int) -> str:

@@ -84,7 +84,7 @@ from torch import nn
 from .device import follow_device
 from .errors import FxpipeError, PlanError
 from .precision import AUTOCAST_META
-from .trace import TensorSpec, TraceInfo
+from .trace import TensorSpec, TraceInfo, get_attr
 
 __all__ = [
     "split",
@@ -534,18 +534,11 @@ def _stage_map(gm: fx.GraphModule, assignment: Mapping[str, int]) -> tuple[dict[
     return stage_of, d
 
 
-def _fetch(gm: nn.Module, target: str):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _state_read(gm: fx.GraphModule, node: fx.Node, canon) -> list[str]:
     """Canonical names of the parameters and buffers ``node`` reads."""
     out = []
     for a in node.all_input_nodes:
-        if a.op == "get_attr" and isinstance(_fetch(gm, a.target), torch.Tensor):
+        if a.op == "get_attr" and isinstance(get_attr(gm, a.target), torch.Tensor):
             out.append(canon(a.target))
     if node.op == "call_module":
         sub = gm.get_submodule(node.target)
@@ -658,7 +651,7 @@ def _build_stage(
     root: dict[str, Any] = {}
     buffer_names: list[str] = []
     for a in attrs:
-        obj = _fetch(gm, a.target)
+        obj = get_attr(gm, a.target)
         if isinstance(obj, torch.Tensor):
             target = canon(a.target)
             if target in flat.params:

@@ -43,7 +43,7 @@ import torch.utils._pytree as pytree
 
 from .device import moved_copy, release_heap, rng_devices
 from .errors import PlanError
-from .trace import NodeInfo, normalize_inputs
+from .trace import NodeInfo, get_attr, normalize_inputs
 
 __all__ = ["DeviceModel", "Linear", "NodeCost", "GraphCosts", "annotate", "fit_two_sizes", "is_view", "b"]
 
@@ -1038,9 +1038,7 @@ def _measure(gm, example_inputs, torch_device, repeats: int, grad: dict[str, boo
                 env[node.name] = next(it)
                 continue
             if node.op == "get_attr":
-                obj = gm
-                for part in node.target.split("."):
-                    obj = getattr(obj, part)
+                obj = get_attr(gm, node.target)
                 if isinstance(obj, torch.Tensor):
                     obj = obj.detach().to(dev)
                     obj = obj.requires_grad_(node.target in params) if node.target in params else obj.clone()

@@ -39,3 +39,7 @@ class PeerError(FxpipeError, RuntimeError):
 
 class NonFiniteError(FxpipeError, FloatingPointError):
     """A loss or gradient was NaN or infinite (``nonfinite="raise"``); no weight took it in."""
+
+
+class CheckpointError(FxpipeError):
+    """A checkpoint cannot be written or read, or does not fit this pipeline."""

@@ -48,6 +48,7 @@ from torch import nn
 
 from .device import rng_devices, seed as seed_device
 from .errors import ConfigError
+from .trace import get_attr
 
 __all__ = ["Materializer", "has_meta", "init_seed"]
 
@@ -261,9 +262,7 @@ def _graph_tensors(gm: fx.GraphModule) -> list[tuple[str, torch.Tensor]]:
     out = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            obj = gm
-            for part in n.target.split("."):
-                obj = getattr(obj, part)
+            obj = get_attr(gm, n.target)
             if isinstance(obj, torch.Tensor):
                 out[n.target] = obj
     for name, t in [*gm.named_parameters(), *gm.named_buffers()]:

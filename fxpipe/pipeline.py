@@ -37,7 +37,7 @@ from .cost import DeviceModel
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from . import errors as errors_module
-from .errors import ConfigError, FxpipeError, NonFiniteError, PlanError, RuntimeMismatchError
+from .errors import CheckpointError, ConfigError, FxpipeError, NonFiniteError, PlanError, RuntimeMismatchError
 from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig
@@ -850,13 +850,7 @@ class Pipeline:
         for _, handle in posted:
             handle.wait()
         if self._stopped is None and not all(bool(torch.isfinite(total).all()) for total, _ in posted):
-            self._stopped = NonFiniteError(
-                f"a non-finite (NaN or infinite) gradient by step {t}: with accumulate='optimizer' (AdamA) each "
-                f"micro-batch's gradient is folded into Adam's moments as soon as it exists, so the moments and "
-                f"weights took it in, and this pipeline is stopped. Load the last checkpoint and lower the learning "
-                f"rate or check the data of the last steps, or train with accumulate='gradients', which checks every "
-                f"step before updating."
-            )
+            self._stopped = _adama_stopped(f"gradient by step {t}", "the last steps")
             raise self._stopped
 
     def _check_loss_sums(self, through: int | None) -> None:
@@ -869,13 +863,7 @@ class Pipeline:
             total, handle = self._loss_sums.pop(t)
             handle.wait()
             if self._stopped is None and not bool(torch.isfinite(total).all()):
-                self._stopped = NonFiniteError(
-                    f"a non-finite (NaN or infinite) loss or gradient by step {t}: with accumulate='optimizer' (AdamA) "
-                    f"each micro-batch's gradient is folded into Adam's moments as soon as it exists, so the moments "
-                    f"and weights took it in, and this pipeline is stopped. Load the last checkpoint and lower the "
-                    f"learning rate or check the data of that step, or train with accumulate='gradients', which "
-                    f"checks every step before updating."
-                )
+                self._stopped = _adama_stopped(f"loss or gradient by step {t}", "that step")
         if self._stopped is not None and ready:
             raise self._stopped
 
@@ -1127,7 +1115,7 @@ class Pipeline:
         could still find the one before (or none); every rank loads rank 0's answer, or raises
         its error. The answer travels on the checkpoint writers' group, whose collectives each
         rank's writer finished before :meth:`wait_for_checkpoint` returned."""
-        from .checkpoint import CheckpointError, resolve
+        from .checkpoint import resolve
 
         if not self.distributed:
             return resolve(path)
@@ -1163,7 +1151,6 @@ class Pipeline:
         unless this pipeline asks for another layout; then with the example re-cut so that a step
         takes the saving run's global batch (``microbatches=None`` takes the checkpoint's count;
         ``stages=None`` under torchrun a pure pipeline, as the lazy step does)."""
-        from .checkpoint import CheckpointError
         from .plan import Plan
 
         o = self.config
@@ -1437,6 +1424,15 @@ def _split_batch(batch, n: int) -> list:
     leaves, spec = pytree.tree_flatten(batch)
     split = [x.chunk(n) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in leaves]
     return [pytree.tree_unflatten([s[i] for s in split], spec) for i in range(n)]
+
+
+def _adama_stopped(what: str, data: str) -> NonFiniteError:
+    """AdamA found a non-finite ``what``: nothing to skip, the moments already took it in."""
+    return NonFiniteError(
+        f"a non-finite (NaN or infinite) {what}: with accumulate='optimizer' (AdamA) each micro-batch's gradient "
+        f"is folded into Adam's moments as soon as it exists, so the moments and weights took it in, and this "
+        f"pipeline is stopped. Load the last checkpoint and lower the learning rate or check the data of {data}, "
+        f"or train with accumulate='gradients', which checks every step before updating.")
 
 
 def _check_same_batch(batch, world: int, device: torch.device) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 
 from .errors import TraceError
 
-__all__ = ["trace", "NodeInfo", "TraceInfo", "TensorSpec", "normalize_inputs", "module_path"]
+__all__ = ["trace", "NodeInfo", "TraceInfo", "TensorSpec", "normalize_inputs", "module_path", "get_attr"]
 
 
 @dataclass(frozen=True)
@@ -400,7 +400,7 @@ def _dedup_parameters(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[s
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
-        obj = _get_attr(gm, node.target)
+        obj = get_attr(gm, node.target)
         if isinstance(obj, torch.Tensor) and id(obj) in canonical:
             name = canonical[id(obj)]
             if name != node.target:
@@ -451,7 +451,8 @@ def _clean(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
-def _get_attr(gm: nn.Module, target: str):
+def get_attr(gm: nn.Module, target: str):
+    """What a ``get_attr`` node's dotted ``target`` names on ``gm``."""
     obj = gm
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -509,7 +510,7 @@ def _annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, path: str) -> None:
         val = node.meta.get("val", node.meta.get("tensor_meta"))
         outs = tuple(_static_spec(node, t) for t in pytree.tree_leaves(val) if isinstance(t, torch.Tensor))
         if node.op == "get_attr":
-            obj = _get_attr(gm, node.target)
+            obj = get_attr(gm, node.target)
             outs = (TensorSpec.of(obj),) if isinstance(obj, torch.Tensor) else ()
         p_names: list[str] = []
         b_names: list[str] = []
@@ -523,7 +524,7 @@ def _annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, path: str) -> None:
                     p_names.append(inp.target)
                 elif inp.target in buffers:
                     b_names.append(inp.target)
-        p_bytes = sum(_get_attr(gm, p).nbytes for p in p_names)
+        p_bytes = sum(get_attr(gm, p).nbytes for p in p_names)
         node.meta["fxpipe"] = NodeInfo(
             outputs=outs,
             params=tuple(dict.fromkeys(p_names)),

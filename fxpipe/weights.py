@@ -32,6 +32,7 @@ from typing import Callable, Collection, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from .errors import CheckpointError
 from .backward import PendingWeights, SplitCache, backward_input
 from .precision import Precision, compute_dtype
 from .schedule import versions_of
@@ -341,7 +342,6 @@ class WeightStore:
         another optimizer. Others may be on one side only: a scheduler adds its own to the
         groups (``initial_lr``; ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum`` for
         OneCycleLR and CyclicLR), so a run may resume with a scheduler added or removed."""
-        from .checkpoint import CheckpointError
 
         if self.optimizer is None:
             return

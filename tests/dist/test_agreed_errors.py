@@ -22,7 +22,7 @@ def save_then_load(rank: int, world: int):
 
     import fxpipe
     from fxpipe import checkpoint
-    from fxpipe.checkpoint import CheckpointError
+    from fxpipe.errors import CheckpointError
 
     box = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from fxpipe.checkpoint import CheckpointError
+from fxpipe.errors import CheckpointError
 from tests import resume
 
 
