@@ -120,12 +120,6 @@ def _microbatches(text: str) -> int:
                                          f"leave it out for the default max(2 x stages, 4)") from None
 
 
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import main
-
-    return main(args)
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     # torch's own launcher: same rendezvous, environment and failure handling as torchrun.
     from torch.distributed.run import main as torchrun_main
@@ -144,13 +138,51 @@ def _cmd_run(args: argparse.Namespace) -> int:
 RESTARTABLE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 
+def add_demo_arguments(p) -> None:
+    """``fxpipe demo``'s arguments (also parsed by ``python -m fxpipe.demo`` on each rank)."""
+    p.add_argument("--nproc", type=int, default=2, help="local CPU ranks (1 = all stages in this process)")
+    p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps")
+    p.add_argument("--schedule", default="2bw", choices=SCHEDULES)
+    p.add_argument("--microbatches", type=_positive_int, default=4, help="micro-batches per step")
+    p.add_argument("--microbatch-size", type=_positive_int, default=8, help="sequences per micro-batch")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--out", default="fxpipe-out/demo", help="folder for the plan, stage code and timeline")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save checkpoints here, and resume from the latest one when it exists")
+    p.add_argument("--save-every", type=_non_negative_int, default=0,
+                   help="steps between checkpoints (0: only after the last step); needs --checkpoint-dir")
+
+
+def check_demo_args(p, args) -> None:
+    """What one argument cannot check alone: a usage error (exit code 2) before anything is launched."""
+    if args.save_every and not args.checkpoint_dir:
+        p.error(f"--save-every {args.save_every} needs --checkpoint-dir DIR to save into")
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """``fxpipe demo``: train in this process, or relaunch ``fxpipe.demo`` on ``--nproc`` ranks
+    through torchrun."""
+    from .demo import train
+
+    if args.nproc <= 1:
+        return train(args)
+    from torch.distributed.run import main as torchrun_main
+
+    argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "fxpipe.demo"]
+    for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out", "checkpoint_dir", "save_every"):
+        if getattr(args, name) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault(*RESTARTABLE)
+    torchrun_main(argv)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fxpipe", description="Pipeline-parallel training for PyTorch models.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("demo", help="train the built-in GPT-style model pipeline-parallel on local CPU ranks")
-    from .demo import add_demo_arguments, check_demo_args
-
     add_demo_arguments(d)
     d.set_defaults(fn=_cmd_demo, check=lambda a: check_demo_args(d, a))
 

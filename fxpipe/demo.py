@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .schedule import SCHEDULES
 
 __all__ = ["GPTConfig", "GPT", "fibonacci_batch", "demo_factory", "lm_loss"]
 
@@ -130,46 +129,6 @@ def demo_factory(microbatch: int = 4, seq_len: int = 32, **cfg):
     return model, (x,)
 
 
-def add_demo_arguments(p) -> None:
-    from .cli import _non_negative_int, _positive_int
-
-    p.add_argument("--nproc", type=int, default=2, help="local CPU ranks (1 = all stages in this process)")
-    p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps")
-    p.add_argument("--schedule", default="2bw", choices=SCHEDULES)
-    p.add_argument("--microbatches", type=_positive_int, default=4, help="micro-batches per step")
-    p.add_argument("--microbatch-size", type=_positive_int, default=8, help="sequences per micro-batch")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--out", default="fxpipe-out/demo", help="folder for the plan, stage code and timeline")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="save checkpoints here, and resume from the latest one when it exists")
-    p.add_argument("--save-every", type=_non_negative_int, default=0,
-                   help="steps between checkpoints (0: only after the last step); needs --checkpoint-dir")
-
-
-def check_demo_args(p, args) -> None:
-    """What one argument cannot check alone: a usage error (exit code 2) before anything is launched."""
-    if args.save_every and not args.checkpoint_dir:
-        p.error(f"--save-every {args.save_every} needs --checkpoint-dir DIR to save into")
-
-
-def main(args) -> int:
-    """``fxpipe demo``: relaunch this module on ``--nproc`` ranks through torchrun."""
-    if args.nproc <= 1:
-        return train(args)
-    from torch.distributed.run import main as torchrun_main
-
-    argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "fxpipe.demo"]
-    for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out", "checkpoint_dir", "save_every"):
-        if getattr(args, name) is not None:
-            argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    from .cli import RESTARTABLE
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault(*RESTARTABLE)
-    torchrun_main(argv)
-    return 0
-
-
 def train(args) -> int:
     """Train the demo GPT with fxpipe on this rank (under torchrun) or in one process."""
     import fxpipe
@@ -234,6 +193,8 @@ def train(args) -> int:
 
 if __name__ == "__main__":
     import argparse
+
+    from .cli import add_demo_arguments, check_demo_args
 
     parser = argparse.ArgumentParser(prog="python -m fxpipe.demo")
     add_demo_arguments(parser)
