@@ -135,10 +135,9 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     the plan prices this configuration with it (a check of a calibration made elsewhere)."""
     import fxpipe
     from fxpipe.demo import lm_loss
-    from fxpipe.inspect import plan_costs
     from fxpipe.profile import Profile
     from fxpipe.schedule import generate
-    from fxpipe.simulate import simulate
+    from fxpipe.simulate import Costs, simulate
 
     mb = BATCH // M  # micro-batches of the pinned size; m of them per step (m a multiple of M)
     batches = [(x.repeat(m // M, 1), y.repeat(m // M, 1)) for x, y in batches]
@@ -156,7 +155,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     pipe.profile = None
     pipe.flush()
     plan = pipe.plan
-    costs = plan_costs(plan)
+    costs = Costs.of_plan(plan)
     predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), costs).step_time
     return {"seconds": seconds, "samples": samples, "profile": profile.summary(),
             "predicted": predicted, "cores": costs.cores, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),

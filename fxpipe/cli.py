@@ -55,14 +55,15 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .errors import FxpipeError, PlanError
-    from .partition import _resolve_cluster, plan
+    from .cluster import Cluster
+    from .partition import plan
 
     if args.json:  # before the search, not after it
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
             raise SystemExit(f"fxpipe plan: --json {args.json!r}: folder {parent!r} does not exist")
     try:
-        cluster = _resolve_cluster(args.cluster, args.nodes)
+        cluster = Cluster.resolve(args.cluster, args.nodes)
     except PlanError as e:
         raise SystemExit(f"fxpipe plan: --cluster {args.cluster!r}: {e}") from None
     model, example_inputs = _load_factory(args.factory, "plan")

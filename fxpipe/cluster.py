@@ -73,8 +73,9 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from .errors import PlanError
+from .schedule import rank_of
 
-__all__ = ["Link", "Cluster", "PRESETS"]
+__all__ = ["Link", "Cluster", "PRESETS", "placement", "stage_links", "crossing_stages"]
 
 _G = 1e9
 _T = 1e12
@@ -167,6 +168,24 @@ class Cluster:
                      self.accelerator, self.intra_allreduce_bandwidth, self.overlap_p2p, self.nics))
 
     # ------------------------------------------------------------------------ constructors
+
+    @classmethod
+    def resolve(cls, spec, nodes: int | None = None) -> "Cluster | None":
+        """A Cluster from a Cluster, a preset name or a path to a .json/.toml file (``nodes``: that
+        many nodes of a preset or file; None: a preset's one, a file's own); None stays None."""
+        if spec is None or isinstance(spec, Cluster):
+            return spec
+        if isinstance(spec, (str, os.PathLike)):
+            spec = os.fspath(spec)
+            if spec in PRESETS:
+                return cls.preset(spec, nodes=nodes or 1)
+            if spec.lower().endswith((".json", ".toml")):
+                c = cls.from_file(spec)
+                return dataclasses.replace(c, nodes=nodes) if nodes else c
+            raise PlanError(f"cluster must be a preset in {sorted(PRESETS)} or a path to a .json or .toml file, found "
+                            f"{spec!r}; e.g. cluster='p3.16xlarge' or fxpipe.Cluster.preset('p3.16xlarge', nodes=8)")
+        raise PlanError(f"cluster must be a fxpipe.Cluster, a preset name or a file path, found {type(spec).__name__}; "
+                        f"e.g. fxpipe.Cluster.preset('dgx-a100', nodes=2)")
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1, **overrides: Any) -> "Cluster":
@@ -506,3 +525,47 @@ PRESETS: dict[str, Cluster] = {
         mem_bandwidth=3350e9, intra=Link(450e9, 5e-6), inter=Link(400e9, 5e-6), efficiency=0.40, nics=8,
     ),
 }
+
+
+# ---------------------------------------------------------------------------------------------
+# placement: which node each rank of a d x w pipeline is on, and the links its cuts cross
+
+
+def placement(cluster: Cluster, stages: int, width: int,
+              layout: str = "replica") -> tuple[tuple[int, int, int, int], ...]:
+    """``(rank, stage, replica, node)`` for every rank of a d x w pipeline, in rank order:
+    ``layout`` (:func:`fxpipe.schedule.rank_of`, what the runtime then uses) on ``cluster``'s
+    nodes (``rank // per_node``)."""
+    rows = [(rank_of(s, r, stages, width, layout), s, r) for r in range(width) for s in range(stages)]
+    return tuple((k, s, r, cluster.node_of(k)) for k, s, r in sorted(rows))
+
+
+def stage_links(cluster: Cluster, stages: int, width: int,
+                layout: str = "replica") -> tuple[tuple[float, float], ...]:
+    """``(latency, bandwidth)`` between stage s and s + 1 for every s. Inside a node the intra
+    link. Across nodes the inter-node link, shared: every stage pair of every replica sends at
+    once in a pipeline's steady state, so a node's interface is divided among the flows leaving
+    it (activations out of the sending node, gradients out of the receiving one), and a
+    boundary runs at the pace of its most crowded replica (replicas run in lockstep); and one
+    flow gets at most one of the node's ``nics`` interfaces. Ranks are placed by ``layout``
+    (:func:`fxpipe.schedule.rank_of`)."""
+    ranks = [[rank_of(s, r, stages, width, layout) for r in range(width)] for s in range(stages)]
+    node = cluster.node_of
+    crossing = [(s, r) for s in range(stages - 1) for r in range(width) if node(ranks[s][r]) != node(ranks[s + 1][r])]
+    out: dict[int, int] = {}
+    for s, r in crossing:  # activations leave the sender's node, gradients the receiver's
+        out[node(ranks[s][r])] = out.get(node(ranks[s][r]), 0) + 1
+        out[node(ranks[s + 1][r])] = out.get(node(ranks[s + 1][r]), 0) + 1
+    share: dict[int, int] = {}
+    for s, r in crossing:
+        share[s] = max(share.get(s, 0), out[node(ranks[s][r])], out[node(ranks[s + 1][r])])
+    intra = (cluster.intra.latency, cluster.intra.bandwidth)
+    return tuple((cluster.inter.latency, cluster.inter.bandwidth / max(share[s], cluster.nics)) if s in share
+                 else intra for s in range(stages - 1))
+
+
+def crossing_stages(cluster: Cluster, stages: int, width: int, layout: str = "replica") -> list[int]:
+    """The boundaries s (between stage s and s + 1) that some replica sends across nodes."""
+    rank = lambda s, r: rank_of(s, r, stages, width, layout)  # noqa: E731
+    return [s for s in range(stages - 1)
+            if any(cluster.node_of(rank(s, r)) != cluster.node_of(rank(s + 1, r)) for r in range(width))]

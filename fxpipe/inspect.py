@@ -138,35 +138,6 @@ def inspect(model, example_inputs, out_dir: str, *, stages: int | None = None, m
     return write_node_table(gm, out_dir) + [write_dot(gm, out_dir)]
 
 
-def plan_costs(plan):
-    """Simulator costs (seconds per action) from a plan's per-stage predictions."""
-    from .partition import stage_links
-    from .simulate import Costs
-    from .schedule import versions_of
-
-    sps = plan.stage_plans
-    if not sps:
-        return None
-    dev = plan.device
-    backward = [sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps]
-    # each boundary's link: a cluster's intra- or inter-node one, as the planner priced it
-    links = (stage_links(plan.cluster, plan.stages, plan.width, plan.layout) if plan.cluster is not None
-             else [(dev.p2p_latency, dev.p2p_bandwidth)] * (len(sps) - 1))
-    return Costs(
-        forward=[sp.forward_time for sp in sps],
-        backward=backward,
-        backward_input=[dev.backward_input_share * b for b in backward],
-        backward_weight=[dev.backward_weight_share * b for b in backward],
-        p2p=[lat + sp.send_bytes / bw for sp, (lat, bw) in zip(sps, links)] or 0.0,
-        # one copy of the weights at each update where the runtime keeps two versions (2bw's
-        # W(t-1)) or a master (mixed precision's rounded compute copy)
-        update=[dev.update_time(sp.param_bytes, copies=int(versions_of(plan.schedule) > 1 or plan.precision != "fp32"))
-                for sp in sps],
-        # replicas run the same timeline on the same host: each one's stages get 1/width of it
-        cores=dev.host_cores / plan.width if dev.host_cores is not None else None,
-    )
-
-
 def write_plan(plan, out_dir: str) -> list[str]:
     """``plan.txt`` (the printed plan) and ``plan.json`` (``Plan.to_json``, reloadable)."""
     txt, js = os.path.join(out_dir, "plan.txt"), os.path.join(out_dir, "plan.json")
@@ -194,10 +165,10 @@ def _plan_words(plan) -> str:
 
 def _simulated_schedule(out_dir: str, lists, plan) -> list[str]:
     """``schedule.txt/.json/.svg``: ``lists`` timed by the simulator with the plan's predicted costs."""
-    from .simulate import write_schedule_dumps
+    from .simulate import Costs, write_schedule_dumps
 
     title = f"schedule simulated with the plan's {plan.cost_mode} costs (a prediction): {_plan_words(plan)}"
-    return [str(p) for p in write_schedule_dumps(out_dir, lists, plan_costs(plan), name="schedule", title=title,
+    return [str(p) for p in write_schedule_dumps(out_dir, lists, Costs.of_plan(plan), name="schedule", title=title,
                                                  unit="s", microbatches=plan.microbatches).values()]
 
 

@@ -80,7 +80,6 @@ import dataclasses
 import math
 import numbers
 import operator
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -90,17 +89,17 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .cluster import PRESETS, Cluster
+from .cluster import Cluster, crossing_stages, placement, stage_links
 from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes, is_view
 from .errors import PlanError
 from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint
 from .trace import alias_base, written_values
-from .schedule import SCHEDULES, min_microbatches, zb_bounds
+from .schedule import SCHEDULES, min_microbatches, rank_of, zb_bounds
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
-           "placement", "stage_links", "reduction_time", "BlockCosting", "Capacity", "capacity"]
+           "reduction_time", "BlockCosting", "Capacity", "capacity"]
 
 _COMPUTE = ("call_function", "call_method", "call_module")
 _REL_TOL = 1e-9
@@ -1050,52 +1049,6 @@ def _positive(name: str, v, allow_none: bool = True, integer: bool = True):
     return float(v)
 
 
-def _rank(s: int, r: int, d: int, w: int = 1, layout: str = "replica") -> int:
-    from .schedule import rank_of
-
-    return rank_of(s, r, d, w, layout)
-
-
-def placement(cluster: Cluster, stages: int, width: int,
-              layout: str = "replica") -> tuple[tuple[int, int, int, int], ...]:
-    """``(rank, stage, replica, node)`` for every rank of a d x w pipeline, in rank order:
-    ``layout`` (:func:`fxpipe.schedule.rank_of`, what the runtime then uses) on ``cluster``'s
-    nodes (``rank // per_node``)."""
-    rows = [(_rank(s, r, stages, width, layout), s, r) for r in range(width) for s in range(stages)]
-    return tuple((k, s, r, cluster.node_of(k)) for k, s, r in sorted(rows))
-
-
-def stage_links(cluster: Cluster, stages: int, width: int,
-                layout: str = "replica") -> tuple[tuple[float, float], ...]:
-    """``(latency, bandwidth)`` between stage s and s + 1 for every s. Inside a node the intra
-    link. Across nodes the inter-node link, shared: every stage pair of every replica sends at
-    once in a pipeline's steady state, so a node's interface is divided among the flows leaving
-    it (activations out of the sending node, gradients out of the receiving one), and a
-    boundary runs at the pace of its most crowded replica (replicas run in lockstep); and one
-    flow gets at most one of the node's ``nics`` interfaces. Ranks are placed by ``layout``
-    (:func:`fxpipe.schedule.rank_of`)."""
-    ranks = [[_rank(s, r, stages, width, layout) for r in range(width)] for s in range(stages)]
-    node = cluster.node_of
-    crossing = [(s, r) for s in range(stages - 1) for r in range(width) if node(ranks[s][r]) != node(ranks[s + 1][r])]
-    out: dict[int, int] = {}
-    for s, r in crossing:  # activations leave the sender's node, gradients the receiver's
-        out[node(ranks[s][r])] = out.get(node(ranks[s][r]), 0) + 1
-        out[node(ranks[s + 1][r])] = out.get(node(ranks[s + 1][r]), 0) + 1
-    share: dict[int, int] = {}
-    for s, r in crossing:
-        share[s] = max(share.get(s, 0), out[node(ranks[s][r])], out[node(ranks[s + 1][r])])
-    intra = (cluster.intra.latency, cluster.intra.bandwidth)
-    return tuple((cluster.inter.latency, cluster.inter.bandwidth / max(share[s], cluster.nics)) if s in share
-                 else intra for s in range(stages - 1))
-
-
-def crossing_stages(cluster: Cluster, stages: int, width: int, layout: str = "replica") -> list[int]:
-    """The boundaries s (between stage s and s + 1) that some replica sends across nodes."""
-    rank = lambda s, r: _rank(s, r, stages, width, layout)  # noqa: E731
-    return [s for s in range(stages - 1)
-            if any(cluster.node_of(rank(s, r)) != cluster.node_of(rank(s + 1, r)) for r in range(width))]
-
-
 def reduction_time(cluster: Cluster, chain: Chain, bounds: Sequence[tuple[int, int]], width: int,
                    layout: str = "replica") -> float:
     """Seconds of the slowest gradient all-reduce of a step: each stage's data-parallel ring
@@ -1127,7 +1080,7 @@ def _reductions(chain: Chain, bounds: Sequence[tuple[int, int]], width: int,
             dp[stages[0]] += nbytes
         else:
             tied[stages] = tied.get(stages, 0.0) + nbytes
-    rank = lambda s, r: _rank(s, r, d, width, layout)  # noqa: E731
+    rank = lambda s, r: rank_of(s, r, d, width, layout)  # noqa: E731
     groups = [([rank(s, r) for r in range(width)], dp[s]) for s in range(d)]
     groups += [([rank(s, r) for r in range(width) for s in st], nbytes) for st, nbytes in tied.items()]
     return [(g, nbytes) for g, nbytes in groups if len(g) > 1 and nbytes > 0]
@@ -1175,7 +1128,7 @@ def _cut_for_reduction(chain: Chain, model: StageModel, part: Partition, cluster
         return part, priced
     groups = _reductions(chain, part.bounds, width, layout)
     concurrent = [g for g, _ in groups]
-    ring = lambda s: [_rank(s, r, model.stages, width, layout) for r in range(width)]  # noqa: E731
+    ring = lambda s: [rank_of(s, r, model.stages, width, layout) for r in range(width)]  # noqa: E731
     x0 = 1e9  # per stage, seconds = a * bytes + c
     affine = []
     for s in range(model.stages):
@@ -1488,7 +1441,7 @@ def _bound(source, cluster: Cluster, schedule: str, world: int, d: int, w: int, 
         share = source.untied_param_bytes() / d
         ar = math.inf
         for layout in _layouts(cluster, d, w):  # a bound for every layout the search prices
-            groups = [[_rank(s, r, d, w, layout) for r in range(w)] for s in range(d)]
+            groups = [[rank_of(s, r, d, w, layout) for r in range(w)] for s in range(d)]
             ar = min(ar, min(cluster.allreduce_time(share, g, groups) for g in groups))
     return b * m * w / step_time(schedule, pipe, ar)
 
@@ -1555,23 +1508,6 @@ def _configuration_rows(cands: Sequence[_Candidate], win: _Candidate, schedule: 
                                c.allreduce, c.memory, c.fits, _reason(c, win, schedule, limit)) for c in keep)
 
 
-def _resolve_cluster(cluster, nodes: int | None = None) -> Cluster | None:
-    """A Cluster from a Cluster, a preset name or a path to a .json/.toml file."""
-    if cluster is None or isinstance(cluster, Cluster):
-        return cluster
-    if isinstance(cluster, (str, os.PathLike)):
-        spec = os.fspath(cluster)
-        if spec in PRESETS:
-            return Cluster.preset(spec, nodes=nodes or 1)
-        if spec.lower().endswith((".json", ".toml")):
-            c = Cluster.from_file(spec)
-            return dataclasses.replace(c, nodes=nodes) if nodes else c
-        raise PlanError(f"cluster must be a preset in {sorted(PRESETS)} or a path to a .json or .toml file, found "
-                        f"{spec!r}; e.g. cluster='p3.16xlarge' or fxpipe.Cluster.preset('p3.16xlarge', nodes=8)")
-    raise PlanError(f"cluster must be a fxpipe.Cluster, a preset name or a file path, found {type(cluster).__name__}; "
-                    f"e.g. fxpipe.Cluster.preset('dgx-a100', nodes=2)")
-
-
 def plan(
     model_or_gm: nn.Module | fx.GraphModule,
     example_inputs=None,
@@ -1632,7 +1568,7 @@ def plan(
     device_memory = _positive("device_memory", device_memory, integer=False)
     if microbatches is None and global_batch is None:
         raise PlanError("give microbatches=m (micro-batches per step) or global_batch=N (samples per step)")
-    cluster = _resolve_cluster(cluster)
+    cluster = Cluster.resolve(cluster)
     if cluster is not None and device is not None:
         raise PlanError(
             f"give cluster= or device=, not both: found cluster {cluster.name!r} and device {device.name!r}; a "
@@ -1772,9 +1708,8 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
     the lowest simulated step (all-reduce included, as :func:`_price` adds it) and every stage
     within ``limit``, if that saves at least ``_GAIN`` of the step; rounds go on until no cut
     moves (at most 8). Deterministic: every rank that plans gets the same cuts."""
-    from .inspect import plan_costs
     from .schedule import generate
-    from .simulate import simulate
+    from .simulate import Costs, simulate
 
     chain, model, d = best.chain, best.model, plan.stages
     lists = generate(plan.schedule, d, plan.microbatches, 8, width=plan.width, recompute=list(plan.recompute))
@@ -1796,7 +1731,7 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
         if any(sp.memory > limit * (1 + 1e-9) for sp in sps):
             return None
         ar = reduction_time(cluster, chain, bounds, plan.width, plan.layout)
-        pipe = simulate(lists, plan_costs(dataclasses.replace(plan, stage_plans=tuple(sps)))).step_time
+        pipe = simulate(lists, Costs.of_plan(dataclasses.replace(plan, stage_plans=tuple(sps)))).step_time
         return step_time(plan.schedule, pipe, ar), ar, tuple(sps)
 
     allowed = np.flatnonzero(chain.valid)
@@ -2228,7 +2163,7 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
     cut fits. Returns the depth, its parameter count and the fitting configuration. ``clip``: the
     training clips by the global norm (two gradient buffers per stage, as with data parallelism;
     without either, one)."""
-    cluster = _resolve_cluster(cluster)
+    cluster = Cluster.resolve(cluster)
     if cluster is None:
         raise PlanError("capacity needs a cluster (a fxpipe.Cluster, a preset name or a .json/.toml path), found None")
     if schedule not in SCHEDULES:

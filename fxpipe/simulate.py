@@ -46,6 +46,7 @@ from fxpipe.schedule import (
     format_actions,
     lower_to_streams,
     stream_of,
+    versions_of,
 )
 
 __all__ = [
@@ -90,6 +91,35 @@ class Costs:
     """The stages share one host's cores (CPU ranks): while k of them compute, each runs at
     ``min(1, cores / k)`` of its own speed, so the times above are of a stage computing alone.
     None: every stage has a device of its own."""
+
+    @classmethod
+    def of_plan(cls, plan) -> "Costs | None":
+        """The costs a plan predicts (``fxpipe.plan.Plan``: its per-stage times, the links its
+        cuts cross, its device's update and split prices): what the planner simulates to place
+        zb's cuts and what the dumps draw. None for a plan without stages."""
+        from .cluster import stage_links
+
+        sps = plan.stage_plans
+        if not sps:
+            return None
+        dev = plan.device
+        backward = [sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps]
+        # each boundary's link: a cluster's intra- or inter-node one, as the planner priced it
+        links = (stage_links(plan.cluster, plan.stages, plan.width, plan.layout) if plan.cluster is not None
+                 else [(dev.p2p_latency, dev.p2p_bandwidth)] * (len(sps) - 1))
+        return cls(
+            forward=[sp.forward_time for sp in sps],
+            backward=backward,
+            backward_input=[dev.backward_input_share * b for b in backward],
+            backward_weight=[dev.backward_weight_share * b for b in backward],
+            p2p=[lat + sp.send_bytes / bw for sp, (lat, bw) in zip(sps, links)] or 0.0,
+            # one copy of the weights at each update where the runtime keeps two versions (2bw's
+            # W(t-1)) or a master (mixed precision's rounded compute copy)
+            update=[dev.update_time(sp.param_bytes, copies=int(versions_of(plan.schedule) > 1 or plan.precision != "fp32"))
+                    for sp in sps],
+            # replicas run the same timeline on the same host: each one's stages get 1/width of it
+            cores=dev.host_cores / plan.width if dev.host_cores is not None else None,
+        )
 
     def per_stage(self, name: str, stage: int) -> float:
         value = getattr(self, name)

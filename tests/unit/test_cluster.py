@@ -11,7 +11,8 @@ import fxpipe
 from fxpipe.cluster import PRESETS, Cluster, Link
 from fxpipe.cost import DeviceModel
 from fxpipe.errors import PlanError
-from fxpipe.partition import Chain, StageModel, placement, reduction_time, stage_links, stage_time
+from fxpipe.cluster import placement, stage_links
+from fxpipe.partition import Chain, StageModel, reduction_time, stage_time
 from fxpipe.schedule import rank_of
 
 TOML = """
@@ -305,11 +306,10 @@ def test_sends_overlap_compute_on_cluster_presets_not_on_this_machine():
 def test_a_plan_reports_and_simulates_the_times_it_priced(overlap):
     # Two nodes of one accelerator, a slow network between them: the cut crosses it. The plan's
     # bottleneck was the sum of compute and link time even where sends overlap compute (the
-    # search used the larger); the simulator's costs (fxpipe.inspect.plan_costs, what inspect
+    # search used the larger); the simulator's costs (fxpipe.simulate.Costs.of_plan, what inspect
     # draws) priced every transfer at the intra-node link.
-    from fxpipe.inspect import plan_costs
     from fxpipe.schedule import generate
-    from fxpipe.simulate import simulate
+    from fxpipe.simulate import Costs, simulate
 
     import torch
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
@@ -321,9 +321,9 @@ def test_a_plan_reports_and_simulates_the_times_it_priced(overlap):
     priced = [max(x, sp.comm_time) if overlap else x + sp.comm_time for x, sp in zip(compute, p.stage_plans)]
     assert [sp.time for sp in p.stage_plans] == pytest.approx(priced)
     assert p.bottleneck == pytest.approx(max(priced))
-    costs = plan_costs(p)
+    costs = Costs.of_plan(p)
     assert costs.p2p == pytest.approx([c.inter.time(s0.send_bytes)])  # the inter-node link, one way
-    fast = plan_costs(dataclasses.replace(p, cluster=dataclasses.replace(c, inter=c.intra)))
+    fast = Costs.of_plan(dataclasses.replace(p, cluster=dataclasses.replace(c, inter=c.intra)))
     lists = generate(p.schedule, 2, p.microbatches, 3)
     assert simulate(lists, costs).step_time > simulate(lists, fast).step_time
 

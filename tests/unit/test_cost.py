@@ -294,7 +294,7 @@ def test_the_update_is_timed_as_training_runs_it():
 def test_the_simulator_prices_the_copy_where_the_runtime_makes_one():
     """2bw copies ``W(t-1)`` into the slot of ``W(t)`` at each update, and so does mixed
     precision (the master's rounded copy); a single fp32 version copies nothing."""
-    from fxpipe.inspect import plan_costs
+    from fxpipe.simulate import Costs
     from fxpipe.partition import plan
 
     model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
@@ -303,7 +303,7 @@ def test_the_simulator_prices_the_copy_where_the_runtime_makes_one():
     def update(schedule, precision="fp32"):
         p = plan(model, (torch.randn(4, 32),), stages=2, microbatches=2, schedule=schedule, device=dev,
                  world_size=2, precision=precision)
-        return [plan_costs(p).per_stage("update", s) / sp.param_bytes for s, sp in enumerate(p.stage_plans)]
+        return [Costs.of_plan(p).per_stage("update", s) / sp.param_bytes for s, sp in enumerate(p.stage_plans)]
 
     assert update("1f1b") == pytest.approx([2e-9, 2e-9])
     assert update("2bw") == pytest.approx([3e-9, 3e-9])

@@ -15,9 +15,8 @@ from fxpipe.cluster import Cluster, Link
 from fxpipe.cost import annotate
 from fxpipe.demo import GPT, GPTConfig
 from fxpipe.errors import PlanError
-from fxpipe.partition import (
-    BlockCosting, StageModel, capacity, chain_from_graph, partition_chain, stage_links,
-)
+from fxpipe.cluster import stage_links
+from fxpipe.partition import BlockCosting, StageModel, capacity, chain_from_graph, partition_chain
 from fxpipe.plan import Plan
 from fxpipe.schedule import rank_of
 

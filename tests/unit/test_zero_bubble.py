@@ -21,7 +21,7 @@ from fxpipe.cost import annotate
 from fxpipe.partition import StageModel, chain_from_graph, pipeline_time, stage_memory
 from fxpipe.schedule import Action, Kind, generate, validate, zb_bounds
 from fxpipe.simulate import Costs, render_svg, simulate
-from tests.cases import CASES, build, compare
+from tests.cases import CASES, build
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -303,7 +303,7 @@ def test_calibration_times_the_split_against_a_whole_backward():
     split gives (1, 0), the runtime's fallback. A zb plan with a calibrated split takes its step
     time from the simulator with those costs."""
     from fxpipe.cost import DeviceModel, _time_split, _timing_setup
-    from fxpipe.inspect import plan_costs
+    from fxpipe.simulate import Costs
     from fxpipe.partition import plan
 
     torch.manual_seed(0)
@@ -326,7 +326,7 @@ def test_calibration_times_the_split_against_a_whole_backward():
 
     dev = DeviceModel(backward_input_share=0.7, backward_weight_share=0.5)
     p = plan(model, (x[:4],), stages=2, microbatches=4, schedule="zb", device=dev, world_size=2)
-    costs = plan_costs(p)
+    costs = Costs.of_plan(p)
     assert costs.per_stage("backward_input", 1) == pytest.approx(0.7 * costs.per_stage("backward", 1))
     assert p.step_time == pytest.approx(simulate(generate("zb", 2, 4, 8), costs).step_time)
 
@@ -337,7 +337,7 @@ def test_a_costly_split_moves_the_cut_where_the_simulator_says():
     moves the cut to the allowed position of lowest simulated step (the best of every single cut
     here) and stays within the memory limit."""
     from fxpipe.cost import DeviceModel
-    from fxpipe.inspect import plan_costs
+    from fxpipe.simulate import Costs
     from fxpipe.partition import plan
 
     torch.manual_seed(0)
@@ -349,7 +349,7 @@ def test_a_costly_split_moves_the_cut_where_the_simulator_says():
     lists = generate("zb", 2, 4, 8)
 
     def step(p):  # the simulated step of p's cuts under the dear split
-        return simulate(lists, plan_costs(dataclasses.replace(p, device=dear))).step_time
+        return simulate(lists, Costs.of_plan(dataclasses.replace(p, device=dear))).step_time
 
     balanced = plan(gm, stages=2, microbatches=4, schedule="zb", device=DeviceModel(**links), world_size=2)
     moved = plan(gm, stages=2, microbatches=4, schedule="zb", device=dear, world_size=2)
