@@ -15,8 +15,9 @@ a :class:`Handle`. Two implementations share every line of the runtime:
   single-process mode executes the very same action lists, in the same per-rank order, and
   computes the same numbers.
 
-Groups are named by the caller (``"dp:1"``, ``"tied:0"``, ``"all"``) and created once, in the
-same order on every rank, before training starts.
+Groups have the names below (:data:`EVERY_RANK`, :func:`dp_group`, :func:`tied_group`); the
+pipeline's ``Topology.groups`` creates each once, in the same order on every rank, before
+training starts, and the runtime posts on them by the same names.
 """
 
 from __future__ import annotations
@@ -31,7 +32,20 @@ import torch.distributed as dist
 from .deps import CommOp, Rendezvous
 from .errors import PeerError
 
-__all__ = ["Handle", "Comm", "DistComm", "LocalHub", "LocalComm"]
+__all__ = ["Handle", "Comm", "DistComm", "LocalHub", "LocalComm", "EVERY_RANK", "dp_group", "tied_group"]
+
+#: Every rank: the loss (every rank returns it) and the gradient norm (every rank decides alike).
+EVERY_RANK = "all"
+
+
+def dp_group(stage: int) -> str:
+    """The replicas of ``stage``: its data-parallel gradient all-reduce."""
+    return f"dp:{stage}"
+
+
+def tied_group(stages: Sequence[int]) -> str:
+    """Every replica of ``stages``, which hold copies of one tied parameter: its gradient sum."""
+    return f"tied:{'-'.join(map(str, stages))}"
 
 
 class Handle:

@@ -25,14 +25,14 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .comm import DistComm, LocalHub
+from .comm import EVERY_RANK, DistComm, LocalHub, dp_group, tied_group
 from .cost import DeviceModel
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
@@ -340,23 +340,19 @@ class Topology:
     def tied_stages(self) -> list[int]:
         return sorted({s for _, stages in self.tied for s in stages})
 
-    @staticmethod
-    def tied_group(stages: Sequence[int]) -> str:
-        return f"tied:{'-'.join(map(str, stages))}"
-
     def groups(self) -> dict[str, list[int]]:
         d, w = self.stages, self.width
         groups = {}
         for _, stages in self.tied:
-            groups[self.tied_group(stages)] = sorted(self.rank(s, r) for r in range(w) for s in stages)
+            groups[tied_group(stages)] = sorted(self.rank(s, r) for r in range(w) for s in stages)
         for s in range(d):
-            groups[f"dp:{s}"] = [self.rank(s, r) for r in range(w)]
-        groups["all"] = list(range(d * w))  # LOSS (every rank gets the loss) and NORM (all decide alike)
+            groups[dp_group(s)] = [self.rank(s, r) for r in range(w)]
+        groups[EVERY_RANK] = list(range(d * w))
         return groups
 
     def tied_groups_of(self, stage: int) -> dict[str, str]:
         """Tied parameter -> its group name, for the copies on ``stage``."""
-        return {name: self.tied_group(stages) for name, stages in self.tied if stage in stages}
+        return {name: tied_group(stages) for name, stages in self.tied if stage in stages}
 
     def tied_owner_of(self, stage: int) -> dict[str, bool]:
         """Tied parameter -> whether ``stage`` counts it in the gradient norm (its first stage)."""
@@ -846,7 +842,7 @@ class Pipeline:
             if wk.updated_flags:
                 local += torch.stack(wk.updated_flags).sum().to(wk.device)
                 wk.updated_flags.clear()
-            posted.append((local, wk.comm.all_reduce(local, "all", f"the non-finite flags at the flush after step {t}")))
+            posted.append((local, wk.comm.all_reduce(local, EVERY_RANK, f"the non-finite flags at the flush after step {t}")))
         for _, handle in posted:
             handle.wait()
         if self._stopped is None and not all(bool(torch.isfinite(total).all()) for total, _ in posted):

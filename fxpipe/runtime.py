@@ -29,7 +29,7 @@ import torch
 from torch.func import functional_call
 
 from .backward import SavedTensors
-from .comm import Comm, Handle
+from .comm import EVERY_RANK, Comm, Handle, dp_group
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision, fp32_params
 from .schedule import Action, Kind, batch_of, waits_for
@@ -390,7 +390,7 @@ class StageWorker:
             local = local + torch.stack(self.updated_flags).sum().to(self.device)
             self.updated_flags.clear()
         total = local.reshape(1).clone()
-        handle = self.comm.all_reduce(total, "all", str(a))
+        handle = self.comm.all_reduce(total, EVERY_RANK, str(a))
         self.batch_loss[t] = (local, total, handle)
         self.loss_posts.append((t, handle))
 
@@ -453,7 +453,7 @@ class StageWorker:
 
     def _do_dp_start(self, a: Action) -> None:
         grads = self.store.grads(a.index)
-        handles = [self.comm.all_reduce(grads[dt][lo:hi], f"dp:{self.index}", str(a)) for dt, lo, hi in self.dp_ranges]
+        handles = [self.comm.all_reduce(grads[dt][lo:hi], dp_group(self.index), str(a)) for dt, lo, hi in self.dp_ranges]
         self.reductions[(Kind.DP_START, a.index)] = _Multi(handles)
 
     def _do_dp_wait(self, a: Action) -> None:
@@ -483,7 +483,7 @@ class StageWorker:
         parts = torch.zeros(self.cfg.stages * self.cfg.width, dtype=torch.float64, device=self.device)
         parts[self.replica * self.cfg.stages + self.index] = sq
         self.norm_sq[t] = parts
-        self.reductions[Kind.NORM_START, t] = self.comm.all_reduce(parts, "all", str(a))
+        self.reductions[Kind.NORM_START, t] = self.comm.all_reduce(parts, EVERY_RANK, str(a))
 
     def _do_norm_wait(self, a: Action) -> None:
         t = a.index
