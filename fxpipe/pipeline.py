@@ -250,12 +250,25 @@ class PipelineConfig:
 
     def check_plan(self) -> None:
         """The arguments a given ``plan`` fixes must not say otherwise (each would be silently
-        overridden): ``stages`` and ``recompute`` (the plan's run), ``precision`` (compile's runs,
-        on a plan whose memory and time model priced another). ``schedule`` and
-        ``microbatches`` are checked against it where the plan is read (``Pipeline._setup``)."""
+        overridden): ``stages``, ``recompute`` and ``microbatches`` (the plan's would run),
+        ``schedule`` and ``precision`` (compile's would run, on a plan whose cuts, memory and time
+        were priced for another)."""
         p = self.plan
         if p is None:
             return
+        if self.schedule != p.schedule:
+            raise ConfigError(
+                f"fxpipe.compile: schedule={self.schedule!r} contradicts the plan, made for schedule={p.schedule!r}: "
+                f"its cuts, memory and time were priced for that schedule. Pass schedule={p.schedule!r}, or make a "
+                f"plan for it (fxpipe.plan(..., schedule={self.schedule!r}))."
+            )
+        if self.microbatches is not None and self.microbatches != p.microbatches:
+            raise ConfigError(
+                f"fxpipe.compile: microbatches={self.microbatches} contradicts the plan, which runs m={p.microbatches} "
+                f"(a global batch of b*m*w = {p.microbatch_size}*{p.microbatches}*{p.width}); the plan's would run. "
+                f"Pass microbatches=None (or {p.microbatches}) to run the plan, or make a plan for "
+                f"{self.microbatches} (fxpipe.plan(..., microbatches={self.microbatches}))."
+            )
         if self.stages is not None and self.stages != p.stages:
             raise ConfigError(
                 f"fxpipe.compile: stages={self.stages} contradicts the plan, which has {p.stages} stages (width "
@@ -498,11 +511,6 @@ class Pipeline:
                 f"{mine[:12]}) differs from the plan's (fingerprint {plan.graph_hash[:12]}). Every rank "
                 f"must build the same model with the same example input shapes and dtypes; a saved "
                 f"plan only fits the model and micro-batch size it was made for."
-            )
-        if plan.schedule != o.schedule or plan.microbatches != m and o.microbatches is not None:
-            raise RuntimeMismatchError(
-                f"the plan is for schedule={plan.schedule!r}, microbatches={plan.microbatches}; "
-                f"compile was asked for schedule={o.schedule!r}, microbatches={m}. Pass matching values."
             )
         d, w = plan.stages, plan.width
         if self.distributed and d * w != self.world_size:

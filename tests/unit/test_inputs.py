@@ -450,6 +450,16 @@ def test_arguments_that_contradict_the_plan_are_refused():
             "would run on stages whose memory and time were priced for another. Pass precision='fp32', or make a "
             "plan for it (fxpipe.plan(..., precision='bf16')).")):
         _compile(model, example, plan=plan, precision="bf16")
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: schedule='2bw' contradicts the plan, made for schedule='1f1b': its cuts, memory and time "
+            "were priced for that schedule. Pass schedule='1f1b', or make a plan for it (fxpipe.plan(..., "
+            "schedule='2bw')).")):
+        _compile(model, example, plan=plan, schedule="2bw")
+    with pytest.raises(ConfigError, match=re.escape(
+            f"fxpipe.compile: microbatches={2 * M} contradicts the plan, which runs m={M} (a global batch of b*m*w = "
+            f"{B}*{M}*1); the plan's would run. Pass microbatches=None (or {M}) to run the plan, or make a plan for "
+            f"{2 * M} (fxpipe.plan(..., microbatches={2 * M})).")):
+        _compile(model, example, plan=plan, microbatches=2 * M)
     assert _compile(model, example, plan=plan, stages=2, recompute=False).plan == plan
 
 
