@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
@@ -39,6 +40,7 @@ from .device import choose as choose_device
 from . import errors as errors_module
 from .errors import CheckpointError, ConfigError, FxpipeError, NonFiniteError, PlanError, RuntimeMismatchError
 from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss
+from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig
 from .schedule import SCHEDULES, Action, Program, format_actions, norm_every_step, rank_of, stage_and_replica
@@ -294,8 +296,6 @@ class PipelineConfig:
 
 def _read_plan(plan):
     """compile's ``plan=``: a :class:`fxpipe.Plan`, or its JSON (``Plan.to_json()``)."""
-    from .plan import Plan
-
     if isinstance(plan, Plan):
         return plan
     if not isinstance(plan, str):
@@ -412,9 +412,6 @@ class Pipeline:
     # ------------------------------------------------------------------ set-up
 
     def _setup(self, args: tuple, kwargs: dict) -> None:
-        from .codegen import split
-        from .plan import Plan, graph_fingerprint
-
         from .materialize import Materializer, has_meta
 
         o = self.config
@@ -437,66 +434,89 @@ class Pipeline:
         self.inputs = InputSignature.record(self.trace_info, args, kwargs)  # checks every later batch
         m = o.microbatches or DEFAULT_MICROBATCHES
         kernels = _kernel_backend(o.kernels, self.device)
-        plan = o.plan
-        if plan is None:
-            plan_json = None
-            device_model = o.device_model
-            cost_mode = o.cost_mode
-            if cost_mode == "calibrated":
-                # Every rank at once, so the speed measured is a rank's while the others compute
-                # too (on a CPU host they share cores, caches and memory bandwidth); then rank 0
-                # alone, which tells how many ranks its host runs at full speed at once. Rank
-                # 0's figures go into the plan. Then the roofline, from those figures.
-                device_model = (device_model or DeviceModel.for_device(self.device)).calibrate(
-                    gm, self._example, optimizer=o.optimizer, torch_device=self.device,
-                    barrier=dist.barrier if self.distributed else None, host_ranks=self._ranks_sharing_cores(),
-                    alone=self.rank == 0, split=o.schedule == "zb")
-                cost_mode = "analytic"
-            if o.device_model is None and self.distributed and o.cost_mode != "analytic":
-                # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are
-                # broadcast), so the planner prices a cut with this machine's links.
-                device_model = (device_model or DeviceModel.for_device(self.device)).measure_p2p()
-            failed: tuple[str, str] | None = None  # rank 0's planning error, for every rank to raise
-            if self.rank == 0:
-                try:
-                    from .partition import plan as make_plan
+        plan = o.plan if o.plan is not None else self._agreed_plan(gm, m, kernels)
+        self._check_plan_fits(plan, gm)
+        self.plan = plan
+        self._build_workers(plan, gm, kernels)
+        self._setup_done = True
+        # Every rank waits for the slowest: a full (generation 2) garbage collection on one rank
+        # stalls them all. Tracing and planning leave a large heap (graphs, nodes, cost
+        # expressions) that such a collection walks every time: ~240 ms, 7x a step of
+        # benchmarks/soak.py. Frozen, it is left out of later collections (refcounting still frees
+        # it; cyclic garbage among it waits for gc.unfreeze(), called at exit).
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # at exit everything is collected as usual
+        if self.config.verbose and self.rank == 0:
+            print(self.describe())
 
-                    world = self.world_size if self.distributed else (o.stages or 1)
-                    made = make_plan(
-                        gm,
-                        self._example,
-                        stages=o.stages if o.stages is not None else (None if self.distributed else 1),
-                        microbatches=m,
-                        schedule=o.schedule,
-                        world_size=world,
-                        cost_mode=cost_mode,
-                        device=device_model,
-                        recompute=o.recompute,
-                        torch_device=self.device,
-                        # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
-                        clip=norm_every_step(o.accumulate),
-                        accumulation=("optimizer" if o.accumulate == "optimizer" else
-                                      "autograd" if kernels is None else "fused"),
-                        precision=o.precision,
-                    )
-                    plan_json = made.to_json()
-                except Exception as e:
-                    if not self.distributed:
-                        raise
-                    failed, error = (type(e).__name__, str(e)), e
-            if self.distributed:
-                # rank 0 plans alone; the others wait here for its plan, or for its error
-                box = [plan_json, failed]
-                dist.broadcast_object_list(box, src=0)
-                plan_json, failed = box
-                if failed is not None:
-                    if self.rank == 0:
-                        raise error
-                    name, message = failed
-                    kind = getattr(errors_module, name, None)
-                    kind = kind if isinstance(kind, type) and issubclass(kind, FxpipeError) else PlanError
-                    raise kind(f"rank 0 could not plan the pipeline ({name}): {message}")
-            plan = Plan.from_json(plan_json)
+    def _agreed_plan(self, gm: fx.GraphModule, m: int, kernels) -> Plan:
+        """The plan every rank runs: calibrated (``cost_mode``), made on rank 0 alone and broadcast,
+        or rank 0's planning error raised on every rank."""
+        o = self.config
+        plan_json = None
+        device_model = o.device_model
+        cost_mode = o.cost_mode
+        if cost_mode == "calibrated":
+            # Every rank at once, so the speed measured is a rank's while the others compute
+            # too (on a CPU host they share cores, caches and memory bandwidth); then rank 0
+            # alone, which tells how many ranks its host runs at full speed at once. Rank
+            # 0's figures go into the plan. Then the roofline, from those figures.
+            device_model = (device_model or DeviceModel.for_device(self.device)).calibrate(
+                gm, self._example, optimizer=o.optimizer, torch_device=self.device,
+                barrier=dist.barrier if self.distributed else None, host_ranks=self._ranks_sharing_cores(),
+                alone=self.rank == 0, split=o.schedule == "zb")
+            cost_mode = "analytic"
+        if o.device_model is None and self.distributed and o.cost_mode != "analytic":
+            # A ping-pong between ranks 0 and 1 (every rank takes part; rank 0's figures are
+            # broadcast), so the planner prices a cut with this machine's links.
+            device_model = (device_model or DeviceModel.for_device(self.device)).measure_p2p()
+        failed: tuple[str, str] | None = None  # rank 0's planning error, for every rank to raise
+        if self.rank == 0:
+            try:
+                from .partition import plan as make_plan
+
+                world = self.world_size if self.distributed else (o.stages or 1)
+                made = make_plan(
+                    gm,
+                    self._example,
+                    stages=o.stages if o.stages is not None else (None if self.distributed else 1),
+                    microbatches=m,
+                    schedule=o.schedule,
+                    world_size=world,
+                    cost_mode=cost_mode,
+                    device=device_model,
+                    recompute=o.recompute,
+                    torch_device=self.device,
+                    # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
+                    clip=norm_every_step(o.accumulate),
+                    accumulation=("optimizer" if o.accumulate == "optimizer" else
+                                  "autograd" if kernels is None else "fused"),
+                    precision=o.precision,
+                )
+                plan_json = made.to_json()
+            except Exception as e:
+                if not self.distributed:
+                    raise
+                failed, error = (type(e).__name__, str(e)), e
+        if self.distributed:
+            # rank 0 plans alone; the others wait here for its plan, or for its error
+            box = [plan_json, failed]
+            dist.broadcast_object_list(box, src=0)
+            plan_json, failed = box
+            if failed is not None:
+                if self.rank == 0:
+                    raise error
+                name, message = failed
+                kind = getattr(errors_module, name, None)
+                kind = kind if isinstance(kind, type) and issubclass(kind, FxpipeError) else PlanError
+                raise kind(f"rank 0 could not plan the pipeline ({name}): {message}")
+        return Plan.from_json(plan_json)
+
+    def _check_plan_fits(self, plan: Plan, gm: fx.GraphModule) -> None:
+        """The plan fits this run: the example's micro-batch size, this rank's trace, the world size
+        and AdamA's one replica. Every rank has this plan, so every rank raises alike."""
+        o = self.config
         traced = self.trace_info.batch_size
         if traced is not None and plan.microbatch_size != traced:  # every rank has this plan: all raise
             raise ConfigError(
@@ -524,7 +544,14 @@ class Pipeline:
                 f"replicas would each fold their own part of a micro-batch's gradient into the moments. "
                 f"Pass stages={d * w} (a pure pipeline), or accumulate='gradients'."
             )
-        self.plan = plan
+
+    def _build_workers(self, plan: Plan, gm: fx.GraphModule, kernels) -> None:
+        """This rank's stages of ``gm`` cut by ``plan``, its workers, their communicators and the
+        Program they run."""
+        from .codegen import split
+
+        o = self.config
+        d, w = plan.stages, plan.width
         ranks = [self.rank] if self.distributed else list(range(d * w))
         build = sorted({stage_and_replica(r, d, w, plan.layout)[0] for r in ranks})
         precision = o.policy
@@ -578,17 +605,6 @@ class Pipeline:
                               f"{wk.store.fallback}", RuntimeWarning, stacklevel=3)
         # NORM every step, but for AdamA (schedule.norm_every_step); pipe.dump() draws this Program
         self.program = Program.of_plan(plan, topo.tied_stages, o.accumulate)
-        self._setup_done = True
-        # Every rank waits for the slowest: a full (generation 2) garbage collection on one rank
-        # stalls them all. Tracing and planning leave a large heap (graphs, nodes, cost
-        # expressions) that such a collection walks every time: ~240 ms, 7x a step of
-        # benchmarks/soak.py. Frozen, it is left out of later collections (refcounting still frees
-        # it; cyclic garbage among it waits for gc.unfreeze(), called at exit).
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # at exit everything is collected as usual
-        if self.config.verbose and self.rank == 0:
-            print(self.describe())
 
     def _split_agreed(self, split, gm, assignment, build):
         """``split`` this rank's stage(s); where each rank fills its own from a source (a meta
@@ -1155,8 +1171,6 @@ class Pipeline:
         unless this pipeline asks for another layout; then with the example re-cut so that a step
         takes the saving run's global batch (``microbatches=None`` takes the checkpoint's count;
         ``stages=None`` under torchrun a pure pipeline, as the lazy step does)."""
-        from .plan import Plan
-
         o = self.config
         saved = Plan.from_json(meta["plan"])
         example = meta["example"]
