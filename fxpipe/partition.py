@@ -1574,16 +1574,7 @@ def plan(
             f"give cluster= or device=, not both: found cluster {cluster.name!r} and device {device.name!r}; a "
             f"cluster describes its own accelerators (Cluster.from_device_model(device) makes one of a DeviceModel)"
         )
-    if isinstance(model_or_gm, fx.GraphModule) and "fxpipe" in model_or_gm.meta:
-        gm = model_or_gm
-    elif isinstance(model_or_gm, nn.Module):
-        if example_inputs is None:
-            raise PlanError("plan(model, example_inputs): example_inputs (one micro-batch) are needed to trace a module")
-        from .trace import trace
-
-        gm = trace(model_or_gm, example_inputs)
-    else:
-        raise PlanError(f"plan expects an nn.Module or a GraphModule from fxpipe.trace, found {type(model_or_gm).__name__}")
+    gm = _graph_of(model_or_gm, example_inputs)
     if cost_mode == "measured" and costs is None and _on_meta(gm):
         raise PlanError(
             "cost_mode='measured' runs every operator on real tensors, but the model is on the meta device (found "
@@ -1591,6 +1582,58 @@ def plan(
             "accelerator (Cluster.calibrate) and plan analytically"
         )
     given_cluster = cluster is not None
+    cluster, worlds, device = _worlds(cluster, world_size, stages, device, torch_device, precision)
+    if clip is None:
+        clip = given_cluster
+    limit = float(device_memory) if device_memory is not None else device.memory_bytes
+    if costs is None:
+        costs = annotate(gm, example_inputs, mode=cost_mode, device=device, torch_device=torch_device)
+        if cost_mode == "measured" and global_batch is not None and gm is not model_or_gm:  # traced here
+            costs = _measure_second_size(model_or_gm, gm, example_inputs, costs, device, torch_device)
+
+    source = _GraphSource(gm, costs, schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param,
+                          accumulation=accumulation, precision=precision)
+    if stages is not None:
+        _check_depth(source.chain(source.batch_size, 1), stages)
+        if microbatches is not None and microbatches < min_microbatches(schedule, stages):
+            raise PlanError(
+                f"schedule {schedule!r} needs at least as many micro-batches as stages: found microbatches="
+                f"{microbatches} < stages={stages}; use microbatches >= {stages}"
+            )
+    found = _search(source, cluster, device, schedule=schedule, limit=limit, worlds=worlds, stages=stages,
+                    microbatches=microbatches, global_batch=global_batch, recompute=recompute, clip=clip)
+    fits = [c for c in found.candidates if c.fits]
+    if not fits:
+        raise PlanError(_no_fit_message(source, cluster, device, found, schedule=schedule, clip=clip, limit=limit,
+                                        where=f" of {cluster.name}" if given_cluster else "", recompute=recompute,
+                                        global_batch=global_batch))
+    best = fits[0]
+    plan = _plan_of(best, fits, found, gm, model_or_gm, example_inputs, costs, device, cluster, given_cluster,
+                    schedule=schedule, precision=precision, limit=limit, top=top)
+    shared = device.host_cores is not None and device.host_cores < best.d * best.w
+    split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
+    if shared or split:
+        plan = _simulated_cuts(plan, gm, best, cluster, limit, move=split)
+    return plan
+
+
+def _graph_of(model_or_gm, example_inputs) -> fx.GraphModule:
+    """The traced graph to plan: ``model_or_gm`` itself when fxpipe traced it, else its trace."""
+    if isinstance(model_or_gm, fx.GraphModule) and "fxpipe" in model_or_gm.meta:
+        return model_or_gm
+    if isinstance(model_or_gm, nn.Module):
+        if example_inputs is None:
+            raise PlanError("plan(model, example_inputs): example_inputs (one micro-batch) are needed to trace a module")
+        from .trace import trace
+
+        return trace(model_or_gm, example_inputs)
+    raise PlanError(f"plan expects an nn.Module or a GraphModule from fxpipe.trace, found {type(model_or_gm).__name__}")
+
+
+def _worlds(cluster: Cluster | None, world_size: int | None, stages: int | None, device: DeviceModel | None,
+            torch_device, precision: str) -> tuple[Cluster, list[int], DeviceModel]:
+    """The cluster planned on (this machine's, of ``world_size`` ranks, when none is given), the
+    world sizes N = d·w the search tries, and the device model it prices with."""
     if world_size is None and cluster is None:
         import torch.distributed as dist
 
@@ -1623,31 +1666,14 @@ def plan(
         worlds = [world]
         device = device or DeviceModel.for_device(torch_device)
         cluster = Cluster.from_device_model(device, world)
-    if clip is None:
-        clip = given_cluster
-    limit = float(device_memory) if device_memory is not None else device.memory_bytes
-    if costs is None:
-        costs = annotate(gm, example_inputs, mode=cost_mode, device=device, torch_device=torch_device)
-        if cost_mode == "measured" and global_batch is not None and gm is not model_or_gm:  # traced here
-            costs = _measure_second_size(model_or_gm, gm, example_inputs, costs, device, torch_device)
+    return cluster, worlds, device
 
-    source = _GraphSource(gm, costs, schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param,
-                          accumulation=accumulation, precision=precision)
-    if stages is not None:
-        _check_depth(source.chain(source.batch_size, 1), stages)
-        if microbatches is not None and microbatches < min_microbatches(schedule, stages):
-            raise PlanError(
-                f"schedule {schedule!r} needs at least as many micro-batches as stages: found microbatches="
-                f"{microbatches} < stages={stages}; use microbatches >= {stages}"
-            )
-    found = _search(source, cluster, device, schedule=schedule, limit=limit, worlds=worlds, stages=stages,
-                    microbatches=microbatches, global_batch=global_batch, recompute=recompute, clip=clip)
-    fits = [c for c in found.candidates if c.fits]
-    if not fits:
-        raise PlanError(_no_fit_message(source, cluster, device, found, schedule=schedule, clip=clip, limit=limit,
-                                        where=f" of {cluster.name}" if given_cluster else "", recompute=recompute,
-                                        global_batch=global_batch))
-    best = fits[0]
+
+def _plan_of(best: _Candidate, fits: list, found, gm: fx.GraphModule, model_or_gm, example_inputs, costs: GraphCosts,
+             device: DeviceModel, cluster: Cluster, given_cluster: bool, *, schedule: str, precision: str,
+             limit: float, top: int) -> Plan:
+    """The :class:`Plan` of the search's best candidate on ``cluster`` (``given_cluster``: the
+    caller's, which the plan records, rather than this machine's)."""
     runner = next((c for c in fits[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
     chain = best.chain
     # with one buffer counted per stage, the stages of a tied weight still keep a second one
@@ -1679,10 +1705,6 @@ def plan(
         layout=best.layout,
         configurations=_configuration_rows(found.candidates, best, schedule, limit, top) if given_cluster or top else (),
     )
-    shared = device.host_cores is not None and device.host_cores < best.d * best.w
-    split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
-    if shared or split:
-        plan = _simulated_cuts(plan, gm, best, cluster, limit, move=split)
     return plan
 
 
