@@ -1078,7 +1078,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             if rc or (Kind.R, k) in done:
                 # One recomputed micro-batch alive at a time (what the planner prices): R k is the
                 # compute right before the backward that frees it, as W k right after I k below.
-                prev = next((b for b in reversed(lst[:pos]) if b.kind in COMPUTE or b.kind is Kind.UPDATE), None)
+                prev = _previous_compute(lst, pos)
                 if prev != Action(s, Kind.R, k, a.version):
                     ck.fail(s, pos, f"stage {s} recomputes, so {a.kind}{k} must directly follow R{k} (found {prev} "
                             f"before it)", f"Move {s}R{k} right before it: an earlier recompute keeps its activations "
@@ -1102,7 +1102,7 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
             if (Kind.I, k) not in done:
                 ck.fail(s, pos, f"weight pass of micro-batch {k} before its input-gradient pass", f"Move {s}I{k} before it")
             if rc:
-                prev = next((b for b in reversed(lst[:pos]) if b.kind in COMPUTE or b.kind is Kind.UPDATE), None)
+                prev = _previous_compute(lst, pos)
                 if prev != Action(s, Kind.I, k, a.version):
                     ck.fail(s, pos, f"stage {s} recomputes, so W{k} must directly follow I{k} (found {prev} before it)",
                             "Deferring it would keep the recomputed activations alive: put it right after the I")
@@ -1146,8 +1146,21 @@ def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, wi
                     ck.fail(s, pos, f"{kind}{t} (position {p}) is not waited for before UPDATE{t}", f"Insert {s}{_WAIT_OF[kind]}{t} before the update")
             newest = t
         check_versions({newest} | set(in_flight.values()), "")
-    # Windows and completeness once the whole list is known.
-    ahead = 2 if schedule == "2bw" else 1
+    _check_complete(ck, s, lst, done, first_f, schedule, d, m, steps, group, clip, width, backward)
+
+
+def _previous_compute(lst: Sequence[Action], pos: int) -> Action | None:
+    """The compute or update action last before position ``pos`` of ``lst``."""
+    return next((b for b in reversed(lst[:pos]) if b.kind in COMPUTE or b.kind is Kind.UPDATE), None)
+
+
+def _check_complete(ck, s, lst, done, first_f, schedule, d, m, steps, group, clip, width, backward) -> None:
+    """What a stage's whole list must hold once every action is read (``_check_stage`` checks the
+    order as it reads them): each batch's UPDATE before the forwards that need its version, every
+    started reduction waited for, the reductions the configuration needs, and every micro-batch's
+    compute and messages."""
+    zb = schedule == "zb"
+    ahead = versions_of(schedule)  # batch t + ahead is the first to read W(t): one step later under 2bw
     for t in range(1, steps + 1):
         if (Kind.UPDATE, t) not in done:
             ck.fail(s, len(lst) - 1, f"no UPDATE{t}: every batch's gradients must be applied", f"Insert {s}UPDATE{t} after the last backward of batch {t}")
