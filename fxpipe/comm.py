@@ -154,9 +154,10 @@ class DistComm(Comm):
         else:
             why = f"waited for {label} {peer}, and the connection failed ({text})"
         return PeerError(
-            f"rank {self.rank} {why}. The peer died, hangs, or is slower than the timeout: check its log "
-            f"for an error or a stall (data loading, a checkpoint write, a debugger); raise timeout= if "
-            f"its steps are legitimately that slow."
+            f"rank {self.rank} {why}. The peer died, hangs, is slower than the timeout, or runs another "
+            f"call: check its log for an error or a stall (data loading, a checkpoint write, a debugger); "
+            f"every rank must call step, flush, eval_step, save, load and state_dict alike (each is a "
+            f"collective); raise timeout= if its steps are legitimately that slow."
         )
 
 

@@ -21,6 +21,7 @@ import datetime
 import gc
 import os
 import socket
+import sys
 import time
 import warnings
 import weakref
@@ -38,7 +39,7 @@ from .cost import DeviceModel
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from . import errors as errors_module
-from .errors import CheckpointError, ConfigError, FxpipeError, NonFiniteError, PlanError, RuntimeMismatchError
+from .errors import CheckpointError, ConfigError, FxpipeError, NonFiniteError, PeerError, PlanError, RuntimeMismatchError
 from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss
 from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
@@ -431,6 +432,11 @@ class Pipeline:
         self.trace_info = gm.meta["fxpipe"]
         if o.loss_fn is None:  # the output must be the loss: found now, alike on every rank
             check_model_loss(gm)
+        if not any(p.requires_grad for p in gm.parameters()):  # eager backward() would raise
+            raise ConfigError(
+                f"fxpipe.compile: nothing to train: every parameter of {type(self.model).__name__} has "
+                f"requires_grad=False. Unfreeze the parameters to train (p.requires_grad_(True)); a pipeline "
+                f"trains, and evaluates what it trained (eval_step)")
         self.inputs = InputSignature.record(self.trace_info, args, kwargs)  # checks every later batch
         m = o.microbatches or DEFAULT_MICROBATCHES
         kernels = _kernel_backend(o.kernels, self.device)
@@ -515,7 +521,16 @@ class Pipeline:
 
     def _check_plan_fits(self, plan: Plan, gm: fx.GraphModule) -> None:
         """The plan fits this run: the example's micro-batch size, this rank's trace, the world size
-        and AdamA's one replica. Every rank has this plan, so every rank raises alike."""
+        and AdamA's one replica. Each rank checks its own example and trace, and every rank
+        raises if one found a problem (:meth:`_raise_agreed`), none waiting for another."""
+        try:
+            self._check_plan_fits_here(plan, gm)
+            problem = None
+        except FxpipeError as e:
+            problem = e
+        self._raise_agreed(problem, RuntimeMismatchError, "rank {rank} cannot run the plan, so no rank does: ")
+
+    def _check_plan_fits_here(self, plan: Plan, gm: fx.GraphModule) -> None:
         o = self.config
         traced = self.trace_info.batch_size
         if traced is not None and plan.microbatch_size != traced:  # every rank has this plan: all raise
@@ -596,8 +611,14 @@ class Pipeline:
                 scaler=LossScaler.like(o.scaler) if precision.scaled else None,
                 accumulate=o.accumulate,
             )
-            self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
-                                          device=self.device, neighbours=topo.neighbours(r))
+            try:  # the user's optimizer and scheduler factories run here, on this rank's stage alone
+                self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
+                                              device=self.device, neighbours=topo.neighbours(r))
+                failed = None
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                failed = e
+            if self.distributed or failed is not None:
+                self._raise_agreed(failed, FxpipeError, "rank {rank} could not set up its stage, so no rank goes on: ")
         self.hub = hub
         for r, wk in self.workers.items():
             if wk.store.fallback and wk.replica == 0:
@@ -730,6 +751,7 @@ class Pipeline:
             self._run_lists(lists, what)
         except BaseException as e:
             self._broken, self._failure = True, f"{what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            _BROKEN_HERE[0] = True  # for the exit meeting, however long this pipeline lives
             raise
 
     def _run_lists(self, lists: dict[int, list[Action]], what: str) -> None:
@@ -1356,19 +1378,27 @@ def _drain_at_exit(ref: "weakref.ref[Pipeline]") -> None:
     gone already (a user-created group destroyed by the script: ``flush()`` first, README) and
     after a failed action, whose peers may never post the other halves."""
     pipe = ref()
-    if pipe is None or pipe._broken or not (dist.is_available() and dist.is_initialized()):
+    if pipe is None or pipe._broken or _exiting_on_error() or not (dist.is_available() and dist.is_initialized()):
         return
     try:
         for wk in pipe.workers.values():
             wk.drain()
     except Exception as e:  # a peer that died: say so, and go on to tear down
-        pipe._broken = True  # what it has in flight stays unmatched: the teardown waits for no one
+        pipe._broken = _BROKEN_HERE[0] = True  # what it has in flight stays unmatched: the teardown waits for no one
         warnings.warn(f"fxpipe: at exit, rank {pipe.rank} could not finish its in-flight communication: {e}",
                       RuntimeWarning, stacklevel=1)
 
 
 #: This process's multi-process pipelines (at exit: whether one failed, see _destroy_process_group)
 _PIPELINES: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
+#: Whether a pipeline of this process failed part-way, even one since collected
+_BROKEN_HERE = [False]
+
+
+def _exiting_on_error() -> bool:
+    """Whether the interpreter is exiting on an uncaught exception: Python sets ``sys.last_exc``
+    (3.12) or ``sys.last_value`` when it prints one, before the atexit handlers run."""
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
 def _destroy_process_group(store, timeout: float) -> None:
@@ -1381,10 +1411,13 @@ def _destroy_process_group(store, timeout: float) -> None:
     waits, up to ``timeout``, for the others to say the same: once all have drained, nothing
     is in flight. The store, not a collective: a peer whose pipeline failed may have left the
     device communicator with unmatched operations. A rank whose pipeline failed says it is done
-    but waits for no one (its peers may never come)."""
+    but waits for no one (its peers may never come), nor does a rank exiting on an uncaught
+    exception (one rank's error, such as an ``InputError`` raised before it communicated: its
+    peers, waiting for it, then fail at once with a ``PeerError`` instead of at the timeout)."""
     if not (dist.is_available() and dist.is_initialized()):
         return  # the script destroyed it
-    rank, waits = dist.get_rank(), not any(p._broken for p in list(_PIPELINES))
+    rank = dist.get_rank()
+    waits = not (_BROKEN_HERE[0] or _exiting_on_error() or any(p._broken for p in list(_PIPELINES)))
     missing = _meet_at_exit(store, rank, dist.get_world_size(), timeout, wait=waits)
     if missing:
         warnings.warn(f"fxpipe: at exit, rank {rank} waited {timeout:g} s for rank(s) {missing} to finish "
@@ -1463,7 +1496,13 @@ def _check_same_batch(batch, world: int, device: torch.device) -> None:
             sums += [float(flat.numel()), float(flat.sum()), float((flat * weights).sum())]
     mine = torch.tensor(sums, dtype=torch.float64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine)
+    try:
+        dist.all_gather(everyone, mine)
+    except RuntimeError as e:  # a rank that stopped before it (its own error, raised there)
+        raise PeerError(
+            f"rank {dist.get_rank()}: the first step's check that every rank passed the same batch failed: "
+            f"{str(e).strip().splitlines()[-1]}. Another rank stopped before it: its log says why (an "
+            f"InputError, a failed compile, ...)") from e
     bad = [r for r in range(world) if not torch.equal(everyone[r], everyone[0])]
     if bad:
         raise RuntimeMismatchError(

@@ -69,6 +69,34 @@ def weight_bytes(numel: int, itemsize: int, *, requires_grad: bool, schedule: st
     return float(total)
 
 
+def _made_optimizer(factory: Callable, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """``factory`` called with one stage's ``(name, parameter)`` pairs, and checked: an optimizer
+    that steps none of them (a factory without ``return``, or one built over the model's own
+    parameters, which fxpipe does not train) would leave the stage untrained without a word."""
+    from .errors import ConfigError
+
+    names = list(params)
+    few = names[:4] + (["..."] if len(names) > 4 else [])
+    try:
+        made = factory(list(params.items()))
+    except Exception as e:
+        raise ConfigError(
+            f"fxpipe.compile: the optimizer factory raised {type(e).__name__}: {e}, on a stage holding {len(names)} "
+            f"trainable parameters {few}. It is called once per stage with that stage's (name, parameter) pairs "
+            f"only: take parameters, and group them by name, from the pairs it is given") from e
+    if not isinstance(made, torch.optim.Optimizer):
+        raise ConfigError(f"fxpipe.compile: the optimizer factory returned {type(made).__name__}, expected a torch.optim."
+                          f"Optimizer (a factory without return gives None); pass e.g. "
+                          f"functools.partial(torch.optim.AdamW, lr=1e-3)")
+    given = {id(p) for p in params.values()}
+    if not any(id(p) in given for g in made.param_groups for p in g["params"]):
+        raise ConfigError(
+            f"fxpipe.compile: the optimizer the factory returned steps none of the {len(names)} parameters it was "
+            f"given ({few}), so the stage would not train: build it over the (name, parameter) pairs the factory "
+            f"receives, not over model.parameters() (fxpipe trains its own copies of the weights)")
+    return made
+
+
 class WeightStore:
     """One stage's weights on one rank (module docstring)."""
 
@@ -119,13 +147,9 @@ class WeightStore:
                 p = torch.nn.Parameter(torch.empty(0, dtype=s.dtype, device=device))
                 p.data = steps_on[s.name].detach()
                 self.opt_params[s.name] = p
-        self.optimizer = optimizer(list(self.opt_params.items())) if self.opt_params else None
-        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
-            from .errors import ConfigError
-            raise ConfigError(f"optimizer factory returned {type(self.optimizer).__name__}, expected a torch.optim."
-                              f"Optimizer; pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
+        self.optimizer = _made_optimizer(optimizer, self.opt_params) if self.opt_params else None
         self.lr_scheduler = lr_scheduler(self.optimizer) if (lr_scheduler and self.optimizer) else None
-        if self.lr_scheduler is not None and not callable(getattr(self.lr_scheduler, "step", None)):
+        if lr_scheduler and self.optimizer and not callable(getattr(self.lr_scheduler, "step", None)):
             from .errors import ConfigError  # found here, at set-up, not at the first UPDATE mid-step
             raise ConfigError(f"fxpipe.compile: the lr_scheduler factory returned {type(self.lr_scheduler).__name__}, "
                               f"expected a scheduler with a .step() method (a torch.optim.lr_scheduler.LRScheduler), "

@@ -428,9 +428,38 @@ def test_compile_rejects_bad_arguments(kwargs, message):
 
 def test_optimizer_factory_must_return_an_optimizer():
     with pytest.raises(ConfigError, match=re.escape(
-            "optimizer factory returned list, expected a torch.optim.Optimizer; pass e.g. "
-            "functools.partial(torch.optim.AdamW, lr=1e-3)")):
+            "optimizer factory returned list, expected a torch.optim.Optimizer (a factory without return gives None); "
+            "pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")):
         _compile(optimizer=lambda named: [p for _, p in named])
+    with pytest.raises(ConfigError, match=re.escape("optimizer factory returned NoneType, expected")):
+        _compile(optimizer=lambda named: None)  # forgot return: nothing would train
+
+
+def test_an_optimizer_that_steps_none_of_the_stages_parameters_is_refused():
+    # the DDP habit: an optimizer over the model's own parameters, which fxpipe does not train
+    model = _mlp()
+    with pytest.raises(ConfigError, match=r"the optimizer the factory returned steps none of the \d+ parameters it was "
+                                          r"given \(\[.*\]\), so the stage would not train: build it over the "
+                                          r"\(name, parameter\) pairs the factory receives, not over model\.parameters\(\)"):
+        _compile(model, optimizer=lambda named: torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_an_optimizer_factory_that_raises_is_told_it_sees_one_stage():
+    def by_name(named):  # looks up a parameter another stage holds
+        return torch.optim.SGD([dict(named)["0.weight"]], lr=0.1)
+
+    with pytest.raises(ConfigError, match=r"the optimizer factory raised KeyError: '0\.weight', on a stage holding \d+ "
+                                          r"trainable parameters \[.*\]\. It is called once per stage with that "
+                                          r"stage's \(name, parameter\) pairs only") as e:
+        _compile(optimizer=by_name)
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_a_model_with_nothing_to_train_is_refused():
+    model = _mlp().requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"fxpipe\.compile: nothing to train: every parameter of Sequential has "
+                                          r"requires_grad=False"):
+        _compile(model)
 
 
 def test_arguments_that_contradict_the_plan_are_refused():
@@ -479,6 +508,8 @@ def test_lr_scheduler_factory_must_return_a_scheduler():
             "torch.optim.lr_scheduler.LRScheduler), stepped once per step; pass e.g. lambda optimizer: "
             "torch.optim.lr_scheduler.StepLR(optimizer, step_size=100)")):
         _compile(lr_scheduler=lambda optimizer: 5)
+    with pytest.raises(ConfigError, match=re.escape("the lr_scheduler factory returned NoneType, expected a scheduler")):
+        _compile(lr_scheduler=lambda optimizer: None)  # forgot return: the lr would never change
 
 
 def test_input_errors_are_fxpipe_and_value_errors(pipe):
