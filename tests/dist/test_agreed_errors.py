@@ -121,6 +121,49 @@ def test_a_stage_one_rank_cannot_build_stops_every_rank_with_its_reason():
     assert msg0 == "rank 1 could not build its stage, so no rank goes on: OSError: no space left on device"
 
 
+def set_up_fails_on_one_rank(rank: int, world: int):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fxpipe
+
+    def by_name(named):  # "0.weight" is on stage 0: the factory raises on stage 1 alone
+        return torch.optim.SGD([dict(named)["0.weight"]], lr=0.1)
+
+    got = []
+    for kwargs in (dict(optimizer=by_name), dict(example=torch.randn(2 if rank == 0 else 1, 8))):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        example = kwargs.pop("example", torch.randn(2, 8))
+        # a plan made for micro-batches of 2: rank 1's example of 1 does not fit it
+        plan = fxpipe.plan(model, (torch.randn(2, 8),), stages=world, microbatches=2, schedule="1f1b")
+        start = time.monotonic()
+        try:
+            fxpipe.compile(model, (example,), loss_fn=F.mse_loss, microbatches=2, schedule="1f1b", plan=plan,
+                           verbose=False, timeout=60, **kwargs)
+            got.append(None)
+        except Exception as e:  # noqa: BLE001
+            got.append((type(e).__name__, str(e), time.monotonic() - start))
+    dist.barrier()
+    return got
+
+
+def test_a_stage_one_rank_cannot_set_up_stops_every_rank_with_its_reason():
+    results = run_function(2, "tests.dist.test_agreed_errors:set_up_fails_on_one_rank", timeout=150)
+    assert [r["error"] for r in results] == [None, None], results
+    (factory0, example0), (factory1, example1) = (r["value"] for r in results)
+    assert factory1[0] == "ConfigError" and "the optimizer factory raised KeyError: '0.weight'" in factory1[1]
+    assert factory0[0] == "FxpipeError" and factory0[2] < 30
+    assert factory0[1] == f"rank 1 could not set up its stage, so no rank goes on: ConfigError: {factory1[1]}"
+    assert example1[0] == "ConfigError" and "but the example micro-batch has 1" in example1[1]
+    assert example0[0] == "RuntimeMismatchError" and example0[2] < 30
+    assert example0[1] == f"rank 1 cannot run the plan, so no rank does: ConfigError: {example1[1]}"
+
+
 class EvalReadsMore:
     """Built in the ranks: in eval mode the last layer's output also reads ``l1.bias``, which
     the first stage holds in training."""

@@ -224,12 +224,14 @@ def test_a_plan_rank_0_cannot_make_fails_every_rank_at_once():
 # last step, so rank 0 is at its exit long before rank 1 posts that step's LOSS all-reduce and
 # receives the last step's activations: rank 0 must finish those before it tears the group down.
 # FAIL=1: rank 1's loss function raises in step 2 instead; both ranks must still exit, neither
-# waiting at exit for communication the other will never finish.
+# waiting at exit for communication the other will never finish. FAIL=input: rank 1 passes a
+# batch of another dtype to its first step, whose InputError it raises before communicating:
+# it exits at once, and rank 0, waiting for it, fails then, long before the timeout.
 _SCRIPT = """
 import os, time, torch, torch.nn as nn, torch.nn.functional as F, fxpipe
 torch.manual_seed(0)
 torch.set_num_threads(1)
-last, fail = [False], os.environ["FAIL"] == "1"
+last, fail, bad_input = [False], os.environ["FAIL"] == "1", os.environ["FAIL"] == "input"
 def loss_fn(out, y):
     if last[0] and fail:
         raise ValueError("a bug in the user's loss")
@@ -241,15 +243,15 @@ x, y = torch.randn(16, 8), torch.randn(16, 8)
 # a failing run ends within its 5 s; a clean one has room for a loaded machine (its exit meeting
 # waits for the slower rank up to the timeout)
 pipe = fxpipe.compile(model, x[:8], loss_fn=loss_fn, schedule="2bw", stages=2, microbatches=2, verbose=False,
-                      timeout=5 if fail else 30)
+                      timeout=5 if fail else 120 if bad_input else 30)
 for t in range(1, 4):
     last[0] = t == (2 if fail else 3)
-    loss = pipe.step(x, y)
+    loss = pipe.step(x.double() if bad_input and os.environ["RANK"] == "1" else x, y)
 print("rank", os.environ["RANK"], "ends with", type(loss).__name__, flush=True)
 """
 
 
-def _run_script(fail: bool) -> list[subprocess.CompletedProcess]:
+def _run_script(fail: bool | str) -> list[subprocess.CompletedProcess]:
     import socket
 
     with socket.socket() as s:
@@ -258,7 +260,8 @@ def _run_script(fail: bool) -> list[subprocess.CompletedProcess]:
     procs = []
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "FAIL": "1" if fail else "0"}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "FAIL": fail if isinstance(fail, str) else "1" if fail else "0"}
         procs.append(subprocess.Popen([sys.executable, "-c", _SCRIPT], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
@@ -312,6 +315,17 @@ def test_a_rank_that_tears_down_without_its_peers_says_so(monkeypatch):
                                             r"and tears its group down without them"):
         pipeline._destroy_process_group(store, 0.2)
     assert destroyed == [None]
+
+
+def test_one_ranks_input_error_ends_every_rank_at_once():
+    # rank 1 raises before it communicates; it used to wait at exit for rank 0, and rank 0 for
+    # it, both for the whole timeout (120 s here)
+    start = time.monotonic()
+    rank0, rank1 = _run_script(fail="input")
+    assert time.monotonic() - start < 60
+    assert rank1.returncode != 0 and "InputError: step(): input" in rank1.stdout, rank1.stdout[-2000:]
+    assert rank0.returncode != 0 and "PeerError: rank 0: the first step's check that every rank passed the same " \
+                                     "batch failed" in rank0.stdout, rank0.stdout[-2000:]
 
 
 @pytest.mark.slow
