@@ -32,6 +32,7 @@ filesystem every node sees.
 from __future__ import annotations
 
 import io
+import pickle
 import os
 import warnings
 from concurrent.futures import Future
@@ -153,24 +154,49 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
     return sd
 
 
-def check_shared(pipe: "Pipeline", sd: dict[str, Any]) -> None:
+def _unwritable(path: str) -> str | None:
+    """Why this rank cannot write a checkpoint into ``path`` (created here), or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".probe.{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+        return None
+    except OSError as e:
+        return (f"save: cannot write a checkpoint into {path!r}: {e.strerror or e}. Pass a directory every rank can "
+                f"create and write (on several nodes, one on a filesystem they share)")
+
+
+def check_shared(pipe: "Pipeline", sd: dict[str, Any], root: str) -> None:
     """Raise on every rank if an object DCP keeps once differs between ranks (a collective):
-    ``_SHARED`` on every rank, ``_OPTIMIZER`` among the ranks that hold one."""
+    ``_SHARED`` on every rank, ``_OPTIMIZER`` among the ranks that hold one, and the directory
+    ``root`` each rank saves into (one checkpoint: ranks that wrote apart could not load it)."""
     if not pipe.distributed:
         return
-    names = _SHARED + _OPTIMIZER
-    mine = [sd.get(k) for k in names]
+    names = _SHARED + _OPTIMIZER + ("directory",)
+    mine = [sd.get(k) for k in names[:-1]] + [root]
     everyone: list = [None] * pipe.world_size
     dist.all_gather_object(everyone, mine)
     for i, name in enumerate(names):
-        having = [r for r in range(pipe.world_size) if name in _SHARED or everyone[r][i] is not None]
+        having = [r for r in range(pipe.world_size) if name in _SHARED or name == "directory"
+                  or everyone[r][i] is not None]
         differ = [r for r in having if everyone[r][i] != everyone[having[0]][i]]
         if differ:
+            if name == "directory":
+                _differs(name, f"{everyone[having[0]][i]!r} on rank {having[0]}",
+                         ", ".join(f"{everyone[r][i]!r} on rank {r}" for r in differ))
             _differs(name, f"rank {having[0]}", f"ranks {differ}")
 
 
 def _differs(name: str, one: str, others: str) -> None:
     """Raise for an object that a checkpoint keeps once but ``one`` and ``others`` hold apart."""
+    if name == "directory":
+        raise CheckpointError(
+            f"save: the ranks save into different directories ({one} and {others}); each writes its part of ONE "
+            f"checkpoint, which load reads from one directory. Pass the same path on every rank (on several nodes, "
+            f"on a filesystem they share)."
+        )
     if name == "extra":
         raise CheckpointError(
             f"save: the extra dict passed to save() differs between {one} and {others}; a checkpoint keeps ONE "
@@ -232,11 +258,17 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group) -> tuple[str, A
     files are down and, on rank 0, ``latest`` names them."""
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError(f"save: extra must be a dict (or None), found {type(extra).__name__}")
-    sd = state(pipe, extra)
-    check_shared(pipe, sd)
+    try:  # the same extra on every rank (checked below): every rank raises here alike
+        pickle.dumps(extra)
+    except Exception as e:  # noqa: BLE001 - pickle raises many kinds
+        raise CheckpointError(f"save: extra must pickle (the checkpoint keeps it with torch.save's pickler), but "
+                              f"{type(e).__name__}: {e}. Keep plain data in it (numbers, strings, lists, dicts, "
+                              f"tensors); save other objects yourself") from e
     path = step_dir(root, pipe.t)
-    if pipe.rank == 0:
-        os.makedirs(path, exist_ok=True)
+    # every rank creates and writes the directory before any rank enters the writer's collectives
+    pipe._raise_agreed(_unwritable(path), CheckpointError, "rank {rank} cannot write the checkpoint, so no rank saves: ")
+    sd = state(pipe, extra)
+    check_shared(pipe, sd, os.path.abspath(root))
     written: Future = Future()
 
     def finish(f: Future) -> None:  # in the writer thread, once DCP has written .metadata

@@ -80,6 +80,39 @@ def test_a_load_right_after_a_save_reads_the_new_checkpoint_on_every_rank():
     assert "2 tensors of another shape or dtype" in shape1[0] and shape1[0].startswith("load: ")
 
 
+def save_apart(rank: int, world: int):
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fxpipe
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    pipe = fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, microbatches=2, schedule="1f1b",
+                          stages=world, verbose=False, timeout=60)
+    pipe.step(torch.randn(4, 8), torch.randn(4, 1))
+    try:
+        pipe.save(tempfile.mkdtemp())  # a directory of each rank's own: no loadable checkpoint
+        got = None
+    except fxpipe.FxpipeError as e:
+        got = str(e)
+    pipe.step(torch.randn(4, 8), torch.randn(4, 1))  # nothing was posted: the ranks are still in step
+    dist.barrier()
+    return got
+
+
+def test_ranks_that_save_into_different_directories_are_refused_on_every_rank():
+    results = run_function(2, "tests.dist.test_agreed_errors:save_apart", timeout=150)
+    assert [r["error"] for r in results] == [None, None], results
+    msg0, msg1 = (r["value"] for r in results)
+    assert msg0 == msg1 and msg0.startswith("save: the ranks save into different directories ('/"), msg0
+    assert "on rank 0 and '/" in msg0 and "on rank 1); each writes its part of ONE checkpoint" in msg0
+
+
 def build_fails_on_one_rank(rank: int, world: int):
     import time
 

@@ -117,6 +117,14 @@ def test_checkpoint_errors_say_what_to_do(tmp_path):
         pipe.load(str(tmp_path / "nothing"))
     with pytest.raises(CheckpointError, match="extra must be a dict"):
         pipe.save(str(tmp_path), extra=[1, 2])
+    with pytest.raises(CheckpointError, match=r"save: extra must pickle \(the checkpoint keeps it with torch\.save's "
+                                              r"pickler\), but .*Keep plain data in it"):
+        pipe.save(str(tmp_path), extra={"sampler": lambda: 0})
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    with pytest.raises(CheckpointError, match=rf"save: cannot write a checkpoint into '{a_file}/step-00000000': Not a "
+                                              r"directory\. Pass a directory every rank can create and write"):
+        pipe.save(str(a_file))
     pipe.step(*resume.batch(1))
     pipe.save(str(tmp_path))
     pipe.wait_for_checkpoint()  # another pipeline reads it
