@@ -34,6 +34,7 @@ import inspect
 import io
 import operator
 import os
+import re
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -551,8 +552,11 @@ def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
         source = gm
     except Exception:  # noqa: BLE001 - data-dependent leaf: measure on a real copy
         source = copy.deepcopy(gm)
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            ShapeProp(source).run(*flat)
+        try:
+            with torch.random.fork_rng(devices=[]), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
+                ShapeProp(source).run(*flat)
+        except Exception as e:  # noqa: BLE001 - the model cannot run on the example
+            raise _example_error(e) from e
     metas = {n.name: n.meta.get("tensor_meta") for n in source.graph.nodes}
     for node in gm.graph.nodes:
         tm = metas.get(node.name)
@@ -566,6 +570,19 @@ def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
 
 # --------------------------------------------------------------------------------------------
 # errors
+
+
+def _example_error(e: BaseException) -> TraceError:
+    """The model failed on the example inputs (ShapeProp's error, the model's own as its cause)."""
+    root = e
+    while root.__cause__ is not None:
+        root = root.__cause__
+    node = re.search(r"node=%(\S+)", str(e).splitlines()[0] if str(e) else "")
+    where = f" at node {node.group(1)!r}" if node else ""
+    return TraceError(
+        f"the model fails on the example inputs{where}: {type(root).__name__}: {str(root).strip().splitlines()[0]}. "
+        f"The example is one micro-batch of what the model takes: check its shapes and dtypes "
+        f"(model(*example) must run)")
 
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:

@@ -237,6 +237,14 @@ def test_a_value_dependent_size_is_refused_by_name_and_a_leaf_module_takes_it():
     assert gm.meta["fxpipe"].path == "symbolic_trace" and torch.equal(gm(x), model(x))
 
 
+def test_an_example_the_model_cannot_run_is_a_trace_error_with_the_models_reason():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with pytest.raises(TraceError, match=r"the model fails on the example inputs at node '_0': RuntimeError: mat1 and "
+                                         r"mat2 shapes cannot be multiplied \(2x7 and 8x16\)\. The example is one "
+                                         r"micro-batch of what the model takes"):
+        fxpipe.trace(model, (torch.randn(2, 7),))
+
+
 def test_the_node_table_says_why_export_failed(tmp_path, monkeypatch):
     import importlib
 
