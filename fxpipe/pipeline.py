@@ -800,7 +800,8 @@ class Pipeline:
             grid = format_actions({r: lst}, mark=(r, i), rows=range(max(0, i - 4), min(len(lst), i + 3)))
             posted = getattr(wk.comm, "last_posted", "")  # NCCL's watchdog errors name no action
             posted = f" (its last posted communication: {posted})" if posted else ""
-            raise RuntimeError(f"rank {r} failed running action {a}{posted}:\n{grid}") from e
+            why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise RuntimeError(f"rank {r} failed running action {a}{posted}: {type(e).__name__}: {why}\n{grid}") from e
         blocked = wk.comm.waited - waited  # an action waits before it works (its receive, a reduction)
         if self.profile is not None:
             self.profile.action(a.kind, time.perf_counter() - start, blocked)
