@@ -141,7 +141,7 @@ RESTARTABLE = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 
 def add_demo_arguments(p) -> None:
     """``fxpipe demo``'s arguments (also parsed by ``python -m fxpipe.demo`` on each rank)."""
-    p.add_argument("--nproc", type=int, default=2, help="local CPU ranks (1 = all stages in this process)")
+    p.add_argument("--nproc", type=_positive_int, default=2, help="local CPU ranks (1 = all stages in this process)")
     p.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps")
     p.add_argument("--schedule", default="2bw", choices=SCHEDULES)
     p.add_argument("--microbatches", type=_positive_int, default=4, help="micro-batches per step")

@@ -1563,6 +1563,8 @@ def plan(
         raise PlanError(f"precision must be one of {sorted(PRECISIONS)}, found {precision!r}")
     if cost_mode not in ("analytic", "measured"):
         raise PlanError(f"cost_mode must be 'analytic' or 'measured', found {cost_mode!r}")
+    if recompute not in (None, True, False):
+        raise PlanError(f"recompute must be True, False or None (the planner decides), found {recompute!r}")
     stages, microbatches, world_size, global_batch = (_positive(name, v) for name, v in (
         ("stages", stages), ("microbatches", microbatches), ("world_size", world_size), ("global_batch", global_batch)))
     device_memory = _positive("device_memory", device_memory, integer=False)

@@ -308,6 +308,7 @@ def _read_plan(plan):
     try:
         return Plan.from_json(plan)
     except Exception as e:  # noqa: BLE001 - whatever the text is, it is not a plan
+        e = e.__cause__ or e  # from_json's PlanError wraps what the parse found
         path = os.path.isfile(plan) if len(plan) < 4096 else False
         hint = ("; this is a file's path: pass fxpipe.Plan.from_json(open(path).read())" if path else
                 "; pass the text Plan.to_json() or `fxpipe plan --json PATH` wrote")
@@ -1051,6 +1052,10 @@ class Pipeline:
         for wk in self.workers.values():
             shapes.update({sl.name: sl.shape for sl in wk.store.layout.slots})
             shapes.update({n: b.shape for n, b in wk.buffers.items()})
+        not_tensors = sorted(k for k, t in sd.items() if not isinstance(t, torch.Tensor))
+        if not_tensors:
+            raise ValueError(f"load_state_dict: expected a state dict of tensors (model.state_dict()), found "
+                             f"{len(not_tensors)} keys holding something else, e.g. {not_tensors[:3]}. Nothing was loaded.")
         # nn.Module.load_state_dict's rules (strict): every key, no other, each of its shape (a
         # copy would broadcast a smaller one), all checked before anything is written
         problems = fit_problems([originals.get(n, [n]) for n in shapes], {k for keys in originals.values() for k in keys},

@@ -162,7 +162,14 @@ class Plan:
     layout: str = "replica"
 
     def __post_init__(self):
-        # a plan read from JSON someone edited: the names every phase branches on must be known ones
+        # a plan read from JSON someone edited: the sizes and names every phase reads must be sound
+        for name in ("stages", "width", "microbatch_size", "microbatches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise PlanError(f"the plan's {name} must be an int >= 1, found {v!r}; re-plan")
+        if len(self.recompute) != self.stages or len(self.stage_plans) != self.stages:
+            raise PlanError(f"the plan has {self.stages} stages but {len(self.recompute)} recompute flags and "
+                            f"{len(self.stage_plans)} stage plans; re-plan")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"the plan's schedule must be one of {SCHEDULES}, found {self.schedule!r}; re-plan")
         if self.layout not in LAYOUTS:
@@ -187,7 +194,17 @@ class Plan:
 
     @classmethod
     def from_json(cls, s: str) -> "Plan":
-        d = json.loads(s)
+        try:
+            d = json.loads(s)
+            return cls._from_dict(d)
+        except PlanError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise PlanError(f"not a plan's JSON (Plan.to_json()): {type(e).__name__}: {e}; make the plan again with "
+                            f"fxpipe.plan(...), or pass the file Plan.to_json() wrote, unedited") from e
+
+    @classmethod
+    def _from_dict(cls, d: dict) -> "Plan":
         d["recompute"] = tuple(bool(x) for x in d["recompute"])
         d["assignment_pairs"] = tuple((str(n), int(i)) for n, i in d["assignment_pairs"])
         d["stage_plans"] = tuple(StagePlan(**sp) for sp in d["stage_plans"])

@@ -434,6 +434,9 @@ def test_load_state_dict_takes_a_model_with_a_non_persistent_buffer():
                                          r"missing 1 keys: \['pooler\.bias'\]\. Nothing was loaded\. Pass a state "
                                          r"dict of the same model"):
         pipe.load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"load_state_dict: expected a state dict of tensors \(model\.state_dict\(\)\), "
+                                         r"found 1 keys holding something else, e\.g\. \['pooler\.weight'\]"):
+        pipe.load_state_dict({**other.state_dict(), "pooler.weight": 0})
     # a key the model does not have is refused too, as nn.Module.load_state_dict does
     with pytest.raises(ValueError, match=r"unexpected 1 keys: \['head\.weight'\]\. Nothing was loaded"):
         pipe.load_state_dict({**other.state_dict(), "head.weight": torch.zeros(2)})

@@ -214,6 +214,13 @@ def test_gpt2_plan_json_print_and_hash():
     with pytest.raises(PlanError, match=r"the plan's schedule must be one of \('2bw', '1f1b', 'gpipe', 'zb'\), "
                                         r"found 'pipedream'; re-plan"):
         Plan.from_json(json.dumps({**edited, "schedule": "pipedream"}))
+    with pytest.raises(PlanError, match=r"the plan's stages must be an int >= 1, found 'x'; re-plan"):
+        Plan.from_json(json.dumps({**edited, "stages": "x"}))
+    with pytest.raises(PlanError, match=r"not a plan's JSON \(Plan\.to_json\(\)\): KeyError: 'recompute'; make the "
+                                        r"plan again"):
+        Plan.from_json("{}")
+    with pytest.raises(PlanError, match=r"recompute must be True, False or None \(the planner decides\), found 'yes'"):
+        plan(gm, inputs, stages=2, microbatches=4, recompute="yes")
     with pytest.raises(Exception):
         object.__setattr__  # noqa: B018 - frozen dataclass below
         p.stages = 3  # type: ignore[misc]
