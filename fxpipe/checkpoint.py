@@ -32,8 +32,8 @@ filesystem every node sees.
 from __future__ import annotations
 
 import io
-import pickle
 import os
+import pickle
 import warnings
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence
@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.utils._pytree as pytree
 
 from .errors import CheckpointError
@@ -306,14 +307,25 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 def read_meta(path: str) -> dict:
     """The ``fxpipe`` entry of the checkpoint at ``path`` (steps, plan, example, ...)."""
     box = {"fxpipe": None}
-    dcp.load(box, checkpoint_id=path, no_dist=True)
-    meta = _unpack(box["fxpipe"])
+    try:
+        dcp.load(box, checkpoint_id=path, no_dist=True)
+        meta = _unpack(box["fxpipe"])
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP (a BaseException) and pickle, for a torn or foreign file
+        raise _unreadable(path, e) from e
     if meta.get("format") != FORMAT:
         raise CheckpointError(
             f"{path} is in checkpoint format {meta.get('format')}, this fxpipe reads format {FORMAT}. "
             f"Load it with the fxpipe version that wrote it ({meta.get('fxpipe_version')})."
         )
     return meta
+
+
+def _unreadable(path: str, e: BaseException) -> CheckpointError:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return CheckpointError(
+        f"{path} is not a checkpoint fxpipe can read ({type(e).__name__}: {lines[-1] if lines else ''}): a file of it "
+        f"is missing, cut short or from another program. Load an earlier checkpoint (its step-* folders), or one "
+        f"Pipeline.save wrote whole")
 
 
 def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
@@ -364,7 +376,10 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
     unused = {n: t for n, t in pipe.staged.unused_state.items() if n in key}  # what no node reads
     for n, t in unused.items():
         sd["model"][key[n]] = torch.empty_like(t, device="cpu")
-    dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed)
+    try:  # DCP gathers every rank's failure: all raise
+        dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed)
+    except CheckpointException as e:
+        raise _unreadable(path, e) from e
     scheduler_state = _unpack(sd["lr_scheduler"]) if sd.get("lr_scheduler") is not None else None
     optimizer_steps = _unpack(sd["optimizer_steps"]) if sd.get("optimizer_steps") is not None else None
     with torch.no_grad():

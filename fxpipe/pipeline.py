@@ -1144,7 +1144,11 @@ class Pipeline:
         self._check_not_broken("load")  # a half-run step cannot be drained, nor its messages matched
         self.wait_for_checkpoint()
         resolved = self._resolve_agreed(path)
-        meta = checkpoint.read_meta(resolved)
+        try:  # each rank reads it: all raise if one cannot
+            meta, problem = checkpoint.read_meta(resolved), None
+        except CheckpointError as e:
+            meta, problem = None, e
+        self._raise_agreed(problem, CheckpointError, "rank {rank} cannot read the checkpoint, so no rank loads it: ")
         if not self._setup_done:
             self._setup_from_checkpoint(meta, resolved)
         try:  # what is in flight finishes (a collective: every rank drains the same steps)

@@ -137,6 +137,18 @@ def test_checkpoint_errors_say_what_to_do(tmp_path):
                            schedule="1f1b", verbose=False, seed=7)
     with pytest.raises(CheckpointError, match=r"trained with seed=0, this pipeline has seed=7"):
         other.load(str(tmp_path))
+    # a torn checkpoint: DCP's own exception is a BaseException, which would pass `except Exception`
+    saver = resume.compile("1f1b", 2, 2)
+    path = saver.save(str(tmp_path / "torn"))
+    saver.wait_for_checkpoint()
+    import glob
+    import os
+
+    for shard in glob.glob(os.path.join(path, "*.distcp")):
+        open(shard, "wb").close()
+    with pytest.raises(CheckpointError, match=rf"{re.escape(path)} is not a checkpoint fxpipe can read \(.*\): a file "
+                                              r"of it is missing, cut short or from another program"):
+        pipe.load(path)
 
 
 def test_a_checkpoint_converts_to_one_torch_save_file_the_plain_model_loads(tmp_path):
