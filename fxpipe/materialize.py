@@ -329,7 +329,13 @@ def _open(weights: Any):
     if not os.path.isfile(path):
         raise ConfigError(f"fxpipe.compile: weights {path!r} does not exist: expected a state dict, a torch.save "
                           f"file of one, or a checkpoint directory written by Pipeline.save")
-    obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    try:
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a torn file, another format, or objects weights_only refuses
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        raise ConfigError(f"fxpipe.compile: weights file {path!r} is not a file torch.save wrote whole "
+                          f"({type(e).__name__}: {lines[0] if lines else ''}); pass torch.save(model.state_dict(), "
+                          f"path)'s file, a state dict, or a Pipeline.save checkpoint directory") from e
     if isinstance(obj, Mapping) and not all(isinstance(v, torch.Tensor) for v in obj.values()) \
             and isinstance(obj.get("model"), Mapping):
         obj = obj["model"]  # dcp_to_torch_save's file of a Pipeline.save checkpoint

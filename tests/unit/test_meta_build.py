@@ -127,6 +127,10 @@ def test_weights_errors_name_the_keys_before_anything_is_built(tmp_path):
     torch.save([1, 2], tmp_path / "list.pt")
     with pytest.raises(ConfigError, match="holds a list, expected a state dict"):
         fxpipe.compile(*on_meta(mlp), loss_fn=mse, microbatches=2, verbose=False, weights=str(tmp_path / "list.pt"))
+    (tmp_path / "torn.pt").write_bytes(b"not what torch.save writes")
+    with pytest.raises(ConfigError, match=r"weights file '.*torn\.pt' is not a file torch\.save wrote whole "
+                                          r"\(RuntimeError: .*\); pass torch\.save\(model\.state_dict\(\), path\)'s file"):
+        fxpipe.compile(*on_meta(mlp), loss_fn=mse, microbatches=2, verbose=False, weights=str(tmp_path / "torn.pt"))
 
 
 def test_a_module_without_an_initialiser_is_rejected_by_name():
