@@ -175,7 +175,7 @@ def test_cuda_costs_time_a_model_built_on_the_cpu_on_the_gpu(cost_mode):
     # The model is built on the CPU, as a model too large for one GPU is; the costs are timed on a
     # copy on the GPU (fxpipe.device.moved_copy), where the demo GPT's positions and causal mask,
     # which its trace bakes on the CPU, must follow it. "calibrated": the whole model, then every
-    # node alone forward and backward (cost._roofs, the device synchronised around each), give both
+    # node alone forward and backward (calibrate._roofs, the device synchronised around each), give both
     # roofs and both backward ratios; "measured" runs every node there. Either plan trains as the
     # reference does.
     case = CASES["2bw_adamw_clip"]

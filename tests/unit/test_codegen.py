@@ -518,10 +518,10 @@ def test_stage_code_names_inputs_outputs_parameters(tmp_path):
 
 def test_a_model_built_on_the_cpu_is_timed_as_a_copy_moved_to_the_device():
     """``calibrate`` and measured costs time a model built on the CPU for a GPU as a copy on the
-    GPU (fxpipe.device.moved_copy, which cost._timing_setup calls). The meta device stands in for
+    GPU (fxpipe.device.moved_copy, which calibrate._timing_setup calls). The meta device stands in for
     the GPU here: the copy's weights and the devices tracing baked in (the demo GPT's positions and
     causal mask) are there, it runs there, and the model is left where it was."""
-    from fxpipe.cost import _timing_setup
+    from fxpipe.calibrate import _timing_setup
     from fxpipe.demo import GPT, GPTConfig
     from fxpipe.device import moved_copy
 

@@ -165,7 +165,7 @@ def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     """The calibrated model's node times sum to the measured forward and backward of the whole
     graph (timed here by a fake clock: 3 s forward, 5 s backward), keeping the roofline's
     proportions between nodes; an optimizer factory gives the update time per byte."""
-    import fxpipe.cost as cost
+    import fxpipe.calibrate as cost  # the timing of fxpipe.cost's DeviceModel
 
     gm, _ = linear_gm(64)
     clock = iter(x for _ in range(100) for x in (0.0, 3.0, 8.0))  # once(): t0, t1 (fwd 3 s), end (bwd 5 s)
@@ -197,8 +197,8 @@ def test_calibrate_fits_the_two_roofs_and_their_backwards_apart(monkeypatch):
     backward of 2x and 1x their forward: ``_roofs`` finds the FLOP roof 4x faster relative to the
     memory roof and the byte-bound backward ratio half the FLOP-bound one. ``calibrate`` prices
     with both, then fits the totals: forward 3 s, backward 5 s, as the clock says."""
-    import fxpipe.cost as cost
-    from fxpipe.cost import _roofs
+    import fxpipe.calibrate as cost  # the timing of fxpipe.cost's DeviceModel
+    from fxpipe.calibrate import _roofs
 
     class Block(nn.Module):
         def __init__(self):
@@ -216,7 +216,7 @@ def test_calibrate_fits_the_two_roofs_and_their_backwards_apart(monkeypatch):
     assert sorted(flops for _, flops in priced.values()) == [False, False, True, True]  # gelu, add; two linears
     fake = {n: (dev.op_latency + (t / 2 if flops else 2 * t), dev.op_latency + (t if flops else 2 * t))
             for n, (t, flops) in priced.items()}
-    monkeypatch.setattr(cost, "_measure", lambda *a: fake)
+    monkeypatch.setattr(cost, "measure_nodes", lambda *a: fake)
     assert _roofs(gm, None, None, 3, dev) == pytest.approx((4.0, 0.5))
 
     monkeypatch.setattr(cost, "_roofs", lambda *a: (4.0, 0.5))
@@ -242,12 +242,12 @@ def test_calibrate_fits_the_two_roofs_and_their_backwards_apart(monkeypatch):
 def test_a_calibration_whose_per_node_timing_runs_out_of_memory_keeps_one_factor(monkeypatch):
     """Timing each node alone holds every node's output at once; where that does not fit, the
     calibration still fits the whole model, with the roofline's own proportions, and says so."""
-    import fxpipe.cost as cost
+    import fxpipe.calibrate as cost  # the timing of fxpipe.cost's DeviceModel
 
     def out_of_memory(*a):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(cost, "_measure", out_of_memory)
+    monkeypatch.setattr(cost, "measure_nodes", out_of_memory)
     gm, _ = linear_gm(64)
     dev = DeviceModel(op_latency=1e-6, backward_ratio_bytes=1.5)
     with pytest.warns(RuntimeWarning, match=r"calibrate could not time each node of the model alone \(OutOfMemoryError"
@@ -261,7 +261,7 @@ def test_the_update_is_timed_as_training_runs_it():
     """``_time_update`` times the optimizer step (with the zeroing of the accumulator) and the
     version copy separately, each right after an untimed forward and backward (``before``), over
     flat per-dtype buffers; ``update_time`` adds one copy per ``copies``."""
-    from fxpipe.cost import _time_update
+    from fxpipe.calibrate import _time_update
 
     params = [torch.randn(64, 32, requires_grad=True), torch.randn(32, requires_grad=True),
               torch.randn(16, dtype=torch.float64, requires_grad=True)]
@@ -317,7 +317,7 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
     ranks wait in the barrier meanwhile, and only the rank timing alone times the rest (here the
     random numbers' pace and the roofs); a rank not timing alone, or a host of one rank, measures
     no sharing."""
-    import fxpipe.cost as cost
+    import fxpipe.calibrate as cost  # the timing of fxpipe.cost's DeviceModel
 
     gm, _ = linear_gm(64)
     dev = DeviceModel(op_latency=1e-6, random_time_per_element=7e-9)

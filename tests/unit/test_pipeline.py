@@ -319,7 +319,7 @@ def test_a_cpu_rank_hands_back_what_a_burst_freed(monkeypatch):
     import subprocess
     import sys
 
-    import fxpipe.cost as cost
+    import fxpipe.calibrate as cost  # the timing of fxpipe.cost's DeviceModel
 
     try:
         glibc = os.confstr("CS_GNU_LIBC_VERSION") or ""

@@ -302,7 +302,8 @@ def test_calibration_times_the_split_against_a_whole_backward():
     on the last stage (``F k+1, I k+1, W k``); a graph that cannot be
     split gives (1, 0), the runtime's fallback. A zb plan with a calibrated split takes its step
     time from the simulator with those costs."""
-    from fxpipe.cost import DeviceModel, _time_split, _timing_setup
+    from fxpipe.calibrate import _time_split, _timing_setup
+    from fxpipe.cost import DeviceModel
     from fxpipe.simulate import Costs
     from fxpipe.partition import plan
 
