@@ -146,4 +146,4 @@ def test_meta_models_build_only_their_stage_on_four_ranks(tmp_path):
 
     for r, v in enumerate(values):
         msg = v["missing_key"]
-        assert msg is not None and "transformer.h.1.mlp.c_fc.weight" in msg and "lack 1 keys" in msg, (r, msg)
+        assert msg is not None and "transformer.h.1.mlp.c_fc.weight" in msg and "missing 1 keys" in msg, (r, msg)
