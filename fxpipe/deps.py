@@ -37,7 +37,26 @@ from typing import Any
 
 from fxpipe.errors import ScheduleError
 
-__all__ = ["CommOp", "Rendezvous", "CommOrderError"]
+__all__ = ["CommOp", "Rendezvous", "CommOrderError", "interleave"]
+
+
+def interleave(lists: Mapping[Any, Sequence[Any]], ready: Callable[[Any, Any], bool],
+               run: Callable[[Any, int], None]) -> dict[Any, int]:
+    """Run several ranks' lists in one process, each in its own order: repeatedly, for each list,
+    ``run(key, position)`` its head while ``ready(key, head)``, until no list can go on. Returns
+    the position each unfinished list stopped at (empty when every list ran to its end): a deadlock
+    under ``ready``'s dependency model. The validator's replay and the single-process driver both
+    run their lists through this; only the simulator, which advances a clock, has its own loop."""
+    pos = dict.fromkeys(lists, 0)
+    progress = True
+    while progress:
+        progress = False
+        for key, lst in lists.items():
+            while pos[key] < len(lst) and ready(key, lst[pos[key]]):
+                run(key, pos[key])
+                pos[key] += 1
+                progress = True
+    return {key: p for key, p in pos.items() if p < len(lists[key])}
 
 
 class CommOrderError(ScheduleError):

@@ -36,6 +36,7 @@ from torch import nn
 
 from .comm import EVERY_RANK, DistComm, LocalHub, dp_group, tied_group
 from .cost import DeviceModel
+from .deps import interleave
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from . import errors as errors_module
@@ -761,17 +762,9 @@ class Pipeline:
             for i in range(len(lists[r])):
                 self._run(r, wk, lists[r], i)
             return
-        pos = dict.fromkeys(lists, 0)
-        progress = True
-        while progress:
-            progress = False
-            for r, wk in self.workers.items():
-                lst = lists[r]
-                while pos[r] < len(lst) and wk.ready(lst[pos[r]]):
-                    self._run(r, wk, lst, pos[r])
-                    pos[r] += 1
-                    progress = True
-        stuck = {r: lists[r][pos[r]] for r in lists if pos[r] < len(lists[r])}
+        stopped = interleave(lists, lambda r, a: self.workers[r].ready(a),
+                             lambda r, i: self._run(r, self.workers[r], lists[r], i))
+        stuck = {r: lists[r][i] for r, i in stopped.items()}
         if stuck:
             raise RuntimeError(
                 f"fxpipe: {what} cannot finish in one process; next actions: "

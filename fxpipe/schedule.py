@@ -129,7 +129,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from fxpipe.deps import CommOp, CommOrderError, Rendezvous
+from fxpipe.deps import CommOp, CommOrderError, Rendezvous, interleave
 from fxpipe.errors import ScheduleError
 
 __all__ = [
@@ -1293,28 +1293,24 @@ def _replay(ck: _Checker) -> None:
     d, lists = ck.d, ck.by_stage
     engine = Rendezvous(_groups(lists))
     posted: dict[Action, CommOp] = {}
-    pc = [0] * d
-    progress = True
-    while progress:
-        progress = False
-        for s in range(d):
-            while pc[s] < len(lists[s]):
-                a = lists[s][pc[s]]
-                need = waits_for(a, d)
-                if need is not None and not (need in posted and posted[need].done):
-                    break
-                if SPEC[a.kind].comm is not None:
-                    try:
-                        posted[a] = engine.post(comm_op(a))
-                    except CommOrderError as e:
-                        ck.fail(s, pc[s], str(e), "See the posting rules in fxpipe.schedule")
-                pc[s] += 1
-                progress = True
-    stuck = [s for s in range(d) if pc[s] < len(lists[s])]
-    if stuck or len(engine.queue):
-        blocked = "; ".join(f"stage {s} at {lists[s][pc[s]]} (position {pc[s]})" for s in stuck)
-        s = stuck[0] if stuck else min(engine.queue)
-        pos = pc[s] if stuck else lists[s].index(Action.parse(engine.queue[s][0].label))
+
+    def ready(s: int, a: Action) -> bool:
+        need = waits_for(a, d)
+        return need is None or (need in posted and posted[need].done)
+
+    def run(s: int, pos: int) -> None:
+        a = lists[s][pos]
+        if SPEC[a.kind].comm is not None:
+            try:
+                posted[a] = engine.post(comm_op(a))
+            except CommOrderError as e:
+                ck.fail(s, pos, str(e), "See the posting rules in fxpipe.schedule")
+
+    stopped = interleave({s: lists[s] for s in range(d)}, ready, run)
+    if stopped or len(engine.queue):
+        blocked = "; ".join(f"stage {s} at {lists[s][i]} (position {i})" for s, i in sorted(stopped.items()))
+        s = min(stopped) if stopped else min(engine.queue)
+        pos = stopped[s] if stopped else lists[s].index(Action.parse(engine.queue[s][0].label))
         ck.fail(
             s, pos, f"deadlock: {blocked or 'every list ended'}; posts never completed: {' | '.join(engine.blocked())}",
             "A receive's matching send is never reached, or two ranks post in orders that form a cycle: post sends "
