@@ -27,6 +27,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from pathlib import Path
 from xml.sax.saxutils import escape
 
@@ -404,28 +405,45 @@ def chrome_trace(timeline: Timeline, time_unit_us: float = 1e6) -> dict:
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
-# What each drawn kind looks like: (legend text, fill). Kinds not listed are not drawn: END_STEP
-# only marks where step() returns. Compute kinds get a labelled box in the rank's row, the rest a
-# box in the thin row under it.
-_DRAWN: dict[Kind, tuple[str, str]] = {
-    Kind.F: ("F forward", "#4e79a7"),
-    Kind.R: ("R recomputed forward", "#a0cbe8"),
-    Kind.B: ("B backward", "#59a14f"),
-    Kind.I: ("I input-gradient backward", "#8cd17d"),
-    Kind.W: ("W weight-gradient backward", "#b6992d"),
-    Kind.UPDATE: ("U optimizer step", "#e15759"),
-    Kind.EVAL: ("E eval forward", "#f28e2b"),
-    Kind.SEND_ACT: ("send/recv activations", "#bab0ac"),
-    Kind.RECV_ACT: ("send/recv activations", "#bab0ac"),
-    Kind.SEND_GRAD: ("send/recv gradients", "#8c8c8c"),
-    Kind.RECV_GRAD: ("send/recv gradients", "#8c8c8c"),
-    **{k: ("all-reduce", "#b07aa1") for k in COLLECTIVES},
-    **{k: ("wait for an all-reduce", "#dcc3d6") for k in WAITS},
+class _Look(NamedTuple):
+    """How a drawn kind looks: ``word`` says what it is (legend, tooltips, the key), ``fill`` its
+    colour; ``letter`` labels a compute box (legend "F forward"); ``what`` names what a collective
+    reduces (the legend lists those present: "all-reduce: DP grads, loss")."""
+
+    word: str
+    fill: str
+    letter: str | None = None
+    what: str | None = None
+
+    @property
+    def legend(self) -> str:
+        return f"{self.letter} {self.word}" if self.letter else self.word
+
+
+# Every drawn kind, in legend order. Kinds not listed are not drawn: END_STEP only marks where
+# step() returns. Compute kinds get a labelled box in the rank's row, the rest a box in the thin
+# row under it.
+_LOOK: dict[Kind, _Look] = {
+    Kind.F: _Look("forward", "#4e79a7", "F"),
+    Kind.R: _Look("recomputed forward", "#a0cbe8", "R"),
+    Kind.B: _Look("backward", "#59a14f", "B"),
+    Kind.I: _Look("input-gradient backward", "#8cd17d", "I"),
+    Kind.W: _Look("weight-gradient backward", "#b6992d", "W"),
+    Kind.UPDATE: _Look("optimizer step", "#e15759", "U"),
+    Kind.EVAL: _Look("eval forward", "#f28e2b", "E"),
+    Kind.SEND_ACT: _Look("send/recv activations", "#bab0ac"),
+    Kind.RECV_ACT: _Look("send/recv activations", "#bab0ac"),
+    Kind.SEND_GRAD: _Look("send/recv gradients", "#8c8c8c"),
+    Kind.RECV_GRAD: _Look("send/recv gradients", "#8c8c8c"),
+    Kind.DP_START: _Look("all-reduce", "#b07aa1", what="DP grads"),
+    Kind.TIED_START: _Look("all-reduce", "#b07aa1", what="tied grads"),
+    Kind.NORM_START: _Look("all-reduce", "#b07aa1", what="grad norm"),
+    Kind.LOSS: _Look("all-reduce", "#b07aa1", what="loss"),
+    **{k: _Look("wait for an all-reduce", "#dcc3d6") for k in WAITS},
 }
-_LETTER = {Kind.F: "F", Kind.R: "R", Kind.B: "B", Kind.I: "I", Kind.W: "W", Kind.UPDATE: "U", Kind.EVAL: "E"}
-_WORD = {Kind.F: "forward", Kind.R: "recomputed forward", Kind.B: "backward", Kind.I: "input-gradient backward",
-         Kind.W: "weight-gradient backward", Kind.EVAL: "eval forward"}
-_REDUCED = {Kind.DP_START: "DP grads", Kind.TIED_START: "tied grads", Kind.NORM_START: "grad norm", Kind.LOSS: "loss"}
+assert {k for k, look in _LOOK.items() if look.what} == COLLECTIVES, "every collective needs its _LOOK row"
+# The kinds a box's label and tooltip number by micro-batch (and weight version).
+_PER_MICROBATCH = frozenset(k for k, look in _LOOK.items() if look.letter) - {Kind.UPDATE}
 _IDLE_FILL, _IDLE_HATCH = "#ececec", "#bdbdbd"
 _CHAR = 0.6  # width of a monospace character, in font sizes (DejaVu Sans Mono: 0.602)
 
@@ -491,7 +509,7 @@ def _label(a: Action, m: int | None) -> list[tuple[str, ...]]:
     """A compute box's labels (lines each), the most complete first: ``F3v2`` (micro-batch 3 of
     its step, weight version 2), the same on two lines, ``F3``, ``F``; ``U5`` (the update with
     step 5's gradients), ``U``."""
-    letter = _LETTER[a.kind]
+    letter = _LOOK[a.kind].letter
     if a.kind is Kind.UPDATE:
         return [(f"U{a.index}",), (letter,)]
     k = _within(a, m)
@@ -505,11 +523,12 @@ def _describe(a: Action, m: int | None) -> str:
     t = _step_of(a, m)
     if a.kind is Kind.UPDATE:
         return f"optimizer step with step {a.index}'s gradients (makes weight version {a.index})"
-    if a.kind in _WORD:
+    if a.kind in _PER_MICROBATCH:
         where = f"micro-batch {_within(a, m)} of step {t}" if t is not None else f"micro-batch {a.index}"
         version = "" if a.version is None else f", weight version {a.version}"
-        return f"{_WORD[a.kind]} of {where}{version}"
-    what = _REDUCED.get(a.kind, _DRAWN[a.kind][0] if a.kind in _DRAWN else a.kind.value)
+        return f"{_LOOK[a.kind].word} of {where}{version}"
+    look = _LOOK.get(a.kind)
+    what = (look.what or look.word) if look else a.kind.value
     return f"{what} ({'step' if a.kind in PER_BATCH else 'micro-batch'} {a.index})"
 
 
@@ -617,7 +636,7 @@ def render_svg(
 
     # Zero-length events are left out, but for an unpriced UPDATE (a tick: where the version changes).
     drawn = [(e, Action.parse(e.action)) for e in timeline.events
-             if e.kind in _DRAWN and (e.end > e.start or e.kind is Kind.UPDATE)]
+             if e.kind in _LOOK and (e.end > e.start or e.kind is Kind.UPDATE)]
     body: list[str] = []
 
     # Header: title, the window and its numbers, the key to the labels.
@@ -627,14 +646,14 @@ def render_svg(
     summary = (f"{window}; " if window else "") + (
         f"makespan {_num(span * factor)} {uname}; bubble {100 * timeline.bubble:.1f}% (idle share of {share})"
     )
-    example = next((a for _, a in drawn if a.kind in _WORD and a.version is not None), None)
+    example = next((a for _, a in drawn if a.kind in _PER_MICROBATCH and a.version is not None), None)
     key = []
     if example is not None:
         of = f"micro-batch {_within(example, m)} (of {m}) of its step" if m else \
             f"micro-batch {example.index} (numbered across the run)"
-        key.append(f"{_label(example, m)[0][0]} = {_WORD[example.kind]} of {of} on weight version {example.version}")
+        key.append(f"{_label(example, m)[0][0]} = {_LOOK[example.kind].word} of {of} on weight version {example.version}")
     elif (example := next((a for _, a in drawn if a.kind is Kind.EVAL), None)) is not None:  # an eval pass
-        key.append(f"{_label(example, m)[0][0]} = {_WORD[Kind.EVAL]} of micro-batch {example.index} of the batch "
+        key.append(f"{_label(example, m)[0][0]} = {_LOOK[Kind.EVAL].word} of micro-batch {example.index} of the batch "
                    f"(newest weights)")
     update = next((a for _, a in drawn if a.kind is Kind.UPDATE), None)
     if update is not None:
@@ -705,7 +724,7 @@ def render_svg(
             box = e.stream == "compute" and a.kind in _BUSY
             x, w = x_of(e.start), max((e.end - e.start) * scale, 2.5 if box else 0.5)
             yy, hh = (y, row_h) if box else (y + row_h + 1, comm_h)
-            fill = _DRAWN[a.kind][1]
+            fill = _LOOK[a.kind].fill
             tip = (f"{e.action}: {_describe(a, m)}, {_num((e.start - t0) * factor)}-{_num((e.end - t0) * factor)} "
                    f"{uname} ({_num((e.end - e.start) * factor)} {uname})")
             body.append(f'<rect x="{x:.2f}" y="{yy}" width="{w:.2f}" height="{hh}" fill="{fill}" stroke="#ffffff" '
@@ -733,10 +752,10 @@ def render_svg(
 
     # Legend: exactly the kinds drawn, then idle where there is any.
     entries: dict[str, str] = {}
-    reduced = sorted({_REDUCED[a.kind] for _, a in drawn if a.kind in _REDUCED})
-    order = {k: i for i, k in enumerate(_DRAWN)}
+    reduced = sorted({_LOOK[a.kind].what for _, a in drawn if a.kind in COLLECTIVES})
+    order = {k: i for i, k in enumerate(_LOOK)}
     for _, a in sorted(drawn, key=lambda ea: order[ea[1].kind]):
-        name, fill = _DRAWN[a.kind]
+        name, fill = _LOOK[a.kind].legend, _LOOK[a.kind].fill
         if a.kind in COLLECTIVES:
             name = f"{name}: {', '.join(reduced)}"
         elif a.kind is Kind.UPDATE and not any(e.end > e.start for e, b in drawn if b.kind is Kind.UPDATE):
