@@ -23,6 +23,9 @@ def _load_factory(spec: str, cmd: str = "inspect"):
     except ImportError as e:
         raise SystemExit(f"fxpipe {cmd}: cannot import module {mod_name!r}: {e}; expected an importable module "
                          f"(run from the folder holding it, or install it)") from e
+    except SyntaxError as e:
+        raise SystemExit(f"fxpipe {cmd}: module {mod_name!r} does not parse: {e.msg} ({e.filename}, line {e.lineno}); "
+                         f"fix the module, then run again") from e
     fn = getattr(mod, fn_name, None)
     if not callable(fn):
         raise SystemExit(f"fxpipe {cmd}: expected a callable {fn_name!r} in module {mod_name!r}, found "

@@ -94,7 +94,7 @@ from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes, is_view
 from .errors import PlanError
 from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
-from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint
+from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint, megabytes
 from .trace import alias_base, written_values
 from .schedule import SCHEDULES, min_microbatches, rank_of, zb_bounds
 
@@ -737,8 +737,8 @@ def partition_chain(chain: Chain, model: StageModel) -> Partition:
     if part is None:
         need = min_memory(chain, model)
         raise PlanError(
-            f"no way to cut the model into {model.stages} stages fits in {model.memory_limit / 1e6:.1f} MB per "
-            f"device; the smallest memory that fits is {need / 1e6:.1f} MB. Give more memory "
+            f"no way to cut the model into {model.stages} stages fits in {megabytes(model.memory_limit)} per "
+            f"device; the smallest memory that fits is {megabytes(need)}. Give more memory "
             f"(device_memory={math.ceil(need)}), more stages, recomputation or a smaller micro-batch."
         )
     return part
@@ -1359,7 +1359,7 @@ def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Searc
     """plan's error when nothing fits: the least memory that does (a number the search accepts
     when given as device_memory), with its configuration, and what else would help."""
     need, cfg = _smallest_fit(source, cluster, device, schedule, clip, found.missed)
-    head = (f"no configuration fits in {limit / 1e6:.1f} MB per device{where} (searched d in {found.depths}, "
+    head = (f"no configuration fits in {megabytes(limit)} per device{where} (searched d in {found.depths}, "
             f"recompute {'on/off' if recompute is None else recompute})")
     if cfg is None:
         return head + "; give more memory or more devices"
@@ -1372,7 +1372,7 @@ def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Searc
         advice.append("a smaller micro-batch (an example of fewer samples)")
     elif schedule == "gpipe":  # every b was searched; gpipe holds all m = global_batch / (w·b) micro-batches
         advice.append("a smaller global_batch (gpipe holds all of a step's micro-batches at once)")
-    return f"{head}; the smallest memory that fits is {need / 1e6:.1f} MB. " + ", ".join(advice[:-1]) + f" or {advice[-1]}."
+    return f"{head}; the smallest memory that fits is {megabytes(need)}. " + ", ".join(advice[:-1]) + f" or {advice[-1]}."
 
 
 def _smallest_fit(source, cluster: Cluster, device: DeviceModel, schedule: str, clip: bool,

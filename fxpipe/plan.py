@@ -288,7 +288,7 @@ class Plan:
         head = (
             f"Plan: {self.schedule}, d={self.stages} stages x w={self.width} replicas, "
             f"b={self.microbatch_size}, m={self.microbatches} "
-            f"({self.cost_mode} costs on {self.device.name}, memory limit {self.memory_limit / 1e6:.1f} MB, "
+            f"({self.cost_mode} costs on {self.device.name}, memory limit {megabytes(self.memory_limit)}, "
             f"graph {self.graph_hash[:12]})"
         )
         batch = (f"global batch: b·m·w = {self.microbatch_size} x {self.microbatches} x {self.width} = "
@@ -303,6 +303,12 @@ class Plan:
 
 
 # --------------------------------------------------------------------------------------------
+
+
+def megabytes(nbytes: float) -> str:
+    """A memory size for a message: ``25276.1 MB``, or for sizes under 0.1 MB the bytes
+    (``2,368 bytes``), which one decimal of MB would print as 0.0."""
+    return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes:,.0f} bytes"
 
 
 def graph_fingerprint(gm: fx.GraphModule) -> str:

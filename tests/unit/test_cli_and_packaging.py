@@ -50,6 +50,19 @@ def test_inspect_bad_factory_says_what_is_expected(tmp_path):
     assert r.returncode != 0 and "expected MODULE:FACTORY" in r.stderr
 
 
+def test_a_factory_module_that_does_not_parse_is_one_line(tmp_path, monkeypatch):
+    from fxpipe.cli import main
+
+    (tmp_path / "broken_factory_mod.py").write_text("def f(:\n    pass\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # _load_factory adds the folder
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "broken_factory_mod:f", "--out", str(tmp_path / "out")])
+    msg = str(e.value.code)
+    assert msg.startswith("fxpipe inspect: module 'broken_factory_mod' does not parse: ") and "line 1" in msg, msg
+    assert "broken_factory_mod.py" in msg and "fix the module" in msg, msg
+
+
 def test_inspect_a_plan_error_is_one_line_without_a_traceback(tmp_path):
     from fxpipe.cli import main  # in this process: a PlanError is raised before anything is written
 

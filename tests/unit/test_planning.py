@@ -123,7 +123,7 @@ def test_configurations_that_do_not_fit_are_marked_with_what_they_need(gpt4):
     out = [c for c in p.configurations if not c.fits]
     assert out and all(c.memory > tight.usable_memory and c.reason.startswith("does not fit: needs") for c in out)
     assert all(c.reason == "chosen" or "slower" in c.reason or "tie" in c.reason for c in p.configurations if c.fits)
-    with pytest.raises(PlanError, match=r"no configuration fits in [\d.]+ MB per device of small .*smallest memory "
+    with pytest.raises(PlanError, match=r"no configuration fits in 10,000 bytes per device of small .*smallest memory "
                                         r"that fits is [\d.]+ MB\. Give device_memory >= \d+"):
         fxpipe.plan(gm, inputs, cluster=small_cluster(memory=1e4), world_size=4, global_batch=8)
 
