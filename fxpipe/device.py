@@ -34,6 +34,7 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
+from .errors import ConfigError
 from .trace import graph_modules
 
 __all__ = ["choose", "settle_heap", "release_heap", "backend_for", "to_device", "moved_copy", "follow_device", "follow_call",
@@ -53,7 +54,7 @@ def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.
     dev = torch.device(requested)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
+            raise ConfigError(
                 f"device={requested!r} asks for CUDA, but torch.cuda.is_available() is False here "
                 f"(torch {torch.__version__}). Pass device='cpu', or install a CUDA build of torch."
             )
@@ -62,7 +63,7 @@ def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.
             dev = torch.device("cuda", local % torch.cuda.device_count())
         torch.cuda.set_device(dev)
     elif dev.type != "cpu":
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:i]'; found {requested!r}")
+        raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:i]'; found {requested!r}")
     else:
         settle_heap()
     return dev

@@ -45,7 +45,7 @@ from .inputs import InputSignature, batch_inputs, check_first_batch, check_model
 from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig
-from .schedule import SCHEDULES, Action, Program, format_actions, norm_every_step, rank_of, stage_and_replica
+from .schedule import SCHEDULES, Action, Program, format_actions, min_microbatches, norm_every_step, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
@@ -184,6 +184,11 @@ class PipelineConfig:
                 bad(name, "an int >= 1 (or None)", v, {
                     "microbatches": f"pass e.g. microbatches=4, or None for the default ({DEFAULT_MICROBATCHES})",
                     "stages": "pass e.g. stages=2, or None for the planner's choice"}[name])
+        if self.stages is not None and self.microbatches is not None and \
+                self.microbatches < min_microbatches(self.schedule, self.stages):
+            bad("microbatches", f">= stages = {self.stages} for schedule={self.schedule!r}", self.microbatches,
+                f"2bw's weight-version rule needs a step of at least one micro-batch per stage: pass "
+                f"microbatches >= {self.stages}, fewer stages, or schedule='1f1b' or 'zb', which take fewer")
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
             bad("max_grad_norm", "a number > 0 (or None for no clipping)", self.max_grad_norm,
                 "pass e.g. max_grad_norm=1.0, or None to train without clipping")

@@ -197,10 +197,15 @@ def test_a_rank_that_raises_makes_its_peer_raise_not_hang():
 
 
 def plan_error(rank: int, world: int) -> dict:
-    """Rank 0 plans alone; a plan it cannot make (2bw needs m >= d) must reach every rank."""
+    """Rank 0 plans alone; a plan it cannot make (no cut fits 1 kB per device) must reach every rank."""
+    import dataclasses
+
+    from fxpipe.cost import DeviceModel
+
+    tiny = dataclasses.replace(DeviceModel.cpu(), memory_bytes=1000)
     start = time.monotonic()
     try:
-        resume.compile("2bw", 2, 1, world=2, timeout=30)
+        resume.compile("2bw", 2, 2, world=2, timeout=30, device_model=tiny)
     except Exception as e:
         seen = {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
     else:

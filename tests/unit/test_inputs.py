@@ -413,6 +413,9 @@ def test_rejected_step_leaves_no_state():
     (dict(device_model="cpu"), "fxpipe.compile: device_model must be a fxpipe.cost.DeviceModel (or None), found 'cpu'; "
                                "pass e.g. fxpipe.cost.DeviceModel.for_device(torch.device('cpu')) with your figures "
                                "replaced, or None for the device's defaults; the device to compute on is device="),
+    (dict(stages=4, microbatches=2), "fxpipe.compile: microbatches must be >= stages = 4 for schedule='2bw', found 2; "
+                                     "2bw's weight-version rule needs a step of at least one micro-batch per stage: "
+                                     "pass microbatches >= 4, fewer stages, or schedule='1f1b' or 'zb', which take fewer"),
     (dict(plan={"stages": 2}), "fxpipe.compile: plan must be a fxpipe.Plan or its JSON (Plan.to_json()), or None, found a "
                                "dict; pass fxpipe.plan(model, example_inputs, ...)'s result or the text of `fxpipe plan "
                                "--json PATH` (to ask for a depth alone, pass stages= instead)"),

@@ -243,7 +243,7 @@ def test_device_is_chosen_and_placed():
     with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda"):
         _compile(case, device="mps")
     if not torch.cuda.is_available():
-        with pytest.raises(ValueError, match="asks for CUDA, but torch.cuda.is_available\\(\\) is False"):
+        with pytest.raises(ConfigError, match="asks for CUDA, but torch.cuda.is_available\\(\\) is False"):
             _compile(case, device="cuda")
 
 
