@@ -1239,10 +1239,15 @@ class Pipeline:
         """After an action raised, the ranks may be part-way through a step (some updated, some
         not, messages in flight): nothing can run on from there."""
         if self._broken:
+            if self.distributed:  # its peers' posts of the broken step are still out, unmatched
+                fix = ("Let the error end this process: every rank then stops within seconds, and under torchrun "
+                       "--max-restarts=N they all restart and resume from the last checkpoint (pipe.load). A new "
+                       "pipeline in this process cannot: the other ranks' unfinished messages would meet its own.")
+            else:
+                fix = "Compile a new pipeline and load the last checkpoint (pipe.load) to resume."
             raise FxpipeError(
                 f"{what}() after {self._failure} failed: this pipeline's ranks stopped part-way through it, with "
-                f"weights, optimizer state and messages of different steps, so it cannot go on. Compile a new "
-                f"pipeline and load the last checkpoint (pipe.load) to resume."
+                f"weights, optimizer state and messages of different steps, so it cannot go on. {fix}"
             )
 
     def _require_setup(self, what: str) -> None:

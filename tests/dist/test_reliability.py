@@ -158,9 +158,15 @@ def _train_until_error(rank: int, fault) -> dict:
         for t in range(1, 5):
             float(pipe.step(*resume.batch(t)))
     except Exception as e:  # what a rank's user would see
-        return {"type": type(e).__name__, "message": str(e), "cause": repr(e.__cause__),
+        seen = {"type": type(e).__name__, "message": str(e), "cause": repr(e.__cause__),
                 "seconds": time.monotonic() - start}
-    return {"type": None}
+    else:
+        return {"type": None}
+    try:  # a script that catches the error and tries to go on
+        pipe.step(*resume.batch(5))
+    except Exception as e:
+        seen["next"] = f"{type(e).__name__}: {e}"
+    return seen
 
 
 def hang(rank: int, world: int) -> dict:
@@ -194,6 +200,9 @@ def test_a_rank_that_raises_makes_its_peer_raise_not_hang():
     seen = rank0["value"]
     assert seen["type"] == "PeerError", seen
     assert re.search(r"rank 0 (waited \d+ s for|waited for) 0RECV_GRAD3 from rank 1", seen["message"]), seen["message"]
+    for r, v in enumerate((seen, raised)):  # the pipeline is broken on both; the way out is a restart
+        assert re.match(r"FxpipeError: step\(\) after step [23] \(", v["next"]) and "cannot go on" in v["next"], (r, v["next"])
+        assert "Let the error end this process" in v["next"] and "--max-restarts" in v["next"], (r, v)
 
 
 def plan_error(rank: int, world: int) -> dict:
