@@ -25,8 +25,10 @@ them (a stage with nothing to train has no optimizer), and keys the RNG state by
 
 ``ROOT/latest`` names the newest complete checkpoint. DCP writes its ``.metadata`` last, after
 every rank's data, and only then does rank 0 replace ``latest`` (write a temporary file, rename:
-atomic on POSIX), so ``latest`` never names a partial checkpoint. Multi-node runs need ROOT on a
-filesystem every node sees.
+atomic on POSIX), so ``latest`` never names a partial checkpoint. With ``keep=k``, rank 0 then
+deletes the checkpoints of earlier steps beyond the k newest (those of later steps, left by a run
+resumed from an earlier one, are not its to judge). Multi-node runs need ROOT on a filesystem
+every node sees.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
+import shutil
 import warnings
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence
@@ -63,6 +67,9 @@ _OPTIMIZER = ("optimizer_steps", "lr_scheduler")  # equal on every rank whose st
 # stages may hold different numbers of groups (the lr itself is saved per parameter). CyclicLR
 # keeps max_lrs and its momenta, ReduceLROnPlateau min_lrs.
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "min_lrs", "base_momentums", "max_momentums")
+
+
+_STEP_DIR = re.compile(r"step-(\d{8})")
 
 
 def step_dir(root: str, steps: int) -> str:
@@ -251,12 +258,20 @@ def _load_scheduler(scheduler, saved: dict, lrs: list[float], path: str) -> None
         todo.extend(getattr(s, "_schedulers", []))
 
 
-def save(pipe: "Pipeline", root: str, extra: dict | None, group) -> tuple[str, Any]:
+def check_keep(keep) -> None:
+    """``save``'s ``keep``: None (keep every checkpoint) or how many of the newest to keep."""
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise CheckpointError(f"save: keep must be an int >= 1 (how many of the newest checkpoints to keep) or None "
+                              f"(keep all), found {keep!r}; pass e.g. keep=3")
+
+
+def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | None = None) -> tuple[str, Any]:
     """Start writing the checkpoint of step ``pipe.t`` under ``root``: returns (directory,
     future). Returns once the state is copied to host memory; the files are written by a
     background thread (``dcp.async_save`` over ``group``, a gloo group of its own, so the
     writer's collectives never interleave with training's). The future completes once the
-    files are down and, on rank 0, ``latest`` names them."""
+    files are down and, on rank 0, ``latest`` names them and the checkpoints beyond ``keep``
+    are deleted (:func:`_prune`)."""
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError(f"save: extra must be a dict (or None), found {type(extra).__name__}")
     try:  # the same extra on every rank (checked below): every rank raises here alike
@@ -279,6 +294,8 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group) -> tuple[str, A
                 _point_latest(root, path)
             except OSError as e:
                 error = e
+            if error is None and keep is not None:
+                _prune(root, pipe.t, keep)
         written.set_exception(error) if error is not None else written.set_result(path)
 
     dcp.async_save(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed).add_done_callback(finish)
@@ -292,6 +309,21 @@ def _point_latest(root: str, path: str) -> None:
     with open(tmp, "w") as f:
         f.write(os.path.basename(path) + "\n")
     os.replace(tmp, os.path.join(root, LATEST))
+
+
+def _prune(root: str, steps: int, keep: int) -> None:
+    """Delete the ``step-*`` checkpoints of ``root`` older than the ``keep`` newest up to step
+    ``steps`` (the one just written, which ``latest`` names). A checkpoint that cannot be deleted
+    is warned of, not raised: the one just written is complete either way."""
+    found = sorted(int(m.group(1)) for name in os.listdir(root)
+                   if (m := _STEP_DIR.fullmatch(name)) and os.path.isdir(os.path.join(root, name)))
+    older = [t for t in found if t <= steps]
+    for t in older[:-keep]:
+        try:
+            shutil.rmtree(step_dir(root, t))
+        except OSError as e:
+            warnings.warn(f"fxpipe save(keep={keep}): could not delete the old checkpoint {step_dir(root, t)!r} "
+                          f"({e}); delete it yourself", RuntimeWarning, stacklevel=1)
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -155,12 +155,17 @@ def add_demo_arguments(p) -> None:
                    help="save checkpoints here, and resume from the latest one when it exists")
     p.add_argument("--save-every", type=_non_negative_int, default=0,
                    help="steps between checkpoints (0: only after the last step); needs --checkpoint-dir")
+    p.add_argument("--keep", type=_positive_int, default=None,
+                   help="keep only the N newest checkpoints, deleting older ones (default: keep all); "
+                        "needs --checkpoint-dir")
 
 
 def check_demo_args(p, args) -> None:
     """What one argument cannot check alone: a usage error (exit code 2) before anything is launched."""
     if args.save_every and not args.checkpoint_dir:
         p.error(f"--save-every {args.save_every} needs --checkpoint-dir DIR to save into")
+    if args.keep and not args.checkpoint_dir:
+        p.error(f"--keep {args.keep} needs --checkpoint-dir DIR to save into")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -173,7 +178,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from torch.distributed.run import main as torchrun_main
 
     argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "fxpipe.demo"]
-    for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out", "checkpoint_dir", "save_every"):
+    for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out", "checkpoint_dir", "save_every", "keep"):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -173,7 +173,7 @@ def train(args) -> int:
                 rate = (step - done) * batch / (time.perf_counter() - start)
                 print(f"step {step:4d}  loss {loss:.4f}  {rate:8.1f} samples/s", flush=True)
         if ckpt and (step == args.steps or args.save_every and step % args.save_every == 0):
-            pipe.save(ckpt, extra={"data": data.get_state()})
+            pipe.save(ckpt, extra={"data": data.get_state()}, keep=args.keep)
     pipe.flush()
     pipe.wait_for_checkpoint()
     elapsed = time.perf_counter() - start

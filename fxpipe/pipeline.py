@@ -1087,10 +1087,11 @@ class Pipeline:
         """The number of ``step`` calls so far (restored by :meth:`load`)."""
         return self.t
 
-    def save(self, path: str, extra: dict | None = None) -> str:
+    def save(self, path: str, extra: dict | None = None, *, keep: int | None = None) -> str:
         """Checkpoint the full training state into ``path/step-<steps>`` and, once every rank's
         files are complete, point ``path/latest`` at it; returns that directory. A collective:
-        every rank calls it (with the same ``extra``, e.g. a data loader position).
+        every rank calls it (with the same ``extra``, e.g. a data loader position). ``keep=k``:
+        then delete the checkpoints of earlier steps beyond the ``k`` newest (None keeps all).
 
         The state: both 2bw weight versions, the optimizer state (one format for torch.optim and
         the fused kernels), the lr scheduler, :attr:`steps`, each rank's RNG state, the plan and
@@ -1101,6 +1102,7 @@ class Pipeline:
         does :meth:`wait_for_checkpoint` and the end of the process."""
         from . import checkpoint
 
+        checkpoint.check_keep(keep)
         self._require_setup("save")
         self._check_not_broken("save")
         if self._stopped is not None:  # its step count would not match its weights
@@ -1110,7 +1112,7 @@ class Pipeline:
         if not self._saving_registered:  # finish the last checkpoint before the process ends
             atexit.register(self.wait_for_checkpoint)
             self._saving_registered = True
-        self._saving = checkpoint.save(self, path, extra, self._checkpoint_pg())
+        self._saving = checkpoint.save(self, path, extra, self._checkpoint_pg(), keep)
         return self._saving[0]
 
     def wait_for_checkpoint(self) -> str | None:

@@ -356,7 +356,8 @@ def test_a_script_whose_rank_raises_exits_on_every_rank():
 def _demo(tmp: str, name: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
             "-m", "fxpipe.demo", "--steps", "120", "--microbatches", "2", "--microbatch-size", "2",
-            "--save-every", "20", "--checkpoint-dir", os.path.join(tmp, name), "--out", os.path.join(tmp, name + "-out")]
+            "--save-every", "20", "--keep", "2", "--checkpoint-dir", os.path.join(tmp, name),
+            "--out", os.path.join(tmp, name + "-out")]
 
 
 def _final(tmp: str, name: str) -> dict:
@@ -386,6 +387,8 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_if_uninterrupted(tm
     assert job.returncode == 0, out[-3000:]
     assert "resumed from" in out and "after step" in out, out[-3000:]
     assert "SIGKILL" in out or "Signals.SIGKILL" in out or "exitcode: -9" in out, out[-3000:]
+    for name in ("clean", "killed"):  # rank 0 deleted all but the two newest (--keep 2)
+        assert sorted(os.listdir(os.path.join(tmp, name))) == ["latest", "step-00000100", "step-00000120"], name
     a, b = _final(tmp, "clean"), _final(tmp, "killed")
     for k, v in a["model"].items():
         assert torch.equal(v, b["model"][k]), k

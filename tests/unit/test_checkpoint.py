@@ -85,6 +85,27 @@ def test_latest_names_the_newest_checkpoint(tmp_path):
     assert other.load(str(tmp_path)) == {"next_batch": 5} and other.steps == 4
 
 
+def test_keep_deletes_the_oldest_checkpoints_once_the_new_one_is_complete(tmp_path):
+    (tmp_path / "step-00000009").mkdir()  # a later step's, left by a run resumed from an earlier one
+    (tmp_path / "notes").mkdir()  # not a checkpoint
+    pipe = resume.compile("1f1b", 2, 2)
+    for t in range(1, 6):
+        pipe.step(*resume.batch(t))
+        pipe.save(str(tmp_path), keep=2)
+        pipe.wait_for_checkpoint()
+        names = sorted(os.listdir(tmp_path))
+        kept = [f"step-{s:08d}" for s in range(max(t - 1, 1), t + 1)]
+        assert names == sorted(["latest", "notes", "step-00000009", *kept]), (t, names)
+    assert (tmp_path / "latest").read_text().strip() == "step-00000005"
+    other = resume.compile("1f1b", 2, 2)
+    other.load(str(tmp_path / "step-00000004"))
+    assert other.steps == 4
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(CheckpointError, match=re.escape(f"save: keep must be an int >= 1 (how many of the newest "
+                                                            f"checkpoints to keep) or None (keep all), found {bad!r}")):
+            pipe.save(str(tmp_path), keep=bad)
+
+
 def test_loading_another_models_checkpoint_names_every_missing_and_unexpected_key(tmp_path):
     import fxpipe
     from fxpipe.demo import GPT, GPTConfig, lm_loss

@@ -145,6 +145,8 @@ def _usage_error(capsys, argv):
 
 @pytest.mark.parametrize("argv, words", [
     (["demo", "--steps", "3", "--save-every", "2"], "--save-every 2 needs --checkpoint-dir"),
+    (["demo", "--steps", "3", "--keep", "2"], "--keep 2 needs --checkpoint-dir"),
+    (["demo", "--keep", "0"], "--keep: expected a positive integer, found 0"),
     (["demo", "--microbatches", "0"], "--microbatches: expected a positive integer, found 0"),
     (["demo", "--microbatch-size", "0"], "--microbatch-size: expected a positive integer, found 0"),
     (["demo", "--steps", "0"], "--steps: expected a positive integer, found 0"),
