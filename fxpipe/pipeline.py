@@ -1243,8 +1243,10 @@ class Pipeline:
         if self._broken:
             if self.distributed:  # its peers' posts of the broken step are still out, unmatched
                 fix = ("Let the error end this process: every rank then stops within seconds, and under torchrun "
-                       "--max-restarts=N they all restart and resume from the last checkpoint (pipe.load). A new "
-                       "pipeline in this process cannot: the other ranks' unfinished messages would meet its own.")
+                       "--max-restarts=N they all restart and resume from the last checkpoint (pipe.load). To "
+                       "recover in this process instead, every rank calls torch.distributed.destroy_process_group() "
+                       "(the old group holds the broken step's unfinished messages), then compiles a new pipeline "
+                       "(which creates a new group under torchrun) and loads the last checkpoint.")
             else:
                 fix = "Compile a new pipeline and load the last checkpoint (pipe.load) to resume."
             raise FxpipeError(

@@ -180,6 +180,49 @@ def crash(rank: int, world: int) -> dict:
     return _train_until_error(rank, fail)
 
 
+def recover_in_process(rank: int, world: int) -> dict:
+    """What the broken pipeline's error says to do in the same processes: tear the group down on
+    every rank, make a new one, compile a new pipeline and load the last checkpoint."""
+    from fxpipe.runtime import StageWorker
+
+    tmp = os.environ["FXPIPE_TEST_TMP"]
+    ck = os.path.join(tmp, "checkpoints")
+    full = resume.run(resume.compile("1f1b", 2, 2, world=world, dropout=0.0), 0, 3)["losses"]
+    pipe = resume.compile("1f1b", 2, 2, world=world, dropout=0.0, timeout=TIMEOUT)
+    resume.run(pipe, 0, 1, save=ck)
+    original = StageWorker._do_b
+    if rank == 1:
+        def fail(self, a):
+            raise ValueError("a bug in the user's model")
+
+        StageWorker._do_b = fail
+    try:
+        pipe.step(*resume.batch(2))
+        failed = None
+    except Exception as e:
+        failed = type(e).__name__
+    finally:
+        StageWorker._do_b = original
+    try:
+        pipe.step(*resume.batch(2))
+    except Exception as e:
+        message = str(e)
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=rank, world_size=world)
+    again = resume.run(resume.compile("1f1b", 2, 2, world=world, dropout=0.0), 1, 2, load=ck)
+    return {"failed": failed, "message": message, "full": full, "again": again["losses"], "steps": again["steps"]}
+
+
+def test_a_broken_pipeline_recovers_in_process_as_its_error_says(tmp_path):
+    os.environ["FXPIPE_TEST_TMP"] = str(tmp_path)
+    results = run_function(2, "tests.dist.test_reliability:recover_in_process", timeout=120)
+    assert not any(r["error"] for r in results), [r["error"] for r in results]
+    for r, v in enumerate(r["value"] for r in results):
+        assert v["failed"] == ("PeerError" if r == 0 else "RuntimeError"), (r, v["failed"])
+        assert "torch.distributed.destroy_process_group()" in v["message"], (r, v["message"])
+        assert v["steps"] == 3 and v["again"] == v["full"][1:], (r, v)
+
+
 @pytest.mark.slow  # time budget; the crash test below runs by default
 def test_a_rank_that_hangs_makes_its_peer_raise_within_the_timeout():
     rank0, rank1 = run_function(2, "tests.dist.test_reliability:hang", timeout=120)
