@@ -26,9 +26,10 @@ them (a stage with nothing to train has no optimizer), and keys the RNG state by
 ``ROOT/latest`` names the newest complete checkpoint. DCP writes its ``.metadata`` last, after
 every rank's data, and only then does rank 0 replace ``latest`` (write a temporary file, rename:
 atomic on POSIX), so ``latest`` never names a partial checkpoint. With ``keep=k``, rank 0 then
-deletes the checkpoints of earlier steps beyond the k newest (those of later steps, left by a run
-resumed from an earlier one, are not its to judge). Multi-node runs need ROOT on a filesystem
-every node sees.
+deletes this run's checkpoints beyond the k newest: those the pipeline saved into ROOT, and,
+when it resumed from ROOT, those up to the step it resumed from. Others (a previous run's, or the
+later steps of a run it rolled back from) are not its to judge. Multi-node runs need ROOT on a
+filesystem every node sees.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import re
 import shutil
 import warnings
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Collection, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -69,7 +70,7 @@ _OPTIMIZER = ("optimizer_steps", "lr_scheduler")  # equal on every rank whose st
 _PER_GROUP = ("base_lrs", "_last_lr", "lr_lambdas", "max_lrs", "min_lrs", "base_momentums", "max_momentums")
 
 
-_STEP_DIR = re.compile(r"step-(\d{8})")
+_STEP_DIR = re.compile(r"step-(\d{8,})")
 
 
 def step_dir(root: str, steps: int) -> str:
@@ -265,13 +266,15 @@ def check_keep(keep) -> None:
                               f"(keep all), found {keep!r}; pass e.g. keep=3")
 
 
-def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | None = None) -> tuple[str, Any]:
+def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | None = None,
+         prunable: Callable[[int], bool] = lambda t: False) -> tuple[str, Future]:
     """Start writing the checkpoint of step ``pipe.t`` under ``root``: returns (directory,
     future). Returns once the state is copied to host memory; the files are written by a
     background thread (``dcp.async_save`` over ``group``, a gloo group of its own, so the
     writer's collectives never interleave with training's). The future completes once the
-    files are down and, on rank 0, ``latest`` names them and the checkpoints beyond ``keep``
-    are deleted (:func:`_prune`)."""
+    files are down and, on rank 0, ``latest`` names them and, with ``keep``, the checkpoints
+    ``prunable`` accepts beyond the ``keep`` newest are deleted (:func:`_prune`); its result is
+    the list of what could not be deleted."""
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError(f"save: extra must be a dict (or None), found {type(extra).__name__}")
     try:  # the same extra on every rank (checked below): every rank raises here alike
@@ -280,7 +283,8 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | Non
         raise CheckpointError(f"save: extra must pickle (the checkpoint keeps it with torch.save's pickler), but "
                               f"{type(e).__name__}: {e}. Keep plain data in it (numbers, strings, lists, dicts, "
                               f"tensors); save other objects yourself") from e
-    path = step_dir(root, pipe.t)
+    steps = pipe.t  # the writer finishes while training goes on
+    path = step_dir(root, steps)
     # every rank creates and writes the directory before any rank enters the writer's collectives
     pipe._raise_agreed(_unwritable(path), CheckpointError, "rank {rank} cannot write the checkpoint, so no rank saves: ")
     sd = state(pipe, extra)
@@ -288,15 +292,17 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | Non
     written: Future = Future()
 
     def finish(f: Future) -> None:  # in the writer thread, once DCP has written .metadata
-        error = f.exception()
-        if error is None and pipe.rank == 0:
-            try:
+        error, problems = None, []
+        try:  # whatever happens, the future completes: every later save, load and exit waits on it
+            error = f.exception()
+            if error is None and pipe.rank == 0:
                 _point_latest(root, path)
-            except OSError as e:
-                error = e
-            if error is None and keep is not None:
-                _prune(root, pipe.t, keep)
-        written.set_exception(error) if error is not None else written.set_result(path)
+                if keep is not None:
+                    problems = _prune(root, steps, keep, prunable)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            error = e
+        finally:
+            written.set_exception(error) if error is not None else written.set_result(problems)
 
     dcp.async_save(sd, checkpoint_id=path, process_group=group, no_dist=not pipe.distributed).add_done_callback(finish)
     return path, written
@@ -311,19 +317,30 @@ def _point_latest(root: str, path: str) -> None:
     os.replace(tmp, os.path.join(root, LATEST))
 
 
-def _prune(root: str, steps: int, keep: int) -> None:
-    """Delete the ``step-*`` checkpoints of ``root`` older than the ``keep`` newest up to step
-    ``steps`` (the one just written, which ``latest`` names). A checkpoint that cannot be deleted
-    is warned of, not raised: the one just written is complete either way."""
-    found = sorted(int(m.group(1)) for name in os.listdir(root)
-                   if (m := _STEP_DIR.fullmatch(name)) and os.path.isdir(os.path.join(root, name)))
-    older = [t for t in found if t <= steps]
-    for t in older[:-keep]:
+def _prune(root: str, steps: int, keep: int, prunable: Callable[[int], bool]) -> list[str]:
+    """Delete the ``step-*`` checkpoints of ``root`` that ``prunable`` accepts, oldest first,
+    beyond the ``keep`` newest of them up to step ``steps`` (the one just written, which
+    ``latest`` names, is always kept). Each is renamed aside first, so a deletion cut short never
+    leaves a half checkpoint under a checkpoint's name. Symbolic links are not touched. Returns
+    what could not be deleted, for the caller to warn of: the new checkpoint is complete either
+    way."""
+    found = []
+    for name in os.listdir(root):
+        full = os.path.join(root, name)
+        if (m := _STEP_DIR.fullmatch(name)) and os.path.isdir(full) and not os.path.islink(full):
+            t = int(m.group(1))
+            if t == steps or (t < steps and prunable(t)):
+                found.append(t)
+    problems = []
+    for t in sorted(found)[:-keep]:
+        old = step_dir(root, t)
+        aside = os.path.join(root, f".deleting-{os.path.basename(old)}-{os.getpid()}")
         try:
-            shutil.rmtree(step_dir(root, t))
+            os.rename(old, aside)
+            shutil.rmtree(aside)
         except OSError as e:
-            warnings.warn(f"fxpipe save(keep={keep}): could not delete the old checkpoint {step_dir(root, t)!r} "
-                          f"({e}); delete it yourself", RuntimeWarning, stacklevel=1)
+            problems.append(f"could not delete the old checkpoint {old!r} ({e}); delete it yourself")
+    return problems
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:

@@ -184,8 +184,8 @@ class PipelineConfig:
                 bad(name, "an int >= 1 (or None)", v, {
                     "microbatches": f"pass e.g. microbatches=4, or None for the default ({DEFAULT_MICROBATCHES})",
                     "stages": "pass e.g. stages=2, or None for the planner's choice"}[name])
-        if self.stages is not None and self.microbatches is not None and \
-                self.microbatches < min_microbatches(self.schedule, self.stages):
+        if self.plan is None and self.stages is not None and self.microbatches is not None and \
+                self.microbatches < min_microbatches(self.schedule, self.stages):  # a plan: check_plan
             bad("microbatches", f">= stages = {self.stages} for schedule={self.schedule!r}", self.microbatches,
                 f"2bw's weight-version rule needs a step of at least one micro-batch per stage: pass "
                 f"microbatches >= {self.stages}, fewer stages, or schedule='1f1b' or 'zb', which take fewer")
@@ -404,6 +404,10 @@ class Pipeline:
         self._saving = None  # (directory, future) of the checkpoint being written, if any
         self._checkpoint_group = None  # the gloo group checkpoint writers coordinate over
         self._saving_registered = False
+        # save(keep=)'s lineage: the steps this pipeline saved per root (absolute), and the root and
+        # step it resumed from (a checkpoint at or before that step is this run's history)
+        self._saved_steps: dict[str, set[int]] = {}
+        self._resumed_from: tuple[str, int] | None = None
         # (rank, action, start s, end s) of every executed action while ``record`` is True;
         # fxpipe.simulate draws it like a simulated schedule (``Pipeline.dump``).
         self.record = False
@@ -745,7 +749,14 @@ class Pipeline:
         if self.config.plan is not None:
             return self.config.plan.width
         if self.config.stages is None:
-            self.config = replace(self.config, stages=self.world_size if self.distributed else 1)
+            d, m = (self.world_size if self.distributed else 1), self.config.microbatches
+            if m is not None and m < min_microbatches(self.config.schedule, d):
+                raise ConfigError(
+                    f"fxpipe.compile: microbatches={m} is fewer than the {d} stages a lazily compiled pipeline runs "
+                    f"on {d} ranks (stages=None: one stage per rank), and schedule={self.config.schedule!r} needs at "
+                    f"least one micro-batch per stage. Pass microbatches >= {d}, or stages= with a data-parallel "
+                    f"width (world = stages x width), or schedule='1f1b' or 'zb', which take fewer")
+            self.config = replace(self.config, stages=d)
         return max(1, self.world_size // self.config.stages) if self.distributed else 1
 
     def _execute(self, segment: Callable[[int], list[Action]], what: str) -> None:
@@ -1112,7 +1123,12 @@ class Pipeline:
         if not self._saving_registered:  # finish the last checkpoint before the process ends
             atexit.register(self.wait_for_checkpoint)
             self._saving_registered = True
-        self._saving = checkpoint.save(self, path, extra, self._checkpoint_pg(), keep)
+        root = os.path.abspath(path)
+        ours = self._saved_steps.setdefault(root, set())
+        ours.add(self.t)
+        base = self._resumed_from[1] if self._resumed_from and self._resumed_from[0] == root else 0
+        self._saving = checkpoint.save(self, path, extra, self._checkpoint_pg(), keep,
+                                       prunable=lambda t: t in ours or t <= base)
         return self._saving[0]
 
     def wait_for_checkpoint(self) -> str | None:
@@ -1124,9 +1140,11 @@ class Pipeline:
         path, future = self._saving
         self._saving = None
         try:
-            future.result()
+            problems = future.result()
         except Exception as e:
             raise FxpipeError(f"writing checkpoint {path} failed: {e}") from e
+        for problem in problems:  # save(keep=) could not delete an old checkpoint: the new one is whole
+            warnings.warn(f"fxpipe save: {problem}", RuntimeWarning, stacklevel=2)
         return path
 
     def load(self, path: str) -> dict | None:
@@ -1159,6 +1177,9 @@ class Pipeline:
         extra = checkpoint.load(self, resolved, meta, self._checkpoint_pg())
         self._revive()
         self.t = self.epoch_start = meta["steps"]
+        # what it saved past this step is another trajectory now; save(keep=) leaves it alone
+        self._resumed_from = (os.path.dirname(os.path.abspath(resolved)), self.t)
+        self._saved_steps = {root: {t for t in ts if t <= self.t} for root, ts in self._saved_steps.items()}
         return extra
 
     def _resolve_agreed(self, path: str) -> str:
@@ -1214,6 +1235,12 @@ class Pipeline:
             example = _resize_example(example, o.plan.microbatch_size)
         else:
             if o.microbatches is None:
+                if o.stages is not None and saved.microbatches < min_microbatches(o.schedule, o.stages):
+                    raise CheckpointError(
+                        f"load: {path} was trained with {saved.microbatches} micro-batches per step, which this "
+                        f"pipeline would take (microbatches=None), but its {o.stages} stages under "
+                        f"schedule={o.schedule!r} need at least {o.stages}. Pass microbatches >= {o.stages} to "
+                        f"compile (the saved global batch is re-cut), fewer stages, or schedule='1f1b' or 'zb'")
                 self.config = o = replace(o, microbatches=saved.microbatches)
             m, w = o.microbatches, self._width_hint()
             batch = saved.microbatch_size * saved.microbatches * saved.width

@@ -86,7 +86,7 @@ def test_latest_names_the_newest_checkpoint(tmp_path):
 
 
 def test_keep_deletes_the_oldest_checkpoints_once_the_new_one_is_complete(tmp_path):
-    (tmp_path / "step-00000009").mkdir()  # a later step's, left by a run resumed from an earlier one
+    (tmp_path / "step-00000009").mkdir()  # a later step's, left by another run
     (tmp_path / "notes").mkdir()  # not a checkpoint
     pipe = resume.compile("1f1b", 2, 2)
     for t in range(1, 6):
@@ -104,6 +104,64 @@ def test_keep_deletes_the_oldest_checkpoints_once_the_new_one_is_complete(tmp_pa
         with pytest.raises(CheckpointError, match=re.escape(f"save: keep must be an int >= 1 (how many of the newest "
                                                             f"checkpoints to keep) or None (keep all), found {bad!r}")):
             pipe.save(str(tmp_path), keep=bad)
+
+
+def test_keep_prunes_only_this_runs_checkpoints_while_training_goes_on(tmp_path):
+    # a first run leaves steps 2, 4 and 6; a second resumes from 2 (a roll-back), so 4 and 6 are
+    # another trajectory: neither its count nor its to delete, also once it passes them
+    first = resume.compile("1f1b", 2, 2)
+    for t in range(1, 7):
+        first.step(*resume.batch(t))
+        if t % 2 == 0:
+            first.save(str(tmp_path))
+    first.wait_for_checkpoint()
+    (tmp_path / "step-00000001").symlink_to(tmp_path / "step-00000002")  # a link: never touched
+    pipe = resume.compile("1f1b", 2, 2)
+    pipe.load(str(tmp_path / "step-00000002"))
+    for t in range(3, 10, 2):
+        pipe.step(*resume.batch(t))
+        pipe.save(str(tmp_path), keep=2)  # no wait: the writer finishes while steps run on
+        pipe.step(*resume.batch(t + 1))
+    pipe.wait_for_checkpoint()
+    names = sorted(os.listdir(tmp_path))
+    assert names == ["latest", "step-00000001", "step-00000004", "step-00000006", "step-00000007",
+                     "step-00000009"], names
+    assert (tmp_path / "latest").read_text().strip() == "step-00000009"
+    again = resume.compile("1f1b", 2, 2)
+    again.load(str(tmp_path))
+    assert again.steps == 9
+
+
+def test_a_checkpoint_keep_cannot_delete_is_a_warning_not_a_failed_save(tmp_path, monkeypatch):
+    import shutil
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", path)
+
+    pipe = resume.compile("1f1b", 2, 2)
+    pipe.step(*resume.batch(1))
+    pipe.save(str(tmp_path), keep=1)
+    pipe.wait_for_checkpoint()
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    pipe.step(*resume.batch(2))
+    pipe.save(str(tmp_path), keep=1)
+    with pytest.warns(RuntimeWarning, match=r"fxpipe save: could not delete the old checkpoint .*step-00000001.* "
+                                            r"\(\[Errno 13\] Permission denied.*delete it yourself"):
+        assert pipe.wait_for_checkpoint() == str(tmp_path / "step-00000002")
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    assert "step-00000001" not in os.listdir(tmp_path)  # renamed aside: no half checkpoint under its name
+
+
+def test_a_lazy_2bw_pipeline_of_more_stages_than_the_checkpoints_micro_batches_says_so(tmp_path):
+    import fxpipe
+    from fxpipe.demo import lm_loss
+
+    resume.run(resume.compile("2bw", 2, 2), 0, 1, save=str(tmp_path))
+    lazy = fxpipe.compile(resume.model(), None, loss_fn=lm_loss, schedule="2bw", stages=4, verbose=False)
+    with pytest.raises(CheckpointError, match=r"load: .*step-00000001 was trained with 2 micro-batches per step, which "
+                                              r"this pipeline would take \(microbatches=None\), but its 4 stages under "
+                                              r"schedule='2bw' need at least 4\. Pass microbatches >= 4 to compile"):
+        lazy.load(str(tmp_path))
 
 
 def test_loading_another_models_checkpoint_names_every_missing_and_unexpected_key(tmp_path):
