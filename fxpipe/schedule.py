@@ -126,7 +126,7 @@ from __future__ import annotations
 import enum
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from fxpipe.deps import CommOp, CommOrderError, Rendezvous, interleave
@@ -972,13 +972,12 @@ def validate(
     if steps is None:
         ks = [a.index for lst in actions_by_stage.values() for a in lst if a.kind is Kind.F]
         steps = max(batch_of(max(ks), m), 1) if ks else 1
-    total = steps * m
     if isinstance(recompute, bool):
         recompute = [recompute] * d
     group = _tied_group(tied, d) if tied is not None else None
     segments = any(a.kind is Kind.END_STEP for lst in actions_by_stage.values() for a in lst)
     for s in range(d):
-        _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, width)
+        _StageCheck(ck, s, schedule, d, m, steps, recompute, group, clip, width).run()
         if segments:
             _check_steps(ck, s, m, steps)
     if segments:
@@ -986,212 +985,262 @@ def validate(
     _replay(ck)
 
 
-def _check_stage(ck, s, schedule, d, m, steps, total, recompute, group, clip, width) -> None:  # noqa: C901
-    lst = ck.by_stage[s]
-    first_f: dict[int, int] = {}
-    first_b: dict[int, int] = {}
-    last_b: dict[int, int] = {}
-    done: dict[tuple[Kind, int], int] = {}
-    in_flight: dict[int, int] = {}  # micro-batch -> version, F done and B (zb: W) not yet
-    newest = 0
-    started: dict[tuple[Kind, int], int] = {}
-    zb = schedule == "zb"
-    rc = recompute is not None and recompute[s]
-    # micro-batches between F and W (B), and how many of them may have run their I (zb's deferred W)
-    limit, deferred = zb_bounds(s, d, m, rc) if zb else (m if schedule == "gpipe" else d - s, 0)
-    whole = limit - deferred  # between F and I: whole activations
-    before_i: set[int] = set()
-    backward = (Kind.I, Kind.W) if zb else (Kind.B,)  # what each micro-batch's backward is here
-    reduced = {a.index for a in lst if a.kind in STARTS}  # batches whose gradient is reduced
-    max_versions = versions_of(schedule)
+class _StageCheck:
+    """One stage's list, read in order: the rules common to every action, then its kind's order
+    rules (:data:`_ORDER_RULES`: one method per kind group), then, once the list is read, what
+    the whole list must hold (:meth:`complete`). A new kind adds its rules here."""
 
-    def check_versions(alive: set[int], where: str) -> None:
-        if len(alive) > max_versions:
-            ck.fail(
-                s, pos, f"{len(alive)} weight versions alive{where} ({', '.join(f'W({v})' for v in sorted(alive))}), "
-                f"expected at most {max_versions} for {schedule}",
+    def __init__(self, ck: _Checker, s: int, schedule: str, d: int, m: int, steps: int,
+                 recompute: Sequence[bool] | None, group, clip: bool, width: int) -> None:
+        self.ck, self.s, self.schedule, self.d, self.m, self.steps = ck, s, schedule, d, m, steps
+        self.recompute, self.group, self.clip, self.width = recompute, group, clip, width
+        self.lst = ck.by_stage[s]
+        self.zb = schedule == "zb"
+        self.rc = recompute is not None and recompute[s]
+        # micro-batches between F and W (B), and how many of them may have run their I (zb's deferred W)
+        self.limit, deferred = zb_bounds(s, d, m, self.rc) if self.zb else (m if schedule == "gpipe" else d - s, 0)
+        self.whole = self.limit - deferred  # between F and I: whole activations
+        self.backward = (Kind.I, Kind.W) if self.zb else (Kind.B,)  # what each micro-batch's backward is here
+        self.reduced = {a.index for a in self.lst if a.kind in STARTS}  # batches whose gradient is reduced
+        self.max_versions = versions_of(schedule)
+        self.pos = 0
+        self.first_f: dict[int, int] = {}
+        self.last_b: dict[int, int] = {}
+        self.done: dict[tuple[Kind, int], int] = {}
+        self.in_flight: dict[int, int] = {}  # micro-batch -> version, F done and B (zb: W) not yet
+        self.before_i: set[int] = set()
+        self.started: dict[tuple[Kind, int], int] = {}
+        self.newest = 0
+
+    def fail(self, message: str, fix: str, pos: int | None = None) -> None:
+        self.ck.fail(self.s, self.pos if pos is None else pos, message, fix)
+
+    def run(self) -> None:
+        for self.pos, a in enumerate(self.lst):
+            k, t = self.common(a)
+            for rule in _ORDER_RULES.get(a.kind, ()):
+                rule(self, a, k, t)
+            self.check_versions({self.newest} | set(self.in_flight.values()), "")
+        self.complete()
+
+    def check_versions(self, alive: set[int], where: str) -> None:
+        if len(alive) > self.max_versions:
+            self.fail(
+                f"{len(alive)} weight versions alive{where} ({', '.join(f'W({v})' for v in sorted(alive))}), "
+                f"expected at most {self.max_versions} for {self.schedule}",
                 "Run the UPDATE after the backwards of the micro-batches that use the oldest version",
             )
 
-    for pos, a in enumerate(lst):
+    def common(self, a) -> tuple[int, int]:
+        """What every action must be (an Action of this stage, once, of a kind this schedule has,
+        within the run), and a compute action's weight version; returns (micro-batch k, batch t)."""
+        s, schedule, m = self.s, self.schedule, self.m
         if not isinstance(a, Action):
-            ck.fail(s, pos, f"expected an Action, found {type(a).__name__} {a!r}", "Build lists with Action(...)")
+            self.fail(f"expected an Action, found {type(a).__name__} {a!r}", "Build lists with Action(...)")
         if a.stage != s:
-            ck.fail(s, pos, f"the action names stage {a.stage} but sits in stage {s}'s list", "Move it to its stage")
-        if (a.kind, a.index) in done:
-            ck.fail(s, pos, f"{a.kind}{a.index} appears twice (first at position {done[a.kind, a.index]})", "Drop one")
-        done[a.kind, a.index] = pos
+            self.fail(f"the action names stage {a.stage} but sits in stage {s}'s list", "Move it to its stage")
+        if (a.kind, a.index) in self.done:
+            self.fail(f"{a.kind}{a.index} appears twice (first at position {self.done[a.kind, a.index]})", "Drop one")
+        self.done[a.kind, a.index] = self.pos
         k, t = a.index, a.index
-        if a.kind in BACKWARDS and a.kind not in backward:
-            ck.fail(s, pos, f"{schedule} has no {a.kind} actions (its backward is {' + '.join(map(str, backward))})",
-                    f"Use {' and '.join(f'{s}{b}{k}' for b in backward)} instead")
+        if a.kind in BACKWARDS and a.kind not in self.backward:
+            self.fail(f"{schedule} has no {a.kind} actions (its backward is {' + '.join(map(str, self.backward))})",
+                      f"Use {' and '.join(f'{s}{b}{k}' for b in self.backward)} instead")
         if a.kind in COMPUTE or a.kind in P2P:
-            if not 1 <= k <= total:
-                ck.fail(s, pos, f"micro-batch {k} is outside 1..{total} (steps={steps}, m={m})", "Fix the index")
+            if not 1 <= k <= self.steps * m:
+                self.fail(f"micro-batch {k} is outside 1..{self.steps * m} (steps={self.steps}, m={m})", "Fix the index")
             t = batch_of(k, m)
         if a.kind in COMPUTE:
             want = version_of(schedule, k, m)
             if a.version != want:
                 rule = "max(floor((k-1)/m) - 1, 0)" if schedule == "2bw" else "t - 1 for batch t"
-                ck.fail(
-                    s, pos, f"micro-batch {k} uses version {a.version}, expected {want} ({schedule}: {rule}, m={m})",
-                    "Every stage must run a micro-batch's F and B on the same version",
-                )
-            if want > newest or want < newest - 1:
-                ck.fail(
-                    s, pos, f"version {want} is not alive here (newest produced: W({newest}))",
-                    f"Run UPDATE{want} before the first forward that uses W({want})",
-                )
-        if a.kind is Kind.F:
-            first_f.setdefault(t, pos)
-            if s > 0 and (Kind.RECV_ACT, k) not in done:
-                ck.fail(s, pos, f"no RECV_ACT{k} posted before the forward that consumes it", f"Insert {s}RECV_ACT{k} before it")
-            in_flight[k] = a.version
-            if len(in_flight) > limit:
-                what = f"min(d, m) = {limit}, zb" if zb and not rc else f"{limit} ({schedule}"
-                ck.fail(
-                    s, pos, f"{len(in_flight)} micro-batches of activations in flight, expected at most {what} "
-                    f"on stage {s} of {d}{', recomputing' if rc and zb else ''})",
-                    "Run a backward before this forward" + (" (a W frees its micro-batch)" if zb else ""),
-                )
-            before_i.add(k)
-            if len(before_i) > whole:
-                ck.fail(
-                    s, pos, f"{len(before_i)} micro-batches between their F and their I, expected at most "
-                    f"min(d - s, m) = {whole} (zb on stage {s} of {d}: only a micro-batch past its I may wait "
-                    f"for its W, holding just what W reads; the planner prices the stage so)",
-                    "Run an I before this forward",
-                )
-        elif a.kind is Kind.R:
-            if (Kind.F, k) not in done:
-                ck.fail(s, pos, f"recompute of micro-batch {k} before its forward", f"Move it after {s}F{k}")
-            if recompute is not None and not recompute[s]:
-                ck.fail(s, pos, f"stage {s} recomputes although recompute[{s}] is False", "Drop the R action")
-            if any((b, k) in done for b in GRAD_SOURCES):
-                ck.fail(s, pos, f"recompute of micro-batch {k} after its backward",
-                        f"Move it right before {s}{backward[0]}{k}")
-        elif a.kind in GRAD_SOURCES:
-            if (Kind.F, k) not in done:
-                ck.fail(s, pos, f"backward of micro-batch {k} before its forward", f"Move {s}F{k} before it")
-            if recompute is not None and recompute[s] and (Kind.R, k) not in done:
-                ck.fail(s, pos, f"recompute is on for stage {s} but {s}R{k} does not precede this backward", f"Insert {s}R{k}")
-            if rc or (Kind.R, k) in done:
-                # One recomputed micro-batch alive at a time (what the planner prices): R k is the
-                # compute right before the backward that frees it, as W k right after I k below.
-                prev = _previous_compute(lst, pos)
-                if prev != Action(s, Kind.R, k, a.version):
-                    ck.fail(s, pos, f"stage {s} recomputes, so {a.kind}{k} must directly follow R{k} (found {prev} "
-                            f"before it)", f"Move {s}R{k} right before it: an earlier recompute keeps its activations "
-                            f"alive alongside other micro-batches'")
-            if s < d - 1 and (Kind.RECV_GRAD, k) not in done:
-                ck.fail(s, pos, f"no RECV_GRAD{k} posted before the backward that consumes it", f"Insert {s}RECV_GRAD{k} before it")
-            first_b.setdefault(t, pos)
-            before_i.discard(k)
-            if a.kind is Kind.B:
-                last_b[t] = pos
-                in_flight.pop(k, None)
-            # An I already writes batch t's gradient on a stage that cannot split (runtime fallback).
-            handed_off = (t - 1) in reduced  # a second gradient buffer holds batch t-1's
-            if t > 1 and (Kind.UPDATE, t - 1) not in done and not handed_off:
-                ck.fail(
-                    s, pos, f"first backward of batch {t} before UPDATE{t - 1}",
-                    f"Run UPDATE{t - 1} earlier: without a reduction holding batch {t - 1}'s gradient "
-                    f"the stage has one gradient accumulator",
-                )
-        elif a.kind is Kind.W:
-            if (Kind.I, k) not in done:
-                ck.fail(s, pos, f"weight pass of micro-batch {k} before its input-gradient pass", f"Move {s}I{k} before it")
-            if rc:
-                prev = _previous_compute(lst, pos)
-                if prev != Action(s, Kind.I, k, a.version):
-                    ck.fail(s, pos, f"stage {s} recomputes, so W{k} must directly follow I{k} (found {prev} before it)",
-                            "Deferring it would keep the recomputed activations alive: put it right after the I")
-            last_b[t] = pos
-            in_flight.pop(k, None)
-        elif a.kind in SENDS:
-            source = Kind.F if a.kind is Kind.SEND_ACT else backward[0]
-            if (source, k) not in done:
-                ck.fail(s, pos, f"sends micro-batch {k} before {s}{source}{k} produced it", f"Move it after {s}{source}{k}")
-        if a.kind in P2P and not 0 <= a.peer < d:
-            ck.fail(s, pos, f"peer stage {a.peer} does not exist (d={d})", "Drop it: first/last stages have no such peer")
-        if a.kind in STARTS:
-            started[a.kind, t] = pos
-            if t > 1 and (Kind.UPDATE, t - 1) not in done:
-                ck.fail(
-                    s, pos, f"reduction of batch {t} issued while UPDATE{t - 1} is still due",
-                    f"Run UPDATE{t - 1} first: at most two gradient buffers (accumulator and one in reduction)",
-                )
-            if t not in last_b or any(
-                b.kind in BACKWARDS and batch_of(b.index, m) == t for b in lst[pos + 1:]
-            ):
-                ck.fail(s, pos, f"reduction of batch {t} issued before the stage's last backward of batch {t}", "Move it after that backward")
-            if a.kind is Kind.NORM_START:
-                for w in (Kind.DP_WAIT, Kind.TIED_WAIT):
-                    if (_START_OF[w], t) in started and (w, t) not in done:
-                        ck.fail(s, pos, f"gradient norm started before {w}{t}", f"Wait {w}{t} first: the norm is of the reduced gradient")
-        if a.kind in WAITS and (_START_OF[a.kind], t) not in started:
-            ck.fail(s, pos, f"waits for {_START_OF[a.kind]}{t}, which was not issued before", f"Insert {s}{_START_OF[a.kind]}{t} after the last backward of batch {t}")
-        if a.kind is Kind.UPDATE:
-            # the new version counts before the update's other checks report (their order matters)
-            check_versions({t} | set(in_flight.values()), " after it")
-            if not 1 <= t <= steps:
-                ck.fail(s, pos, f"batch {t} is outside 1..{steps}", "Fix the index")
-            if t != newest + 1:
-                ck.fail(s, pos, f"produces W({t}) but the newest version is W({newest})", f"Updates run in order: UPDATE{newest + 1} next")
-            if t not in last_b or any(b.kind in BACKWARDS and batch_of(b.index, m) == t
-                                      for b in lst[pos + 1:]):
-                ck.fail(s, pos, f"UPDATE{t} before the stage's last backward of batch {t}", "Move it after that backward")
-            for (kind, tb), p in started.items():
-                if tb == t and (_WAIT_OF[kind], t) not in done:
-                    ck.fail(s, pos, f"{kind}{t} (position {p}) is not waited for before UPDATE{t}", f"Insert {s}{_WAIT_OF[kind]}{t} before the update")
-            newest = t
-        check_versions({newest} | set(in_flight.values()), "")
-    _check_complete(ck, s, lst, done, first_f, schedule, d, m, steps, group, clip, width, backward)
+                self.fail(f"micro-batch {k} uses version {a.version}, expected {want} ({schedule}: {rule}, m={m})",
+                          "Every stage must run a micro-batch's F and B on the same version")
+            if want > self.newest or want < self.newest - 1:
+                self.fail(f"version {want} is not alive here (newest produced: W({self.newest}))",
+                          f"Run UPDATE{want} before the first forward that uses W({want})")
+        return k, t
+
+    def forward(self, a, k: int, t: int) -> None:
+        s, zb, rc = self.s, self.zb, self.rc
+        self.first_f.setdefault(t, self.pos)
+        if s > 0 and (Kind.RECV_ACT, k) not in self.done:
+            self.fail(f"no RECV_ACT{k} posted before the forward that consumes it", f"Insert {s}RECV_ACT{k} before it")
+        self.in_flight[k] = a.version
+        if len(self.in_flight) > self.limit:
+            what = f"min(d, m) = {self.limit}, zb" if zb and not rc else f"{self.limit} ({self.schedule}"
+            self.fail(
+                f"{len(self.in_flight)} micro-batches of activations in flight, expected at most {what} "
+                f"on stage {s} of {self.d}{', recomputing' if rc and zb else ''})",
+                "Run a backward before this forward" + (" (a W frees its micro-batch)" if zb else ""),
+            )
+        self.before_i.add(k)
+        if len(self.before_i) > self.whole:
+            self.fail(
+                f"{len(self.before_i)} micro-batches between their F and their I, expected at most "
+                f"min(d - s, m) = {self.whole} (zb on stage {s} of {self.d}: only a micro-batch past its I may "
+                f"wait for its W, holding just what W reads; the planner prices the stage so)",
+                "Run an I before this forward",
+            )
+
+    def recomputed_forward(self, a, k: int, t: int) -> None:
+        s = self.s
+        if (Kind.F, k) not in self.done:
+            self.fail(f"recompute of micro-batch {k} before its forward", f"Move it after {s}F{k}")
+        if self.recompute is not None and not self.recompute[s]:
+            self.fail(f"stage {s} recomputes although recompute[{s}] is False", "Drop the R action")
+        if any((b, k) in self.done for b in GRAD_SOURCES):
+            self.fail(f"recompute of micro-batch {k} after its backward", f"Move it right before {s}{self.backward[0]}{k}")
+
+    def gradient_source(self, a, k: int, t: int) -> None:
+        """B, or zb's I: the pass that makes the gradient SEND_GRAD k sends."""
+        s, done = self.s, self.done
+        if (Kind.F, k) not in done:
+            self.fail(f"backward of micro-batch {k} before its forward", f"Move {s}F{k} before it")
+        if self.recompute is not None and self.recompute[s] and (Kind.R, k) not in done:
+            self.fail(f"recompute is on for stage {s} but {s}R{k} does not precede this backward", f"Insert {s}R{k}")
+        if self.rc or (Kind.R, k) in done:
+            # One recomputed micro-batch alive at a time (what the planner prices): R k is the
+            # compute right before the backward that frees it, as W k right after I k below.
+            prev = _previous_compute(self.lst, self.pos)
+            if prev != Action(s, Kind.R, k, a.version):
+                self.fail(f"stage {s} recomputes, so {a.kind}{k} must directly follow R{k} (found {prev} before it)",
+                          f"Move {s}R{k} right before it: an earlier recompute keeps its activations alive alongside "
+                          f"other micro-batches'")
+        if s < self.d - 1 and (Kind.RECV_GRAD, k) not in done:
+            self.fail(f"no RECV_GRAD{k} posted before the backward that consumes it", f"Insert {s}RECV_GRAD{k} before it")
+        self.before_i.discard(k)
+        if a.kind is Kind.B:
+            self.last_b[t] = self.pos
+            self.in_flight.pop(k, None)
+        # An I already writes batch t's gradient on a stage that cannot split (runtime fallback).
+        handed_off = (t - 1) in self.reduced  # a second gradient buffer holds batch t-1's
+        if t > 1 and (Kind.UPDATE, t - 1) not in done and not handed_off:
+            self.fail(f"first backward of batch {t} before UPDATE{t - 1}",
+                      f"Run UPDATE{t - 1} earlier: without a reduction holding batch {t - 1}'s gradient the stage "
+                      f"has one gradient accumulator")
+
+    def weight_pass(self, a, k: int, t: int) -> None:
+        s = self.s
+        if (Kind.I, k) not in self.done:
+            self.fail(f"weight pass of micro-batch {k} before its input-gradient pass", f"Move {s}I{k} before it")
+        if self.rc:
+            prev = _previous_compute(self.lst, self.pos)
+            if prev != Action(s, Kind.I, k, a.version):
+                self.fail(f"stage {s} recomputes, so W{k} must directly follow I{k} (found {prev} before it)",
+                          "Deferring it would keep the recomputed activations alive: put it right after the I")
+        self.last_b[t] = self.pos
+        self.in_flight.pop(k, None)
+
+    def send(self, a, k: int, t: int) -> None:
+        s = self.s
+        source = Kind.F if a.kind is Kind.SEND_ACT else self.backward[0]
+        if (source, k) not in self.done:
+            self.fail(f"sends micro-batch {k} before {s}{source}{k} produced it", f"Move it after {s}{source}{k}")
+
+    def peer(self, a, k: int, t: int) -> None:
+        if not 0 <= a.peer < self.d:
+            self.fail(f"peer stage {a.peer} does not exist (d={self.d})", "Drop it: first/last stages have no such peer")
+
+    def reduction_start(self, a, k: int, t: int) -> None:
+        done = self.done
+        self.started[a.kind, t] = self.pos
+        if t > 1 and (Kind.UPDATE, t - 1) not in done:
+            self.fail(f"reduction of batch {t} issued while UPDATE{t - 1} is still due",
+                      f"Run UPDATE{t - 1} first: at most two gradient buffers (accumulator and one in reduction)")
+        if t not in self.last_b or self.backward_follows(t):
+            self.fail(f"reduction of batch {t} issued before the stage's last backward of batch {t}",
+                      "Move it after that backward")
+        if a.kind is Kind.NORM_START:
+            for w in (Kind.DP_WAIT, Kind.TIED_WAIT):
+                if (_START_OF[w], t) in self.started and (w, t) not in done:
+                    self.fail(f"gradient norm started before {w}{t}",
+                              f"Wait {w}{t} first: the norm is of the reduced gradient")
+
+    def reduction_wait(self, a, k: int, t: int) -> None:
+        if (_START_OF[a.kind], t) not in self.started:
+            self.fail(f"waits for {_START_OF[a.kind]}{t}, which was not issued before",
+                      f"Insert {self.s}{_START_OF[a.kind]}{t} after the last backward of batch {t}")
+
+    def update(self, a, k: int, t: int) -> None:
+        s = self.s
+        # the new version counts before the update's other checks report (their order matters)
+        self.check_versions({t} | set(self.in_flight.values()), " after it")
+        if not 1 <= t <= self.steps:
+            self.fail(f"batch {t} is outside 1..{self.steps}", "Fix the index")
+        if t != self.newest + 1:
+            self.fail(f"produces W({t}) but the newest version is W({self.newest})",
+                      f"Updates run in order: UPDATE{self.newest + 1} next")
+        if t not in self.last_b or self.backward_follows(t):
+            self.fail(f"UPDATE{t} before the stage's last backward of batch {t}", "Move it after that backward")
+        for (kind, tb), p in self.started.items():
+            if tb == t and (_WAIT_OF[kind], t) not in self.done:
+                self.fail(f"{kind}{t} (position {p}) is not waited for before UPDATE{t}",
+                          f"Insert {s}{_WAIT_OF[kind]}{t} before the update")
+        self.newest = t
+
+    def backward_follows(self, t: int) -> bool:
+        """Whether a backward of batch ``t`` comes after the current position."""
+        return any(b.kind in BACKWARDS and batch_of(b.index, self.m) == t for b in self.lst[self.pos + 1:])
+
+    def complete(self) -> None:
+        """What the whole list must hold once every action is read: each batch's UPDATE before the
+        forwards that need its version, every started reduction waited for, the reductions the
+        configuration needs, and every micro-batch's compute and messages."""
+        s, d, m, steps, done, last = self.s, self.d, self.m, self.steps, self.done, len(self.lst) - 1
+        ahead = versions_of(self.schedule)  # batch t + ahead is the first to read W(t): one step later under 2bw
+        required = [kind for kind, needed in ((Kind.DP_START, self.width > 1),
+                                              (Kind.TIED_START, self.group is not None and s in self.group),
+                                              (Kind.NORM_START, self.clip)) if needed]
+        for t in range(1, steps + 1):
+            if (Kind.UPDATE, t) not in done:
+                self.fail(f"no UPDATE{t}: every batch's gradients must be applied",
+                          f"Insert {s}UPDATE{t} after the last backward of batch {t}", last)
+            upd = done[Kind.UPDATE, t]
+            if t + ahead in self.first_f and self.first_f[t + ahead] < upd:
+                self.fail(f"forward of batch {t + ahead} before UPDATE{t} (position {upd}) produced the version it "
+                          f"needs", f"Move UPDATE{t} before it", self.first_f[t + ahead])
+            for kind in STARTS:
+                wait = _WAIT_OF[kind]
+                if (kind, t) in done and (wait, t) not in done:
+                    self.fail(f"{kind}{t} is never waited for", f"Insert {s}{wait}{t} before UPDATE{t}", done[kind, t])
+            for kind in required:
+                if (kind, t) not in done:
+                    self.fail(f"missing {kind}{t} (width={self.width}, tied={self.group}, clip={self.clip})",
+                              f"Insert {s}{kind}{t} after the last backward of batch {t}", upd)
+        for k in range(1, steps * m + 1):
+            for kind in (Kind.F, *self.backward):
+                if (kind, k) not in done:
+                    each = "one F, one I and one W" if self.zb else "one F and one B"
+                    self.fail(f"no {kind}{k}: expected {each} for each of micro-batches 1..{steps * m}",
+                              f"Insert {s}{kind}{k}", last)
+            for kind, present in ((Kind.SEND_ACT, s < d - 1), (Kind.RECV_ACT, s > 0), (Kind.SEND_GRAD, s > 0),
+                                  (Kind.RECV_GRAD, s < d - 1)):
+                if present and (kind, k) not in done:
+                    self.fail(f"no {kind}{k} on stage {s}", f"Insert {s}{kind}{k} (see the posting rules in "
+                              f"fxpipe.schedule)", last)
+
+
+# The order rules of each kind, in the order they are checked (after the common ones).
+_ORDER_RULES: dict[Kind, tuple[Callable[..., None], ...]] = {
+    Kind.F: (_StageCheck.forward,),
+    Kind.R: (_StageCheck.recomputed_forward,),
+    Kind.B: (_StageCheck.gradient_source,),
+    Kind.I: (_StageCheck.gradient_source,),
+    Kind.W: (_StageCheck.weight_pass,),
+    Kind.SEND_ACT: (_StageCheck.send, _StageCheck.peer),
+    Kind.SEND_GRAD: (_StageCheck.send, _StageCheck.peer),
+    Kind.RECV_ACT: (_StageCheck.peer,),
+    Kind.RECV_GRAD: (_StageCheck.peer,),
+    Kind.UPDATE: (_StageCheck.update,),
+    **{k: (_StageCheck.reduction_start,) for k in STARTS},
+    **{k: (_StageCheck.reduction_wait,) for k in WAITS},
+}
 
 
 def _previous_compute(lst: Sequence[Action], pos: int) -> Action | None:
     """The compute or update action last before position ``pos`` of ``lst``."""
     return next((b for b in reversed(lst[:pos]) if b.kind in COMPUTE or b.kind is Kind.UPDATE), None)
-
-
-def _check_complete(ck, s, lst, done, first_f, schedule, d, m, steps, group, clip, width, backward) -> None:
-    """What a stage's whole list must hold once every action is read (``_check_stage`` checks the
-    order as it reads them): each batch's UPDATE before the forwards that need its version, every
-    started reduction waited for, the reductions the configuration needs, and every micro-batch's
-    compute and messages."""
-    zb = schedule == "zb"
-    ahead = versions_of(schedule)  # batch t + ahead is the first to read W(t): one step later under 2bw
-    for t in range(1, steps + 1):
-        if (Kind.UPDATE, t) not in done:
-            ck.fail(s, len(lst) - 1, f"no UPDATE{t}: every batch's gradients must be applied", f"Insert {s}UPDATE{t} after the last backward of batch {t}")
-        upd = done[Kind.UPDATE, t]
-        if t + ahead in first_f and first_f[t + ahead] < upd:
-            ck.fail(
-                s, first_f[t + ahead], f"forward of batch {t + ahead} before UPDATE{t} (position {upd}) produced the version it needs",
-                f"Move UPDATE{t} before it",
-            )
-        for kind in STARTS:
-            wait = _WAIT_OF[kind]
-            if (kind, t) in done and (wait, t) not in done:
-                ck.fail(s, done[kind, t], f"{kind}{t} is never waited for", f"Insert {s}{wait}{t} before UPDATE{t}")
-        required = []
-        if width > 1:
-            required.append(Kind.DP_START)
-        if group is not None and s in group:
-            required.append(Kind.TIED_START)
-        if clip:
-            required.append(Kind.NORM_START)
-        for kind in required:
-            if (kind, t) not in done:
-                ck.fail(s, upd, f"missing {kind}{t} (width={width}, tied={group}, clip={clip})", f"Insert {s}{kind}{t} after the last backward of batch {t}")
-    for k in range(1, steps * m + 1):
-        for kind in (Kind.F, *backward):
-            if (kind, k) not in done:
-                each = "one F, one I and one W" if zb else "one F and one B"
-                ck.fail(s, len(lst) - 1, f"no {kind}{k}: expected {each} for each of micro-batches 1..{steps * m}", f"Insert {s}{kind}{k}")
-        for kind, present in ((Kind.SEND_ACT, s < d - 1), (Kind.RECV_ACT, s > 0), (Kind.SEND_GRAD, s > 0), (Kind.RECV_GRAD, s < d - 1)):
-            if present and (kind, k) not in done:
-                ck.fail(s, len(lst) - 1, f"no {kind}{k} on stage {s}", f"Insert {s}{kind}{k} (see the posting rules in fxpipe.schedule)")
 
 
 def _groups(by_stage: Mapping[int, Sequence[Action]]) -> dict[str, list[int]]:

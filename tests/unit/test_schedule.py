@@ -335,6 +335,24 @@ def test_planted_reduction_waited_too_late():
         validate(lists, "2bw", 2, 2, 3, **opts)
 
 
+def test_planted_send_before_its_forward():
+    lists = _lists()
+    _move_before(lists[0], "0SEND_ACT2", "0F2v0")
+    with pytest.raises(ScheduleError, match=r"0SEND_ACT2 at position \d+ on stage 0 \(rank 0\): sends micro-batch 2 "
+                                            r"before 0F2 produced it. Move it after 0F2"):
+        validate(lists, "2bw", 2, 2, 3)
+
+
+def test_planted_reduction_waited_before_it_started():
+    opts = {"width": 2}
+    lists = _lists(**opts)
+    _move_before(lists[1], "1DP_WAIT1", "1DP_START1")
+    with pytest.raises(ScheduleError, match=r"1DP_WAIT1 at position \d+ on stage 1 \(ranks 1, 3\): waits for "
+                                            r"DP_START1, which was not issued before. Insert 1DP_START1 after the last "
+                                            r"backward of batch 1"):
+        validate(lists, "2bw", 2, 2, 3, **opts)
+
+
 def test_planted_update_after_the_forward_that_needs_it():
     lists = _lists(schedule="1f1b")
     _move_before(lists[0], "0UPDATE1", "0B4v1")
