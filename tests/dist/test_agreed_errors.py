@@ -255,3 +255,28 @@ def test_an_eval_pass_one_stage_cannot_run_is_refused_on_every_rank():
     assert dumped0 > 0 and dumped1 == 0  # rank 0 wrote the dumps, with rank 0's recorded timeline
     assert msg1.startswith("eval stage 1 reads parameters ['l1.bias'] that training stage 1 does not hold")
     assert msg0 == f"rank 1: {msg1}" and took0 < 10
+
+
+def lazy_too_few_microbatches(rank: int, world: int):
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fxpipe
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    pipe = fxpipe.compile(model, loss_fn=F.mse_loss, microbatches=1, schedule="2bw", verbose=False, timeout=60)
+    try:  # stages=None: one stage per rank, known at the first step
+        pipe.step(torch.randn(4, 8), torch.randn(4, 1))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def test_a_lazy_pipeline_deeper_than_its_micro_batches_says_where_its_depth_came_from():
+    for r, res in enumerate(run_function(2, "tests.dist.test_agreed_errors:lazy_too_few_microbatches", timeout=120)):
+        assert res["error"] is None, res["error"]
+        assert res["value"] == (
+            "ConfigError: fxpipe.compile: microbatches=1 is fewer than the 2 stages a lazily compiled pipeline runs on "
+            "2 ranks (stages=None: one stage per rank), and schedule='2bw' needs at least one micro-batch per stage. "
+            "Pass microbatches >= 2, or stages= with a data-parallel width (world = stages x width), or "
+            "schedule='1f1b' or 'zb', which take fewer"), (r, res["value"])
