@@ -2,13 +2,17 @@
 
     python benchmarks/soak.py                  # 20,000 steps, several minutes on 2 CPU cores
     python benchmarks/soak.py --steps 2000     # shorter
+    python benchmarks/soak.py --save-every 500 # and a checkpoint every 500 steps, the 2 newest kept
 
 Four gloo ranks (one thread each) train a tiny demo GPT (2 layers, 16 wide, tied embedding) with
 fxpipe: 2bw, d = 2 stages, w = 2 replicas, global-norm clipping, m = 2 micro-batches of 1
 sequence. Every rank times each ``step``; the table shows, per window of 1,000 steps, the median
 and slowest step (over ranks) and rank 0's resident memory at the window's end, then the slowest
 single step of the run against the median. A schedule whose state grew with the run would show
-rising step times, periodic stalls (regeneration) and rising memory.
+rising step times, periodic stalls (regeneration) and rising memory. With ``--save-every N``
+every rank also calls ``pipe.save(dir, keep=2)`` every N steps (an asynchronous write beside
+training), and the table adds the checkpoints on disk at each window's end and the steps that
+saved, timed apart: the disk must stay bounded and memory must not grow with the saves.
 """
 
 from __future__ import annotations
@@ -34,7 +38,14 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * resource.getpagesize() / 2**20
 
 
-def _rank(rank: int, world: int, store: str, out: str, steps: int) -> None:
+def _disk(root: str) -> tuple[int, float]:
+    """(checkpoints, MiB) under ``root``."""
+    dirs = [d for d in os.listdir(root) if d.startswith("step-")]
+    size = sum(os.path.getsize(os.path.join(path, f)) for path, _, files in os.walk(root) for f in files)
+    return len(dirs), size / 2**20
+
+
+def _rank(rank: int, world: int, store: str, out: str, steps: int, save_every: int, ckpt: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -49,17 +60,22 @@ def _rank(rank: int, world: int, store: str, out: str, steps: int) -> None:
                           schedule="2bw", max_grad_norm=1.0, verbose=False,
                           optimizer=functools.partial(torch.optim.AdamW, lr=1e-3))
     assert (pipe.plan.stages, pipe.plan.width) == (2, 2), pipe.plan
-    times, rss = [], []
+    times, rss, disk = [], [], []
     for i in range(steps):
         x, y = batches[i % len(batches)]
         t0 = time.perf_counter()
         pipe.step(x, y)
+        if save_every and (i + 1) % save_every == 0:
+            pipe.save(ckpt, keep=2)  # returns once the state is in host memory; a thread writes
         times.append(time.perf_counter() - t0)
         if (i + 1) % WINDOW == 0:
             rss.append(_rss_mib())
+            if save_every and rank == 0:
+                disk.append(_disk(ckpt))
+    pipe.wait_for_checkpoint()
     pipe.flush()
     gathered = [None] * world
-    dist.all_gather_object(gathered, (times, rss))
+    dist.all_gather_object(gathered, (times, rss, disk))
     if rank == 0:
         torch.save(gathered, out)
     dist.destroy_process_group()
@@ -68,27 +84,42 @@ def _rank(rank: int, world: int, store: str, out: str, steps: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20_000)
+    ap.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none); 2 are kept")
     args = ap.parse_args()
     world = 4
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.pt")
-        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), out, args.steps), nprocs=world,
-                           start_method="spawn", join=True)
+        mp.start_processes(_rank, args=(world, os.path.join(tmp, "store"), out, args.steps, args.save_every,
+                                        os.path.join(tmp, "checkpoints")),
+                           nprocs=world, start_method="spawn", join=True)
         per_rank = torch.load(out)
     times = [max(r[0][i] for r in per_rank) for i in range(args.steps)]  # a step is as slow as its slowest rank
+    saving = {i for i in range(args.steps) if args.save_every and (i + 1) % args.save_every == 0}
     rows = []
     for w in range(args.steps // WINDOW):
-        window = times[w * WINDOW:(w + 1) * WINDOW]
-        rows.append([f"{w * WINDOW + 1}-{(w + 1) * WINDOW}", statistics.median(window) * 1e3, max(window) * 1e3,
-                     per_rank[0][1][w]])
-    median = statistics.median(times[WINDOW:] or times)
-    worst = max(range(WINDOW, args.steps) if args.steps > WINDOW else range(args.steps), key=times.__getitem__)
+        window = [times[i] for i in range(w * WINDOW, (w + 1) * WINDOW) if i not in saving]
+        row = [f"{w * WINDOW + 1}-{(w + 1) * WINDOW}", statistics.median(window) * 1e3, max(window) * 1e3,
+               per_rank[0][1][w]]
+        if args.save_every:
+            row += [*per_rank[0][2][w]]
+        rows.append(row)
+    plain = [i for i in range(WINDOW if args.steps > WINDOW else 0, args.steps) if i not in saving]
+    median = statistics.median(times[i] for i in plain)
+    worst = max(plain, key=times.__getitem__)
+    saves = f", a checkpoint every {args.save_every} steps (keep=2)" if args.save_every else ""
     print(f"machine: {os.cpu_count()} cores, torch {torch.__version__}, gloo, 4 ranks x 1 thread; "
-          f"tiny GPT, 2bw d=2 w=2 m=2, clip; {args.steps} steps\n")
-    print(tabulate(rows, headers=["steps", "median ms/step", "slowest ms/step", "rank 0 RSS MiB"], floatfmt=".2f"))
+          f"tiny GPT, 2bw d=2 w=2 m=2, clip; {args.steps} steps{saves}\n")
+    headers = ["steps", "median ms/step", "slowest ms/step", "rank 0 RSS MiB"]
+    if args.save_every:
+        headers += ["checkpoints on disk", "disk MiB"]
+    print(tabulate(rows, headers=headers, floatfmt=".2f"))
     print(f"\nslowest single step after the first window: step {worst + 1}, {times[worst] * 1e3:.2f} ms "
           f"= {times[worst] / median:.1f}x the median ({median * 1e3:.2f} ms); "
           f"rank 0 RSS {per_rank[0][1][0]:.1f} -> {per_rank[0][1][-1]:.1f} MiB")
+    if saving:
+        spent = sorted(times[i] for i in saving)
+        print(f"the {len(spent)} steps that saved (the save's flush and copy to host memory included): median "
+              f"{statistics.median(spent) * 1e3:.2f} ms, slowest {spent[-1] * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":
