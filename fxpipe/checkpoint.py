@@ -188,8 +188,7 @@ def check_shared(pipe: "Pipeline", sd: dict[str, Any], root: str) -> None:
     everyone: list = [None] * pipe.world_size
     dist.all_gather_object(everyone, mine)
     for i, name in enumerate(names):
-        having = [r for r in range(pipe.world_size) if name in _SHARED or name == "directory"
-                  or everyone[r][i] is not None]
+        having = [r for r in range(pipe.world_size) if name not in _OPTIMIZER or everyone[r][i] is not None]
         differ = [r for r in having if everyone[r][i] != everyone[having[0]][i]]
         if differ:
             if name == "directory":

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
 __all__ = ["GPTConfig", "GPT", "fibonacci_batch", "demo_factory", "lm_loss"]
 
 

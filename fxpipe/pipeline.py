@@ -1124,11 +1124,11 @@ class Pipeline:
             atexit.register(self.wait_for_checkpoint)
             self._saving_registered = True
         root = os.path.abspath(path)
-        ours = self._saved_steps.setdefault(root, set())
-        ours.add(self.t)
+        ours = self._saved_steps.setdefault(root, set())  # the step being saved is always kept
         base = self._resumed_from[1] if self._resumed_from and self._resumed_from[0] == root else 0
         self._saving = checkpoint.save(self, path, extra, self._checkpoint_pg(), keep,
                                        prunable=lambda t: t in ours or t <= base)
+        ours.add(self.t)  # once save has not refused it
         return self._saving[0]
 
     def wait_for_checkpoint(self) -> str | None:

@@ -32,7 +32,7 @@ from typing import Callable, Collection, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from .errors import CheckpointError
+from .errors import CheckpointError, ConfigError
 from .backward import PendingWeights, SplitCache, backward_input
 from .precision import Precision, compute_dtype
 from .schedule import versions_of
@@ -73,8 +73,6 @@ def _made_optimizer(factory: Callable, params: dict[str, torch.nn.Parameter]) ->
     """``factory`` called with one stage's ``(name, parameter)`` pairs, and checked: an optimizer
     that steps none of them (a factory without ``return``, or one built over the model's own
     parameters, which fxpipe does not train) would leave the stage untrained without a word."""
-    from .errors import ConfigError
-
     names = list(params)
     few = names[:4] + (["..."] if len(names) > 4 else [])
     try:
@@ -150,7 +148,7 @@ class WeightStore:
         self.optimizer = _made_optimizer(optimizer, self.opt_params) if self.opt_params else None
         self.lr_scheduler = lr_scheduler(self.optimizer) if (lr_scheduler and self.optimizer) else None
         if lr_scheduler and self.optimizer and not callable(getattr(self.lr_scheduler, "step", None)):
-            from .errors import ConfigError  # found here, at set-up, not at the first UPDATE mid-step
+            # found here, at set-up, not at the first UPDATE mid-step
             raise ConfigError(f"fxpipe.compile: the lr_scheduler factory returned {type(self.lr_scheduler).__name__}, "
                               f"expected a scheduler with a .step() method (a torch.optim.lr_scheduler.LRScheduler), "
                               f"stepped once per step; pass e.g. lambda optimizer: "
@@ -160,7 +158,6 @@ class WeightStore:
         self.fallback: str | None = None
         self.strategy = _TorchOptim(self)
         if accumulation == "optimizer" and self.optimizer is not None:
-            from .errors import ConfigError
             from .kernels import KernelError
 
             try:
@@ -366,7 +363,6 @@ class WeightStore:
         another optimizer. Others may be on one side only: a scheduler adds its own to the
         groups (``initial_lr``; ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum`` for
         OneCycleLR and CyclicLR), so a run may resume with a scheduler added or removed."""
-
         if self.optimizer is None:
             return
         names = {id(p): n for n, p in self.opt_params.items()}
