@@ -1,6 +1,6 @@
 """The physical limit, and how close each pipeline schedule gets to it, with every millisecond accounted for.
 
-    python benchmarks/limit.py                # about 8 minutes on 2 CPU cores
+    python benchmarks/limit.py                # 5.5-16 minutes on 2 CPU cores, by host
     python benchmarks/limit.py --rounds 1     # one round, about 3 minutes
     python benchmarks/limit.py --check        # the simulator on configurations it was not calibrated on (about 6 minutes)
     python benchmarks/limit.py --saved        # per stage, the peak of autograd-saved tensors under 1f1b and zb
