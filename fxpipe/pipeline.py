@@ -44,7 +44,7 @@ from .errors import CheckpointError, ConfigError, FxpipeError, NonFiniteError, P
 from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss
 from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
-from .runtime import StageWorker, WorkerConfig
+from .runtime import StageWorker, WorkerConfig, drain_posted
 from .schedule import SCHEDULES, Action, Program, format_actions, min_microbatches, norm_every_step, rank_of, stage_and_replica
 from .trace import normalize_inputs, trace
 
@@ -415,8 +415,7 @@ class Pipeline:
         self._t0 = time.perf_counter()
         self.profile = None  # a fxpipe.profile.Profile: where each later step's time goes
         self.workers: dict[int, StageWorker] = {}  # this process's ranks (set up with the plan)
-        if self.distributed:  # runs before the group's teardown that _init_distributed registered
-            atexit.register(_drain_at_exit, weakref.ref(self))
+        if self.distributed:
             _PIPELINES.add(self)
         if example_inputs is not None:
             self._setup(*normalize_inputs(example_inputs))
@@ -631,6 +630,8 @@ class Pipeline:
             if self.distributed or failed is not None:
                 self._raise_agreed(failed, FxpipeError, "rank {rank} could not set up its stage, so no rank goes on: ")
         self.hub = hub
+        if self.distributed:  # runs before the group's teardown that _init_distributed registered
+            atexit.register(_drain_at_exit, weakref.ref(self), [wk.in_flight() for wk in self.workers.values()])
         for r, wk in self.workers.items():
             if wk.store.fallback and wk.replica == 0:
                 warnings.warn(f"fxpipe: stage {wk.index} updates with torch.optim instead of the fused kernels: "
@@ -1414,22 +1415,29 @@ def _known_device(device) -> bool:
         return False
 
 
-def _drain_at_exit(ref: "weakref.ref[Pipeline]") -> None:
+def _drain_at_exit(ref: "weakref.ref[Pipeline]", in_flight: list[tuple]) -> None:
     """At interpreter exit, wait for what this rank still has in flight: its last segment's sends
     and, off the last stage, its last LOSS all-reduce, which a peer may still be running towards
     (under 2bw the first stage's last ``step`` returns well before the last stage's). A rank that
-    tore its group down first would leave that peer waiting forever. Skipped when the group is
-    gone already (a user-created group destroyed by the script: ``flush()`` first, README) and
-    after a failed action, whose peers may never post the other halves."""
+    tore its group down first would leave that peer waiting forever. ``in_flight`` is its
+    workers' :meth:`~fxpipe.runtime.StageWorker.in_flight` containers, held here and not through
+    the pipeline: a pipeline that lived in a function which returned is collected before the
+    exit, and what it posted (the receive buffers gloo still writes into) must outlive it.
+    Skipped when the group is gone already (a user-created group destroyed by the script:
+    ``flush()`` first, README) and after a failed action, whose peers may never post the other
+    halves."""
     pipe = ref()
-    if pipe is None or pipe._broken or _exiting_on_error() or not (dist.is_available() and dist.is_initialized()):
+    broken = pipe._broken if pipe is not None else _BROKEN_HERE[0]
+    if broken or _exiting_on_error() or not (dist.is_available() and dist.is_initialized()):
         return
     try:
-        for wk in pipe.workers.values():
-            wk.drain()
+        for posted in in_flight:
+            drain_posted(posted)
     except Exception as e:  # a peer that died: say so, and go on to tear down
-        pipe._broken = _BROKEN_HERE[0] = True  # what it has in flight stays unmatched: the teardown waits for no one
-        warnings.warn(f"fxpipe: at exit, rank {pipe.rank} could not finish its in-flight communication: {e}",
+        _BROKEN_HERE[0] = True  # what it has in flight stays unmatched: the teardown waits for no one
+        if pipe is not None:
+            pipe._broken = True
+        warnings.warn(f"fxpipe: at exit, rank {dist.get_rank()} could not finish its in-flight communication: {e}",
                       RuntimeWarning, stacklevel=1)
 
 

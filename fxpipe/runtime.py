@@ -36,7 +36,7 @@ from .schedule import Action, Kind, batch_of, waits_for
 from .trace import alias_base, written_values
 from .weights import WeightStore
 
-__all__ = ["StageWorker", "WorkerConfig", "compute_loss"]
+__all__ = ["StageWorker", "WorkerConfig", "compute_loss", "drain_posted"]
 
 
 @dataclass
@@ -428,10 +428,13 @@ class StageWorker:
         operation of this rank still posted. A receive posted in a step's segment is sent in the
         peer's segment of that step or earlier (tests/unit/test_runtime_core.py checks it on every
         schedule), so the peer, running the same steps, sends it and the wait ends."""
-        for _, h in [*self.sends, *self.loss_posts, *self.recv_act.values(), *self.recv_grad.values()]:
-            h.wait()
-        self.sends.clear()
-        self.loss_posts.clear()
+        drain_posted(self.in_flight())
+
+    def in_flight(self) -> tuple:
+        """The containers of what this worker has posted and not yet waited for (its sends, loss
+        all-reduces and receives, with their tensors), for :func:`drain_posted`: held at exit apart
+        from the worker, so that a pipeline collected before the exit still finishes them."""
+        return self.sends, self.loss_posts, self.recv_act, self.recv_grad
 
     # reductions ------------------------------------------------------------
 
@@ -572,6 +575,15 @@ class _Multi(Handle):
     def wait(self) -> None:
         for h in self.handles:
             h.wait()
+
+
+def drain_posted(in_flight: tuple) -> None:
+    """Wait for everything in a worker's :meth:`StageWorker.in_flight` containers."""
+    sends, loss_posts, recv_act, recv_grad = in_flight
+    for _, h in [*sends, *loss_posts, *recv_act.values(), *recv_grad.values()]:
+        h.wait()
+    sends.clear()
+    loss_posts.clear()
 
 
 def _written_args(module: torch.fx.GraphModule) -> set[int]:

@@ -284,8 +284,11 @@ def test_a_plan_rank_0_cannot_make_fails_every_rank_at_once():
 # waiting at exit for communication the other will never finish. FAIL=input: rank 1 passes a
 # batch of another dtype to its first step, whose InputError it raises before communicating:
 # it exits at once, and rank 0, waiting for it, fails then, long before the timeout.
+# OWN_GROUP=1: the script creates the group itself and never destroys it, and its pipeline lives
+# in a function that returns, so the pipeline is collected before the exit: what it left in
+# flight must still be finished at exit (the group's teardown would otherwise strand rank 1).
 _SCRIPT = """
-import os, time, torch, torch.nn as nn, torch.nn.functional as F, fxpipe
+import gc, os, time, torch, torch.nn as nn, torch.nn.functional as F, fxpipe
 torch.manual_seed(0)
 torch.set_num_threads(1)
 last, fail, bad_input = [False], os.environ["FAIL"] == "1", os.environ["FAIL"] == "input"
@@ -299,16 +302,22 @@ model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(),
 x, y = torch.randn(16, 8), torch.randn(16, 8)
 # a failing run ends within its 5 s; a clean one has room for a loaded machine (its exit meeting
 # waits for the slower rank up to the timeout)
-pipe = fxpipe.compile(model, x[:8], loss_fn=loss_fn, schedule="2bw", stages=2, microbatches=2, verbose=False,
-                      timeout=5 if fail else 120 if bad_input else 30)
-for t in range(1, 4):
-    last[0] = t == (2 if fail else 3)
-    loss = pipe.step(x.double() if bad_input and os.environ["RANK"] == "1" else x, y)
-print("rank", os.environ["RANK"], "ends with", type(loss).__name__, flush=True)
+def train():
+    pipe = fxpipe.compile(model, x[:8], loss_fn=loss_fn, schedule="2bw", stages=2, microbatches=2, verbose=False,
+                          timeout=5 if fail else 120 if bad_input else 30)
+    for t in range(1, 4):
+        last[0] = t == (2 if fail else 3)
+        loss = pipe.step(x.double() if bad_input and os.environ["RANK"] == "1" else x, y)
+    return type(loss).__name__
+if os.environ.get("OWN_GROUP") == "1":
+    torch.distributed.init_process_group("gloo")
+ends_with = train()
+gc.collect()
+print("rank", os.environ["RANK"], "ends with", ends_with, flush=True)
 """
 
 
-def _run_script(fail: bool | str) -> list[subprocess.CompletedProcess]:
+def _run_script(fail: bool | str, own_group: bool = False) -> list[subprocess.CompletedProcess]:
     import socket
 
     with socket.socket() as s:
@@ -318,7 +327,7 @@ def _run_script(fail: bool | str) -> list[subprocess.CompletedProcess]:
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "FAIL": fail if isinstance(fail, str) else "1" if fail else "0"}
+               "FAIL": fail if isinstance(fail, str) else "1" if fail else "0", "OWN_GROUP": "1" if own_group else "0"}
         procs.append(subprocess.Popen([sys.executable, "-c", _SCRIPT], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
@@ -331,6 +340,12 @@ def _run_script(fail: bool | str) -> list[subprocess.CompletedProcess]:
 
 def test_a_script_that_ends_without_flush_exits_on_every_rank():
     ranks = _run_script(fail=False)
+    assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.stdout[-2000:] for r in ranks)
+    assert "rank 0 ends with Loss" in ranks[0].stdout and "rank 1 ends with float" in ranks[1].stdout
+
+
+def test_a_collected_pipeline_on_the_scripts_own_group_finishes_its_communication_at_exit():
+    ranks = _run_script(fail=False, own_group=True)
     assert [r.returncode for r in ranks] == [0, 0], "\n".join(r.stdout[-2000:] for r in ranks)
     assert "rank 0 ends with Loss" in ranks[0].stdout and "rank 1 ends with float" in ranks[1].stdout
 
