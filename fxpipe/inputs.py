@@ -31,6 +31,11 @@ the trace's output structure at set-up (a scalar tensor, or an output whose ``.l
 is one: a Hugging Face model traced with ``labels``) and raises
 :class:`~fxpipe.errors.ConfigError` before anything is planned or communicated.
 
+The example's dtypes must also suit the model: :func:`check_operand_dtypes` finds a matrix
+product whose operands eager PyTorch would refuse to multiply (a float64 example of a float32
+model; under mixed precision, what autocast leaves alone), which the trace's fake kernels let
+through, and raises :class:`~fxpipe.errors.ConfigError` at set-up too.
+
 The lazy path (``fxpipe.compile(model)`` without example inputs) has no signature before its
 first step: :func:`check_first_batch` checks only what that step needs to cut its first
 micro-batch (equal batch sizes that split into the micro-batches, devices); the first
@@ -48,7 +53,8 @@ import torch.utils._pytree as pytree
 from .errors import ConfigError, InputError
 from .trace import normalize_inputs
 
-__all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch", "check_model_loss"]
+__all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch", "check_model_loss",
+           "check_operand_dtypes"]
 
 _SCALARS = (bool, int, float, str, type(None))
 _CASTS = {
@@ -287,6 +293,89 @@ def check_model_loss(gm) -> None:
         f"with a scalar .loss, but {info.model_class} returns {found}. Pass loss_fn=lambda output, target: ... "
         f"(and the target to step()), or make the model return its loss.{labels}"
     )
+
+
+#: aten ops whose kernels take their tensor operands in ONE dtype (eager refuses "mat1 and mat2
+#: must have the same dtype"), while the fake kernels a trace runs promote instead: a graph traced
+#: on a float64 example of a float32 model records them as fine. (bmm, baddbmm, addmv, dot and
+#: the forward convolutions check dtypes on fake tensors too: a trace fails on them already.)
+_SAME_DTYPE_OPS = {"linear", "mm", "addmm", "addbmm", "matmul", "mv",
+                   "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}
+
+
+def check_operand_dtypes(gm, autocast: torch.dtype | None = None) -> None:
+    """The operands of a matrix product or a convolution must share one dtype, as eager PyTorch
+    requires; the trace's fake kernels do not check it, so a float64 example of a float32 model
+    would trace, plan and build, then fail at the first step on one stage (its peers left
+    waiting). ``autocast``: the compute dtype of mixed precision, under which these ops see
+    every floating operand but float64 in that dtype (autocast's rule: it never casts float64).
+    Reads the top-level graph of ``gm`` (an ``autocast`` block of the model's own code is a
+    subgraph, with casts of its own) and raises :class:`ConfigError` at set-up, alike on every
+    rank, naming the op, its operands and the example input the odd dtype came from."""
+    import torch.fx as fx
+
+    def seen(d: torch.dtype) -> torch.dtype:  # the dtype the op's kernel sees
+        return autocast if autocast is not None and d.is_floating_point and d != torch.float64 else d
+
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
+                or n.target._schema.name.removeprefix("aten::") not in _SAME_DTYPE_OPS:
+            continue
+        operands = [a for a in pytree.tree_leaves((n.args, n.kwargs))
+                    if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+        if len({seen(a.meta["val"].dtype) for a in operands}) < 2:
+            continue
+        params = {seen(a.meta["val"].dtype) for a in operands if a.op == "get_attr"}
+        want = next(iter(params)) if len(params) == 1 else seen(operands[-1].meta["val"].dtype)
+        odd = next(a for a in operands if seen(a.meta["val"].dtype) != want)
+        have = odd.meta["val"].dtype
+        inputs = _inputs_of(odd)
+
+        def show(a) -> str:
+            d = a.meta["val"].dtype
+            return f"{a.target if a.op == 'get_attr' else a.name} {_short(d)}" + (
+                f" (as {_short(seen(d))} under autocast)" if seen(d) != d else "")
+
+        op = n.target._schema.name.removeprefix("aten::")
+        origin = f", from the example input(s) {inputs}" if inputs else ""
+        to = _CASTS.get(torch.float32 if autocast is not None else want, f".to(torch.{_short(want)})")
+        fixes = [f"give the inputs the model's dtype (x{to} in the example and in every batch)"]
+        if autocast is None:
+            fixes.append(f"convert the model to {_short(have)} (model.to(torch.{_short(have)}))")
+            if have != torch.float64 and have.is_floating_point and want.is_floating_point:
+                fixes.append("train with precision='bf16' or 'fp16', whose autocast casts both operands")
+        raise ConfigError(
+            f"fxpipe.compile: {op} at node {n.name!r} (module {_module_of(n)!r}) needs one dtype for all its "
+            f"operands, as in eager PyTorch, but found {', '.join(show(a) for a in operands)}: {odd.name!r} is "
+            f"{_short(have)}{origin}. Training would fail at its first step. To fix it, "
+            f"{'; or '.join(fixes)}."
+        )
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _inputs_of(node) -> list[str]:
+    """The placeholders (example inputs) whose dtype reaches ``node`` through values of that dtype."""
+    import torch.fx as fx
+
+    dtype, seen, todo, found = node.meta["val"].dtype, set(), [node], []
+    while todo:
+        x = todo.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        if x.op == "placeholder":
+            found.append(x.name)
+        todo += [a for a in x.all_input_nodes
+                 if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == dtype]
+    return sorted(found)
+
+
+def _module_of(node) -> str:
+    info = node.meta.get("fxpipe")
+    return getattr(info, "module_path", "") or "the model itself"
 
 
 _UNKNOWN = object()

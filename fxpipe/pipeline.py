@@ -41,7 +41,7 @@ from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from . import errors as errors_module
 from .errors import CheckpointError, ConfigError, FxpipeError, NonFiniteError, PeerError, PlanError, RuntimeMismatchError
-from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss
+from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss, check_operand_dtypes
 from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
@@ -442,6 +442,7 @@ class Pipeline:
         self.trace_info = gm.meta["fxpipe"]
         if o.loss_fn is None:  # the output must be the loss: found now, alike on every rank
             check_model_loss(gm)
+        check_operand_dtypes(gm, o.policy.dtype)  # what eager would refuse, found now on every rank
         if not any(p.requires_grad for p in gm.parameters()):  # eager backward() would raise
             raise ConfigError(
                 f"fxpipe.compile: nothing to train: every parameter of {type(self.model).__name__} has "

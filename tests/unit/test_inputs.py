@@ -338,6 +338,67 @@ def test_a_hugging_face_model_without_labels_is_told_to_pass_them():
     assert "pass labels among the example inputs and in every batch" in str(e.value)
 
 
+class CastsItsInput(nn.Module):
+    """Takes a float64 input and casts it itself: fine in eager, fine here."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x.float())))
+
+
+def test_an_example_whose_dtype_a_product_refuses_is_refused_at_compile():
+    # eager refuses a float64 input to a float32 Linear; the trace's fake kernels do not, so
+    # without this check the pipeline would plan and build and fail in its first step
+    wide = torch.randn(B, 16, dtype=torch.float64)
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: linear at node 'linear' (module '0') needs one dtype for all its operands, as in eager "
+            "PyTorch, but found input_1 float64, 0.weight float32, 0.bias float32: 'input_1' is float64, from the "
+            "example input(s) ['input_1']. Training would fail at its first step. To fix it, give the inputs the "
+            "model's dtype (x.float() in the example and in every batch); or convert the model to float64 "
+            "(model.to(torch.float64)).")):
+        _compile(example=(wide,))
+    # autocast leaves float64 alone: mixed precision does not help, and the model stays float32
+    with pytest.raises(ConfigError, match=re.escape(
+            "but found input_1 float64, 0.weight float32 (as bfloat16 under autocast), 0.bias float32 (as bfloat16 "
+            "under autocast): 'input_1' is float64, from the example input(s) ['input_1']. Training would fail at "
+            "its first step. To fix it, give the inputs the model's dtype (x.float() in the example and in every "
+            "batch).")):
+        _compile(example=(wide,), precision="bf16")
+    # a bf16 input: autocast would cast both operands
+    with pytest.raises(ConfigError, match=re.escape(
+            "or convert the model to bfloat16 (model.to(torch.bfloat16)); or train with precision='bf16' or "
+            "'fp16', whose autocast casts both operands.")):
+        _compile(example=(torch.randn(B, 16).bfloat16(),))
+    x, y = _batch()
+    assert isinstance(_compile(example=(torch.randn(B, 16).bfloat16(),), precision="bf16").step(x.bfloat16(), y),
+                      float)
+    assert isinstance(_compile(CastsItsInput(), (wide,)).step(x.double(), y), float)
+    lazy = fxpipe.compile(_mlp(), loss_fn=_mse, optimizer=SGD, microbatches=M, stages=2, verbose=False)
+    with pytest.raises(ConfigError, match="needs one dtype for all its operands"):  # found at the first step
+        lazy.step(x.double(), y)
+    assert lazy.plan is None
+
+
+class Upsample(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.head = nn.ConvTranspose1d(2, 4, 3), nn.Linear(40, 4)
+
+    def forward(self, x):
+        return self.head(self.up(x).flatten(1))
+
+
+def test_a_transposed_convolution_of_another_dtype_names_its_module():
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: conv_transpose1d at node 'conv_transpose1d' (module 'up') needs one dtype for all its "
+            "operands")):
+        _compile(Upsample(), (torch.randn(B, 2, 8, dtype=torch.float64),))
+
+
 # ------------------------------------------------------------------------- the lazy path
 
 
