@@ -46,7 +46,7 @@ from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
 from .schedule import SCHEDULES, Action, Program, format_actions, min_microbatches, norm_every_step, rank_of, stage_and_replica
-from .trace import normalize_inputs, trace
+from .trace import normalize_inputs, runs_leaf_modules, trace
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
 
@@ -586,6 +586,13 @@ class Pipeline:
         self.staged_graph = gm
         self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
                                                     if len(tp.stages) > 1), plan.layout)
+        if o.accumulate == "optimizer" and runs_leaf_modules(gm):
+            raise ConfigError(
+                "fxpipe.compile: accumulate='optimizer' (AdamA) folds each micro-batch's gradient into the moments "
+                "as it comes, so every micro-batch must reach the same weights; the model runs leaf_modules, whose "
+                "Python may take another branch, and so reach other weights, each micro-batch. Use "
+                "accumulate='gradients', which skips only the weights no micro-batch of a batch reached, as eager "
+                "PyTorch does.")
         if o.accumulate == "optimizer" and topo.tied:
             raise ConfigError(
                 f"fxpipe.compile: accumulate='optimizer' (AdamA) needs each weight on one stage; "

@@ -33,7 +33,7 @@ from .comm import EVERY_RANK, Comm, Handle, dp_group
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision, fp32_params
 from .schedule import Action, Kind, batch_of, waits_for
-from .trace import alias_base, written_values
+from .trace import alias_base, runs_leaf_modules, written_values
 from .weights import WeightStore
 
 __all__ = ["StageWorker", "WorkerConfig", "compute_loss", "drain_posted"]
@@ -110,7 +110,8 @@ class StageWorker:
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
                                  strict_kernels=cfg.strict_kernels, precision=cfg.precision,
                                  device=self.device, share_initial=replica == 0, shared=cfg.tied_groups,
-                                 keep_fp32=fp32_params(stage.module) if cfg.precision.mixed else ())
+                                 keep_fp32=fp32_params(stage.module) if cfg.precision.mixed else (),
+                                 dynamic=runs_leaf_modules(stage.module))
         self.autocast = cfg.precision.autocast  # the forward's and the loss's context, per device type
         self.scaler = copy.deepcopy(cfg.scaler) if cfg.scaler is not None else None
         self.batch_scale: dict[int, float] = {}  # fp16: batch -> the loss scale its backwards used

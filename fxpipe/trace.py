@@ -46,7 +46,8 @@ from torch import nn
 
 from .errors import TraceError
 
-__all__ = ["trace", "NodeInfo", "TraceInfo", "TensorSpec", "normalize_inputs", "module_path", "get_attr"]
+__all__ = ["trace", "NodeInfo", "TraceInfo", "TensorSpec", "normalize_inputs", "module_path", "get_attr",
+           "runs_leaf_modules"]
 
 
 @dataclass(frozen=True)
@@ -415,6 +416,12 @@ def _dedup_parameters(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[s
         if name not in used and id(obj) in canonical and canonical[id(obj)] != name:
             _del_attr(gm, name)
     return {k: tuple(v) for k, v in aliases.items() if v}
+
+
+def runs_leaf_modules(gm: fx.GraphModule) -> bool:
+    """Whether ``gm`` calls opaque leaf modules (``leaf_modules``): Python that runs as it is, so
+    which weights its backward reaches may change from one call to the next."""
+    return any(n.op == "call_module" for n in gm.graph.nodes)
 
 
 def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:

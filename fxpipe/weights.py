@@ -101,7 +101,7 @@ class WeightStore:
     def __init__(self, flat, *, schedule: str, grad_buffers: int, optimizer: Callable,
                  lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True,
                  strict_kernels: bool = False, precision: Precision = Precision(), accumulation: str = "gradients",
-                 keep_fp32: Collection[str] = (), shared: Collection[str] = ()):
+                 keep_fp32: Collection[str] = (), shared: Collection[str] = (), dynamic: bool = False):
         self.layout = layout = flat.layout  # the master's (the model's dtypes)
         self.device = device
         self.precision = precision
@@ -127,9 +127,15 @@ class WeightStore:
         self.unsplit: str | None = None  # zb: why this stage's I runs the whole backward (None: it splits)
         # Trainable parameters the stage's backward never reaches (read only by a comparison, under
         # no_grad, or through .detach()): eager leaves their .grad None, so the optimizer skips
-        # them (no weight decay, no momentum). Found on the first backward; a weight whose
-        # gradient is summed with another stage's (``shared``: tied) always counts as reached.
+        # them (no weight decay, no momentum). A traced graph reaches the same weights every time:
+        # found on the first backward. A ``dynamic`` stage runs opaque leaf modules (compile's
+        # leaf_modules), whose Python may take another branch each micro-batch: there a weight is
+        # skipped when no micro-batch of the batch reached it (:meth:`unreached_of`), as in eager.
+        # A weight whose gradient is summed with another stage's (``shared``: tied) always counts
+        # as reached.
         self.unreached: frozenset[str] | None = None
+        self.dynamic = dynamic
+        self._reached: dict[int, set[str]] = {}  # dynamic: batch -> the weights its backwards reached
         self._shared = frozenset(shared)
         self.split_cache = SplitCache()  # zb: the analysis of the stage's autograd graph, done once
         self.optimizer_steps = 0  # updates applied (a skipped non-finite batch applies none)
@@ -207,12 +213,20 @@ class WeightStore:
         """Backpropagate one micro-batch of batch ``t``: weight gradients are added into batch
         t's accumulator, boundary inputs get their ``.grad``."""
         leaves = self.compute(version)
-        self._find_unreached(leaves, roots)
+        self._find_unreached(t, leaves, roots)
         self.strategy.backward(t, leaves, roots, seeds, boundary)
 
-    def _find_unreached(self, leaves: dict[str, torch.Tensor], roots) -> None:
-        """Set :attr:`unreached` once, from the autograd graph below ``roots`` (one walk)."""
-        if self.unreached is not None:
+    def unreached_of(self, t: int) -> frozenset[str]:
+        """The trainable weights no backward of batch ``t`` reached: ``UPDATE t`` skips them."""
+        if not self.dynamic:
+            return self.unreached or frozenset()
+        names = {s.name for s in self.layout.slots if s.requires_grad}
+        return frozenset(names - self._reached.get(t, set()) - self._shared)
+
+    def _find_unreached(self, t: int, leaves: dict[str, torch.Tensor], roots) -> None:
+        """The weights the autograd graph below ``roots`` reaches (one walk): :attr:`unreached`
+        once, or on a dynamic stage added to batch ``t``'s reached set at every backward."""
+        if self.unreached is not None and not self.dynamic:
             return
         names = {id(leaf): n for n, leaf in leaves.items() if leaf.requires_grad}
         reached, seen = set(), set()
@@ -226,7 +240,10 @@ class WeightStore:
             if variable is not None and id(variable) in names:
                 reached.add(names[id(variable)])
             stack.extend(next_fn for next_fn, _ in fn.next_functions)
-        self.unreached = frozenset(set(names.values()) - reached - self._shared)
+        if self.dynamic:
+            self._reached.setdefault(t, set()).update(reached)
+        else:
+            self.unreached = frozenset(set(names.values()) - reached - self._shared)
 
     def backward_input(self, t: int, version: int, roots, seeds, boundary: Sequence[torch.Tensor], saved=None):
         """zb's ``I``: the boundary inputs get their ``.grad``; returns what :meth:`backward_weight`
@@ -238,7 +255,7 @@ class WeightStore:
         to compute: the whole backward waits for ``W``, which runs it as :meth:`backward` does,
         into the accumulator in place (no graph walk here, no separate gradients to add there)."""
         leaves = self.compute(version)
-        self._find_unreached(leaves, roots)
+        self._find_unreached(t, leaves, roots)
         if roots and not any(x.requires_grad for x in boundary):
             # the roots' graph waits, not the roots: their outputs go now, as after a split I
             held = roots if seeds[0] is None else [get_gradient_edge(r) for r in roots]
@@ -286,6 +303,7 @@ class WeightStore:
                     self.lr_scheduler.step()
         for g in grads.values():
             g.zero_()
+        self._reached.pop(t, None)
         self.updates = t
 
     def round_into(self, dst: dict[torch.dtype, torch.Tensor]) -> None:
@@ -462,7 +480,7 @@ class _TorchOptim:
                 dst[dt].copy_(src[dt])
         dst_views = store.layout.views(dst) if store.master is None else None
         gviews = store.grad_views_of(t)
-        unreached = store.unreached or ()
+        unreached = store.unreached_of(t)
         for name, p in store.opt_params.items():
             if dst_views is not None:
                 p.data = dst_views[name]
@@ -542,13 +560,12 @@ class _Fused:
         self.names = [s.name for s in layout.slots if s.requires_grad]
         self.accumulated: dict[int, int] = {}  # batch -> micro-batches folded in so far
 
-    @property
-    def segments(self) -> list[tuple[torch.dtype, int, int, int]]:
+    def segments(self, t: int) -> list[tuple[torch.dtype, int, int, int]]:
         """``(dtype, start, end, group)`` runs of neighbouring parameters of one dtype and param
-        group: what one launch updates. Left out: a trainable parameter the factory put in no
-        group, and one the backward never reaches (:attr:`WeightStore.unreached`), which
-        torch.optim skips too."""
-        skip = self.store.unreached or frozenset()
+        group: what one launch updates for batch ``t``. Left out: a trainable parameter the
+        factory put in no group, and one no backward of the batch reached
+        (:meth:`WeightStore.unreached_of`), which torch.optim skips too."""
+        skip = self.store.unreached_of(t)
         if skip != self._segments_skip:
             self._segments_skip, self._segments = skip, []
             for s in self.store.layout.slots:
@@ -633,7 +650,7 @@ class _Fused:
         specs = self.specs()
         low = store.precision.dtype
         with torch.no_grad():
-            for dt, lo, hi, g in self.segments:
+            for dt, lo, hi, g in self.segments(t):
                 state = self._state(specs[g], dt, lo, hi)
                 if store.master is None:  # W(t-1) in src -> W(t) in dst
                     self.ops.update(specs[g], step, grads[dt][lo:hi], src[dt][lo:hi], dst[dt][lo:hi], state,
@@ -705,7 +722,7 @@ class _AdamA(_Fused):
         batch t decays them first), and note whether it was finite."""
         scratch = list(self.scratch.values())
         specs = self.specs()
-        for dt, lo, hi, group in self.segments:
+        for dt, lo, hi, group in self.segments(t):
             for start, end, g in self._grad_pieces(dt, lo, hi):
                 self.ops.adama_accumulate(specs[group], g, self._state(specs[group], dt, start, end), scale=1.0,
                                           first=first)
@@ -716,7 +733,7 @@ class _AdamA(_Fused):
         store = self.store
         specs = self.specs()
         with torch.no_grad():
-            for dt, lo, hi, g in self.segments:
+            for dt, lo, hi, g in self.segments(t):
                 state = self._state(specs[g], dt, lo, hi)
                 if store.master is None:
                     self.ops.adama_update(specs[g], step, src[dt][lo:hi], dst[dt][lo:hi], state)

@@ -15,7 +15,7 @@ import fxpipe
 from fxpipe.errors import ConfigError, FxpipeError, RuntimeMismatchError
 from tests.cases import CASES, build, compare
 from tests.models import gpt2_tiny, rmsnorm_residual, t5_tiny
-from tests.reference import train_flush
+from tests.reference import train_2bw, train_flush
 
 SINGLE = [name for name, c in CASES.items() if c.width == 1 and not c.dropout]
 
@@ -116,6 +116,63 @@ def test_a_leaf_module_with_data_dependent_control_flow_trains():
     assert losses == pytest.approx(ref_losses, rel=1e-12)
     sd = pipe.state_dict()
     assert all(torch.allclose(sd[n], t, rtol=1e-12, atol=1e-14) for n, t in ref.named_parameters())
+
+
+class _TwoBranches(torch.nn.Module):
+    """A leaf whose branches own their weights: which of them a backward reaches depends on the data."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.up(x) if x.sum() > 0 else self.down(x)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "2bw"])
+def test_a_leaf_modules_weights_train_in_every_batch_that_reaches_them(schedule):
+    # The weights a backward reaches were found once, on the first micro-batch: a branch of a
+    # leaf module it did not take was skipped by every later update, in batches that took it
+    # too. Eager skips a weight only in a batch none of whose micro-batches reached it; AdamW's
+    # weight decay and moments show any difference.
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = torch.nn.Linear(8, 8), _TwoBranches(), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.c(torch.tanh(self.b(self.a(x))))
+
+    torch.manual_seed(0)
+    net = Net().double()
+    g = torch.Generator().manual_seed(1)
+
+    def sign(k):  # micro-batches' inputs far from 0, so their sums have these signs behind a
+        return torch.full((2, 8), 10.0 if k else -10.0, dtype=torch.float64)
+
+    # batch 1: every micro-batch takes `down`; batch 2: both branches; batch 3: `up` only
+    xs = [torch.cat([sign(k) for k in ks]) for ks in ((0, 0, 0, 0), (1, 0, 0, 1), (1, 1, 1, 1), (0, 1, 1, 0))]
+    batches = [(x + 0.01 * torch.randn(8, 8, generator=g, dtype=torch.float64),
+                torch.randn(8, 1, generator=g, dtype=torch.float64)) for x in xs]
+    net.a.weight.data = torch.eye(8, dtype=torch.float64)  # keeps each input's sign through a
+    net.a.bias.data.zero_()
+    opt = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.5)
+    loss = torch.nn.functional.mse_loss
+    pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, optimizer=opt, microbatches=4, stages=2,
+                          schedule=schedule, verbose=False, leaf_modules=_TwoBranches)
+    losses = [pipe.step(x, y) for x, y in batches]
+    pipe.flush()
+    ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(net, batches, 4, loss, opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    sd = pipe.state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.allclose(sd[name], p, rtol=1e-12, atol=1e-14), name
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: accumulate='optimizer' (AdamA) folds each micro-batch's gradient into the moments as it "
+            "comes, so every micro-batch must reach the same weights; the model runs leaf_modules")):
+        fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, microbatches=4, stages=2, accumulate="optimizer",
+                       optimizer=functools.partial(torch.optim.Adam, lr=0.01), verbose=False,
+                       leaf_modules=_TwoBranches)
 
 
 def test_load_state_dict_round_trip_and_continue_after_flush():
