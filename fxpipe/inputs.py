@@ -21,8 +21,9 @@ alike and leaves no half-run step behind. The rules:
   CPU batch is the usual case, and a batch already there is used in place. Any other device (a
   second GPU, ``meta``) is refused: a copy across GPUs behind the user's back would hide a
   mistake (under torchrun each rank's batch belongs on the CPU or on its ``cuda:LOCAL_RANK``);
-* **non-tensor inputs** (ints, flags) are constants baked into the graph: they must equal the
-  example's;
+* **non-tensor inputs** (ints, flags, enums) are constants baked into the graph: they
+  must equal the example's (same type, and ``==`` where the type defines it; an object compared
+  by identity cannot be checked);
 * **target**: given exactly when ``compile`` got a ``loss_fn`` (``loss_fn(output, target)``);
   with ``loss_fn=None`` the model's output is the loss and a target would go unread.
 
@@ -44,6 +45,7 @@ micro-batch then defines the signature, which checks the following batches.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,7 +58,6 @@ from .trace import normalize_inputs
 __all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch", "check_model_loss",
            "check_operand_dtypes"]
 
-_SCALARS = (bool, int, float, str, type(None))
 _CASTS = {
     torch.float32: ".float()", torch.float64: ".double()", torch.float16: ".half()",
     torch.bfloat16: ".bfloat16()", torch.int64: ".long()", torch.int32: ".int()", torch.int16: ".short()",
@@ -119,8 +120,7 @@ class InputSignature:
         sizes: list[tuple[InputSpec, int]] = []  # (spec, dim 0) of every batched input
         for s, x in zip(self.inputs, leaves):
             if s.shape is None:
-                if isinstance(x, torch.Tensor) or (isinstance(x, _SCALARS) and isinstance(s.value, _SCALARS)
-                                                   and (type(x), x) != (type(s.value), s.value)):
+                if isinstance(x, torch.Tensor) or _same_constant(x, s.value) is False:
                     problems.append(
                         f"{s.where}: expected the constant {s.value!r} the model was traced with (non-tensor "
                         f"inputs are baked into the graph), got {_show(x)}; pass {s.value!r}, or compile "
@@ -398,6 +398,23 @@ def _meta_value(x):
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+def _same_constant(given, traced) -> bool | None:
+    """Whether a non-tensor input equals the constant the graph was traced with: values of
+    another type differ; values of one type are compared with ``==`` where the type defines
+    value equality (numbers, strings, enums, dataclasses); None where it cannot
+    tell (an object compared by identity, or an ``==`` that gives no bool)."""
+    if type(given) is not type(traced):
+        return False
+    if type(given).__eq__ is object.__eq__ and not isinstance(given, enum.Enum):
+        return None
+    try:
+        same = given == traced
+    except Exception:  # noqa: BLE001 - an __eq__ that refuses: cannot tell
+        return None
+    return same if isinstance(same, bool) else None
+
 
 
 def _wheres(args: tuple, kwargs: dict, names) -> list[str]:

@@ -6,6 +6,7 @@ share are never stepped successfully: a rejected batch must leave them untouched
 test_rejected_step_leaves_no_state checks on its own pipelines.
 """
 
+import enum
 import functools
 import re
 
@@ -191,6 +192,34 @@ def test_non_tensor_input_must_equal_the_traced_constant():
             "inputs are baked into the graph), got int 5")):
         p.step((x, 5), y)
     assert isinstance(p.step((x, 3), y), float)
+
+
+class Act(enum.Enum):
+    RELU = 1
+    TANH = 2
+
+
+def test_an_enum_input_must_equal_the_traced_one_too():
+    # only numbers, strings and None were compared: another enum member was ignored, and the
+    # step computed with the traced one
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 4)
+
+        def forward(self, x, act=Act.RELU):
+            h = self.a(x)
+            return self.b(torch.relu(h) if act is Act.RELU else torch.tanh(h))
+
+    p = _compile(Head(), {"x": torch.randn(B, 16), "act": Act.RELU})
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape(
+            "eval_step(): input 'act': expected the constant <Act.RELU: 1> the model was traced with (non-tensor "
+            "inputs are baked into the graph), got Act <Act.TANH: 2>")):
+        p.eval_step({"x": x, "act": Act.TANH}, y)
+    with pytest.raises(InputError, match=re.escape("input 'act': expected the constant <Act.RELU: 1>")):
+        p.step({"x": x, "act": 1}, y)
+    assert isinstance(p.step({"x": x, "act": Act.RELU}, y), float)
 
 
 # ------------------------------------------------------------------------- batch sizes
