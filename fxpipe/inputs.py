@@ -14,7 +14,9 @@ alike and leaves no half-run step behind. The rules:
   (a feature size, a sequence length: the graph is specialised to it); a 0-dim tensor is given
   whole to every micro-batch and must stay 0-dim;
 * **batch size**: every tensor with a dim 0 has ``b * m * w`` samples there (b: its size in the
-  example), which is what splits into the ``m * w`` micro-batches; the target's tensors too;
+  example), which is what splits into the ``m * w`` micro-batches; the target's tensors too. So
+  the example's tensors must agree on b (checked at set-up: a tensor every sample shares belongs
+  in the model, as a buffer);
 * **dtypes**: as traced (no silent casts);
 * **devices**: the CPU or the pipeline's own device, whatever device the example was on. The
   pipeline copies each micro-batch to its device itself (:func:`fxpipe.device.to_device`), so a
@@ -105,6 +107,15 @@ class InputSignature:
                 inputs.append(InputSpec(name, where, tuple(int(s) for s in x.shape), x.dtype, x.device))
             else:
                 inputs.append(InputSpec(name, where, None, None, None, x))
+        sizes = [(i.where, i.shape[0]) for i in inputs if i.shape]
+        if len({n for _, n in sizes}) > 1:
+            (first, b), (other, n) = sizes[0], next(x for x in sizes if x[1] != sizes[0][1])
+            raise ConfigError(
+                f"fxpipe.compile: the example is one micro-batch, and every tensor input is cut along dim 0 into "
+                f"the micro-batches, so all of them need the micro-batch size there; found {b} in {first} and {n} "
+                f"in {other}. A tensor every sample shares (a mask, a table) belongs in the model: register it as a "
+                f"buffer (module.register_buffer) or build it in forward; or give it a batch dim, expanded to the "
+                f"micro-batch size.")
         return cls(len(args), tuple(kwargs), spec, tuple(inputs), trace_info.batch_size)
 
     def check(self, args: tuple, kwargs: dict, target, *, microbatches: int, width: int, device: torch.device,

@@ -225,6 +225,25 @@ def test_an_enum_input_must_equal_the_traced_one_too():
 # ------------------------------------------------------------------------- batch sizes
 
 
+def test_an_example_whose_tensors_disagree_on_dim_0_is_refused_at_compile():
+    # a (T, T) mask every sample shares beside a (b, T, F) batch: compile took b from the mask,
+    # and step() then asked for sizes no batch could meet
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+        def forward(self, mask, x):
+            return self.b(mask @ torch.relu(self.a(x)))
+
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: the example is one micro-batch, and every tensor input is cut along dim 0 into the "
+            "micro-batches, so all of them need the micro-batch size there; found 5 in input 'mask' (positional 0) "
+            "and 2 in input 'x' (positional 1). A tensor every sample shares (a mask, a table) belongs in the "
+            "model: register it as a buffer")):
+        _compile(Masked(), (torch.ones(5, 5), torch.randn(2, 5, 8)))
+
+
 def test_batch_that_does_not_split_into_the_micro_batches(pipe):
     x, y = _batch(7)
     with pytest.raises(InputError, match=re.escape(
