@@ -264,6 +264,9 @@ def check_first_batch(args: tuple, kwargs: dict, target, *, microbatches: int, w
             + ". Pass the inputs and target of one global batch."
         )
     n = batched[0][1]
+    if n == 0:
+        raise InputError(f"{what}: the batch is empty (0 samples in dim 0); pass a global batch of a multiple of "
+                         f"{m * w} samples{_split_clause(m, w)}.")
     if n % (m * w):
         raise InputError(
             f"{what}: the batch has {n} samples, which does not split into {m * w} equal micro-batches"

@@ -462,6 +462,9 @@ def test_lazy_path_first_batch_defines_the_signature():
             "step(): every tensor of the first batch needs the same number of samples in dim 0, got 16 in "
             "positional input 0, 8 in target")):
         pipe.step(x, y[:8])
+    with pytest.raises(InputError, match=re.escape(  # not planned on micro-batches of 0 samples
+            "step(): the batch is empty (0 samples in dim 0); pass a global batch of a multiple of 4 samples.")):
+        pipe.step(x[:0], y[:0])
     assert pipe.plan is None  # nothing was built
     assert isinstance(pipe.step(x, y), float)
     assert pipe.inputs.batch_size == B
