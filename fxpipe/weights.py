@@ -26,6 +26,7 @@ any store exists, and a store's :meth:`WeightStore.nbytes` is tested equal to it
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Callable, Collection, Sequence
 
@@ -86,6 +87,16 @@ def _made_optimizer(factory: Callable, params: dict[str, torch.nn.Parameter]) ->
         raise ConfigError(f"fxpipe.compile: the optimizer factory returned {type(made).__name__}, expected a torch.optim."
                           f"Optimizer (a factory without return gives None); pass e.g. "
                           f"functools.partial(torch.optim.AdamW, lr=1e-3)")
+    closure = inspect.signature(made.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ConfigError(
+            f"fxpipe.compile: {type(made).__name__}.step needs a closure that re-evaluates the loss, but a pipeline "
+            f"steps each stage's optimizer once per batch with the gradients its micro-batches accumulated, and has "
+            f"no closure to give it. Use an optimizer that steps on gradients alone (SGD, Adam, AdamW, ...)")
+    if isinstance(made, torch.optim.SparseAdam):
+        raise ConfigError(
+            "fxpipe.compile: SparseAdam takes sparse gradients only, but fxpipe accumulates every weight's gradient "
+            "densely (in flat buffers). Use torch.optim.Adam or AdamW")
     given = {id(p) for p in params.values()}
     if not any(id(p) in given for g in made.param_groups for p in g["params"]):
         raise ConfigError(

@@ -550,6 +550,19 @@ def test_optimizer_factory_must_return_an_optimizer():
         _compile(optimizer=lambda named: None)  # forgot return: nothing would train
 
 
+def test_an_optimizer_that_needs_a_closure_or_sparse_gradients_is_refused_at_compile():
+    # both compiled, and failed at the first UPDATE, mid-step, leaving the pipeline broken
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: LBFGS.step needs a closure that re-evaluates the loss, but a pipeline steps each "
+            "stage's optimizer once per batch with the gradients its micro-batches accumulated, and has no closure "
+            "to give it. Use an optimizer that steps on gradients alone (SGD, Adam, AdamW, ...)")):
+        _compile(optimizer=lambda named: torch.optim.LBFGS([p for _, p in named]))
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: SparseAdam takes sparse gradients only, but fxpipe accumulates every weight's gradient "
+            "densely (in flat buffers). Use torch.optim.Adam or AdamW")):
+        _compile(optimizer=lambda named: torch.optim.SparseAdam([p for _, p in named]))
+
+
 def test_an_optimizer_that_steps_none_of_the_stages_parameters_is_refused():
     # the DDP habit: an optimizer over the model's own parameters, which fxpipe does not train
     model = _mlp()
