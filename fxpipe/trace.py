@@ -11,7 +11,9 @@ shape, so no later phase needs to know which tracer ran:
 * parameters and buffers are the SAME objects as the model's (no copies), each under ONE name:
   the first name ``model.named_parameters()`` gives it. Tied weights (GPT-2's ``lm_head`` and
   ``wte``) become one parameter read by every node that uses it;
-* export's ``_guards_fn`` node and dead ``get_attr`` reads are removed. Nothing else is removed:
+* export's ``_guards_fn`` node, its write-back of a buffer updated in place (a copy of the
+  buffer onto itself, :func:`_self_write_back`) and dead ``get_attr`` reads are removed. Nothing
+  else is removed:
   a dead dropout still draws random numbers in eager mode, and in-place buffer updates
   (``num_batches_tracked.add_``) have no users by nature;
 * ``node.meta["fxpipe"]`` is a :class:`NodeInfo` (output shapes, dtypes, bytes, parameters and
@@ -453,10 +455,27 @@ def _clean(gm: fx.GraphModule) -> None:
     if hasattr(gm, "_guards_fn"):
         delattr(gm, "_guards_fn")
     for node in list(g.nodes):
+        if _self_write_back(node):
+            g.erase_node(node)
+    for node in list(g.nodes):
         if node.op == "get_attr" and not node.users:
             g.erase_node(node)
     g.lint()
     gm.recompile()
+
+
+def _self_write_back(node: fx.Node) -> bool:
+    """Whether ``node`` is export's write-back of a buffer the model updated in place
+    (``self.count += 1`` traces as ``add_(count, 1)`` then ``copy_(count, add_)``): a copy of the
+    buffer onto itself, which does nothing but read the buffer once more, at the graph's end. Left
+    in, it ties the buffer to whichever stage the end of the graph lands on."""
+    if node.target is not torch.ops.aten.copy_.default or node.users or len(node.args) < 2:
+        return False
+    dst, src = node.args[0], node.args[1]
+    return (isinstance(dst, fx.Node) and dst.op == "get_attr" and isinstance(src, fx.Node)
+            and isinstance(src.target, torch._ops.OpOverload) and bool(src.args) and src.args[0] is dst
+            and bool(src.target._schema.arguments) and src.target._schema.arguments[0].alias_info is not None
+            and src.target._schema.arguments[0].alias_info.is_write)
 
 
 def get_attr(gm: nn.Module, target: str):
