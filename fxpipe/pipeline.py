@@ -1230,7 +1230,7 @@ class Pipeline:
 
     def _setup_from_checkpoint(self, meta: dict, path: str) -> None:
         """Build a lazily compiled pipeline from the checkpoint's traced example: with its plan,
-        unless this pipeline asks for another layout; then with the example re-cut so that a step
+        unless this pipeline asks for another layout, schedule, precision or recomputation; then with the example re-cut so that a step
         takes the saving run's global batch (``microbatches=None`` takes the checkpoint's count;
         ``stages=None`` under torchrun a pure pipeline, as the lazy step does)."""
         o = self.config
@@ -1238,7 +1238,8 @@ class Pipeline:
         example = meta["example"]
         world = self.world_size if self.distributed else saved.stages * saved.width
         if (o.plan is None and o.stages is None and saved.schedule == o.schedule
-                and o.microbatches in (None, saved.microbatches) and saved.stages * saved.width == world):
+                and o.microbatches in (None, saved.microbatches) and saved.stages * saved.width == world
+                and saved.precision == o.precision and o.recompute in (None, any(saved.recompute))):
             self.config = replace(o, plan=saved)
         elif o.plan is not None:  # its micro-batch size, which its graph was traced with
             example = _resize_example(example, o.plan.microbatch_size)

@@ -560,6 +560,27 @@ def test_a_lazy_resume_into_another_micro_batch_count_keeps_the_global_batch(tmp
     assert resume.max_rel_diff(resumed, {"losses": full["losses"][3:], "state": full["state"]}) < 1e-5
 
 
+def test_a_lazy_resume_takes_the_checkpoints_plan_only_where_it_has_the_asked_precision_and_recompute(tmp_path):
+    # the saved plan was adopted whatever compile's precision and recompute said: a bf16 plan ran
+    # in fp32, and recompute=True ran without recomputation
+    import fxpipe
+    from fxpipe.demo import lm_loss
+
+    saved = resume.compile("1f1b", 2, 2, precision="bf16", recompute=False)
+    resume.run(saved, 0, 1, save=str(tmp_path))
+
+    def lazy(**kw):
+        pipe = fxpipe.compile(resume.model(), loss_fn=lm_loss, schedule="1f1b", verbose=False, **kw)
+        pipe.load(str(tmp_path))
+        return pipe
+
+    assert lazy(precision="bf16").plan == saved.plan  # the layout asked for is the checkpoint's
+    other = lazy(precision="fp32")
+    assert (other.plan.precision, other.config.precision) == ("fp32", "fp32")
+    assert other.plan.microbatches * other.plan.microbatch_size == resume.GLOBAL_BATCH
+    assert lazy(precision="bf16", recompute=True).plan != saved.plan  # planned anew, as compile would
+
+
 def test_a_lazy_resume_into_a_micro_batch_count_that_does_not_divide_the_batch_says_which_do(tmp_path):
     resume.run(resume.compile("1f1b", 2, 2), 0, 1, save=str(tmp_path))
     with pytest.raises(CheckpointError, match=r"trained on global batches of 8 samples \(4 per micro-batch x 2 micro-"
