@@ -9,8 +9,9 @@ another (d = 2 into d = 3, d = 1 or w = 2). Every key is the ORIGINAL model's (w
     model.<key>                 W(t): the newest weights (the fp32 master under mixed precision), and the module buffers
     model_previous.<key>        W(t-1): the older 2bw weight version (2bw only; the 16-bit compute copy under mixed precision)
     optim.state.<key>.<name>    the optimizer state as torch.optim keys it (step, exp_avg, ...)
-    optim.param_groups.<key>    the hyper-parameters of the parameter's group (lr as scheduled); only
-                                parameters in a group (a factory may leave some out: not stepped)
+    optim.param_groups.<key>    the hyper-parameters of the parameter's group (lr as scheduled) and the
+                                optimizer's class name (another is refused on load); only parameters
+                                in a group (a factory may leave some out: not stepped)
     optimizer_steps             the updates applied (a skipped non-finite step applies none); SGD's
                                 state has no ``step`` to count them, and the fused update needs it
     lr_scheduler                the scheduler's state, less its per-group lists (nested ones too)
@@ -92,6 +93,24 @@ def resolve(path: str) -> str:
     )
 
 
+#: The optimizer's class name, kept beside each parameter's hyper-parameters.
+_OPTIMIZER = "fxpipe.optimizer"
+
+
+def _check_optimizer(optimizer, hyper: dict[str, dict], path: str) -> None:
+    """Refuse a checkpoint another optimizer class wrote (its state and hyper-parameters would be
+    read as this one's: AdamW's decoupled weight decay into Adam, or Adam's moments into Adamax,
+    which then fails at its first update). Takes the class name out of ``hyper``; a checkpoint
+    that has none (written before it was kept) is compared by its hyper-parameters alone."""
+    saved = {hp.pop(_OPTIMIZER, None) for hp in hyper.values()} - {None}
+    mine = type(optimizer).__name__
+    if saved and saved != {mine}:
+        raise CheckpointError(
+            f"load: {path} was trained with {', '.join(sorted(saved))}, and this pipeline's optimizer factory builds "
+            f"{mine}: the saved optimizer state and hyper-parameters are {', '.join(sorted(saved))}'s. Resume with "
+            f"the optimizer the checkpoint was trained with (pipe.load_state_dict takes its weights alone).")
+
+
 def _pack(obj) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -129,7 +148,7 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
         for n, st in store.optimizer_state().items():
             opt_state[key[n]] = st
         for n, hp in store.hyperparameters().items():
-            groups[key[n]] = _pack(hp)
+            groups[key[n]] = _pack({**hp, _OPTIMIZER: type(store.optimizer).__name__})
     for n, t in pipe.staged.unused_state.items():
         for k in pipe.staged.originals.get(n, []):
             model[k] = t
@@ -442,8 +461,10 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
                 if n in key:
                     b.copy_(sd["model"][key[n]])
         names = wk.store.stepped()
+        hyper = {n: _unpack(sd["optim"]["param_groups"][key[n]]) for n in names}
+        _check_optimizer(wk.store.optimizer, hyper, path)
         wk.store.load_optimizer({n: sd["optim"]["state"][key[n]] for n in names if sd["optim"]["state"][key[n]]},
-                                {n: _unpack(sd["optim"]["param_groups"][key[n]]) for n in names}, optimizer_steps)
+                                hyper, optimizer_steps)
         wk.load_scaler_state(meta.get("scaler"))
         scheduler = wk.store.lr_scheduler
         if scheduler is not None and scheduler_state is not None:
