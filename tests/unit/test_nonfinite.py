@@ -102,6 +102,26 @@ def test_skip_drops_the_update_everywhere_and_trains_on(poisoned_gradient):
     assert all(wk.store.optimizer_steps == wk.store.updates - 1 for wk in pipe.workers.values())
 
 
+def test_a_rollback_forgets_the_skips_of_the_steps_it_undid(poisoned_gradient, tmp_path):
+    # skipped_steps kept the undone steps' skips, and the retrained ones were added again
+    pipe = resume.compile("1f1b", 3, 4, dropout=0.0, nonfinite="skip")
+    for t in range(1, BAD):
+        pipe.step(*resume.batch(t))
+    pipe.save(str(tmp_path))
+    pipe.wait_for_checkpoint()
+    with pytest.warns(RuntimeWarning, match=rf"step {BAD}: stage\(s\) \[1\]"):
+        for t in range(BAD, BAD + 2):
+            pipe.step(*resume.batch(t))
+        pipe.flush()
+    assert pipe.skipped_steps == [BAD]
+    pipe.load(str(tmp_path))
+    assert pipe.skipped_steps == []
+    with pytest.warns(RuntimeWarning, match=rf"step {BAD}: stage\(s\) \[1\]"):
+        pipe.step(*resume.batch(BAD))
+        pipe.flush()
+    assert pipe.skipped_steps == [BAD]
+
+
 def test_an_infinite_loss_with_finite_gradients_is_caught_too():
     # inf + loss: the gradient is that of the loss alone (finite); only the loss shows it.
     from fxpipe.demo import lm_loss
