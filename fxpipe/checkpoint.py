@@ -94,7 +94,7 @@ def resolve(path: str) -> str:
 
 
 #: The optimizer's class name, kept beside each parameter's hyper-parameters.
-_OPTIMIZER = "fxpipe.optimizer"
+_OPTIMIZER_CLASS = "fxpipe.optimizer"
 
 
 def _check_optimizer(optimizer, hyper: dict[str, dict], path: str) -> None:
@@ -102,7 +102,7 @@ def _check_optimizer(optimizer, hyper: dict[str, dict], path: str) -> None:
     read as this one's: AdamW's decoupled weight decay into Adam, or Adam's moments into Adamax,
     which then fails at its first update). Takes the class name out of ``hyper``; a checkpoint
     that has none (written before it was kept) is compared by its hyper-parameters alone."""
-    saved = {hp.pop(_OPTIMIZER, None) for hp in hyper.values()} - {None}
+    saved = {hp.pop(_OPTIMIZER_CLASS, None) for hp in hyper.values()} - {None}
     mine = type(optimizer).__name__
     if saved and saved != {mine}:
         raise CheckpointError(
@@ -148,7 +148,7 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
         for n, st in store.optimizer_state().items():
             opt_state[key[n]] = st
         for n, hp in store.hyperparameters().items():
-            groups[key[n]] = _pack({**hp, _OPTIMIZER: type(store.optimizer).__name__})
+            groups[key[n]] = _pack({**hp, _OPTIMIZER_CLASS: type(store.optimizer).__name__})
     for n, t in pipe.staged.unused_state.items():
         for k in pipe.staged.originals.get(n, []):
             model[k] = t
@@ -416,7 +416,8 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
     if want_previous and meta["schedule"] != "2bw" and steps > 0:
         raise CheckpointError(
             f"load: {path} comes from schedule {meta['schedule']!r}, which keeps one weight version; 2bw "
-            f"needs W(t-1) too. Resume with schedule={meta['schedule']!r} (or 1f1b/gpipe)."
+            f"needs W(t-1) too. Resume with a schedule of one weight version: '1f1b', "
+            f"'gpipe' or 'zb'."
         )
     want_previous = want_previous and meta["schedule"] == "2bw"
     sd: dict[str, Any] = {"model": {}, "optim": {"state": {}, "param_groups": {}}, "extra": None}

@@ -207,7 +207,9 @@ def test_checkpoint_errors_say_what_to_do(tmp_path):
     pipe.step(*resume.batch(1))
     pipe.save(str(tmp_path))
     pipe.wait_for_checkpoint()  # another pipeline reads it
-    with pytest.raises(CheckpointError, match=r"schedule '1f1b', which keeps one weight version; 2bw needs W\(t-1\)"):
+    with pytest.raises(CheckpointError, match=r"schedule '1f1b', which keeps one weight version; 2bw needs W\(t-1\) too\. "
+                                              r"Resume with a schedule of one weight version: '1f1b', 'gpipe' or "
+                                              r"'zb'\."):
         resume.compile("2bw", 2, 2).load(str(tmp_path))
     import fxpipe
     from fxpipe.demo import lm_loss
