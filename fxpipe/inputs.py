@@ -55,7 +55,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from .errors import ConfigError, InputError
-from .trace import normalize_inputs
+from .trace import module_path, normalize_inputs
 
 __all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch", "check_model_loss",
            "check_operand_dtypes"]
@@ -332,8 +332,8 @@ def check_operand_dtypes(gm, autocast: torch.dtype | None = None) -> None:
         return autocast if autocast is not None and d.is_floating_point and d != torch.float64 else d
 
     for n in gm.graph.nodes:
-        if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload) \
-                or n.target._schema.name.removeprefix("aten::") not in _SAME_DTYPE_OPS:
+        op = n.target._schema.name.removeprefix("aten::") if isinstance(n.target, torch._ops.OpOverload) else None
+        if n.op != "call_function" or op not in _SAME_DTYPE_OPS:
             continue
         operands = [a for a in pytree.tree_leaves((n.args, n.kwargs))
                     if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
@@ -350,7 +350,6 @@ def check_operand_dtypes(gm, autocast: torch.dtype | None = None) -> None:
             return f"{a.target if a.op == 'get_attr' else a.name} {_short(d)}" + (
                 f" (as {_short(seen(d))} under autocast)" if seen(d) != d else "")
 
-        op = n.target._schema.name.removeprefix("aten::")
         origin = f", from the example input(s) {inputs}" if inputs else ""
         to = _CASTS.get(torch.float32 if autocast is not None else want, f".to(torch.{_short(want)})")
         fixes = [f"give the inputs the model's dtype (x{to} in the example and in every batch)"]
@@ -358,11 +357,11 @@ def check_operand_dtypes(gm, autocast: torch.dtype | None = None) -> None:
             fixes.append(f"convert the model to {_short(have)} (model.to(torch.{_short(have)}))")
             if have != torch.float64 and have.is_floating_point and want.is_floating_point:
                 fixes.append("train with precision='bf16' or 'fp16', whose autocast casts both operands")
+        where = module_path(n) or "the model itself"
         raise ConfigError(
-            f"fxpipe.compile: {op} at node {n.name!r} (module {_module_of(n)!r}) needs one dtype for all its "
-            f"operands, as in eager PyTorch, but found {', '.join(show(a) for a in operands)}: {odd.name!r} is "
-            f"{_short(have)}{origin}. Training would fail at its first step. To fix it, "
-            f"{'; or '.join(fixes)}."
+            f"fxpipe.compile: {op} at node {n.name!r} (module {where!r}) needs one dtype for all its operands, as in "
+            f"eager PyTorch, but found {', '.join(show(a) for a in operands)}: {odd.name!r} is {_short(have)}{origin}. "
+            f"Training would fail at its first step. To fix it, {'; or '.join(fixes)}."
         )
 
 
@@ -385,11 +384,6 @@ def _inputs_of(node) -> list[str]:
         todo += [a for a in x.all_input_nodes
                  if isinstance(a.meta.get("val"), torch.Tensor) and a.meta["val"].dtype == dtype]
     return sorted(found)
-
-
-def _module_of(node) -> str:
-    info = node.meta.get("fxpipe")
-    return getattr(info, "module_path", "") or "the model itself"
 
 
 _UNKNOWN = object()
@@ -428,7 +422,6 @@ def _same_constant(given, traced) -> bool | None:
     except Exception:  # noqa: BLE001 - an __eq__ that refuses: cannot tell
         return None
     return same if isinstance(same, bool) else None
-
 
 
 def _wheres(args: tuple, kwargs: dict, names) -> list[str]:

@@ -1231,9 +1231,10 @@ class Pipeline:
 
     def _setup_from_checkpoint(self, meta: dict, path: str) -> None:
         """Build a lazily compiled pipeline from the checkpoint's traced example: with its plan,
-        unless this pipeline asks for another layout, schedule, precision or recomputation; then with the example re-cut so that a step
-        takes the saving run's global batch (``microbatches=None`` takes the checkpoint's count;
-        ``stages=None`` under torchrun a pure pipeline, as the lazy step does)."""
+        unless this pipeline asks for another layout, schedule, precision or recomputation; then
+        with the example re-cut so that a step takes the saving run's global batch
+        (``microbatches=None`` takes the checkpoint's count; ``stages=None`` under torchrun a pure
+        pipeline, as the lazy step does)."""
         o = self.config
         saved = Plan.from_json(meta["plan"])
         example = meta["example"]

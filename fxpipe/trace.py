@@ -473,9 +473,7 @@ def _self_write_back(node: fx.Node) -> bool:
         return False
     dst, src = node.args[0], node.args[1]
     return (isinstance(dst, fx.Node) and dst.op == "get_attr" and isinstance(src, fx.Node)
-            and isinstance(src.target, torch._ops.OpOverload) and bool(src.args) and src.args[0] is dst
-            and bool(src.target._schema.arguments) and src.target._schema.arguments[0].alias_info is not None
-            and src.target._schema.arguments[0].alias_info.is_write)
+            and alias_base(src) is dst and dst in written_values(src))
 
 
 def get_attr(gm: nn.Module, target: str):
