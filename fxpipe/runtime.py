@@ -132,6 +132,7 @@ class StageWorker:
         self.loss_posts: deque[tuple[int, Handle]] = deque()  # LOSS all-reduces not yet waited for
         self.reductions: dict[tuple[Kind, int], Handle] = {}
         self.norm_sq: dict[int, torch.Tensor] = {}
+        self.reached_counts: dict[int, torch.Tensor] = {}  # leaf modules, w > 1: batch -> replicas' reached sums
         self.clip_coef: dict[int, torch.Tensor] = {}  # batch -> 0-dim factor on the device
         self.loss_check: dict[int, torch.Tensor] = {}  # last stage: batch -> 0, or NaN if a loss was not
         self.nonfinite: dict[int, list[int]] = {}  # batch -> stages where a non-finite value appeared
@@ -458,10 +459,16 @@ class StageWorker:
     def _do_dp_start(self, a: Action) -> None:
         grads = self.store.grads(a.index)
         handles = [self.comm.all_reduce(grads[dt][lo:hi], dp_group(self.index), str(a)) for dt, lo, hi in self.dp_ranges]
+        if self.store.dynamic:  # leaf modules: the weights some replica's backwards reached
+            counts = self.store.reached_counts(a.index)
+            handles.append(self.comm.all_reduce(counts, dp_group(self.index), str(a)))
+            self.reached_counts[a.index] = counts
         self.reductions[(Kind.DP_START, a.index)] = _Multi(handles)
 
     def _do_dp_wait(self, a: Action) -> None:
         self.reductions.pop((Kind.DP_START, a.index)).wait()
+        if self.store.dynamic:
+            self.store.adopt_reached(a.index, self.reached_counts.pop(a.index))
 
     def _do_tied_start(self, a: Action) -> None:
         views = self.store.grad_views_of(a.index)

@@ -147,6 +147,7 @@ class WeightStore:
         self.unreached: frozenset[str] | None = None
         self.dynamic = dynamic
         self._reached: dict[int, set[str]] = {}  # dynamic: batch -> the weights its backwards reached
+        self._trainable = [s.name for s in layout.slots if s.requires_grad]
         self._shared = frozenset(shared)
         self.split_cache = SplitCache()  # zb: the analysis of the stage's autograd graph, done once
         self.optimizer_steps = 0  # updates applied (a skipped non-finite batch applies none)
@@ -231,8 +232,18 @@ class WeightStore:
         """The trainable weights no backward of batch ``t`` reached: ``UPDATE t`` skips them."""
         if not self.dynamic:
             return self.unreached or frozenset()
-        names = {s.name for s in self.layout.slots if s.requires_grad}
-        return frozenset(names - self._reached.get(t, set()) - self._shared)
+        return frozenset(set(self._trainable) - self._reached.get(t, set()) - self._shared)
+
+    def reached_counts(self, t: int) -> torch.Tensor:
+        """A dynamic stage's reached set of batch ``t`` as one float32 per trainable weight (1:
+        reached), for the data-parallel all-reduce that makes every replica skip the same weights:
+        the set of the whole global batch, as one replica of all its micro-batches would find."""
+        got = self._reached.get(t, set())
+        return torch.tensor([float(n in got) for n in self._trainable], dtype=torch.float32, device=self.device)
+
+    def adopt_reached(self, t: int, counts: torch.Tensor) -> None:
+        """Batch ``t``'s reached set from the replicas' summed :meth:`reached_counts`."""
+        self._reached[t] = {n for n, c in zip(self._trainable, counts.tolist()) if c > 0}
 
     def _find_unreached(self, t: int, leaves: dict[str, torch.Tensor], roots) -> None:
         """The weights the autograd graph below ``roots`` reaches (one walk): :attr:`unreached`

@@ -129,35 +129,41 @@ class _TwoBranches(torch.nn.Module):
         return self.up(x) if x.sum() > 0 else self.down(x)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb", "2bw"])
-def test_a_leaf_modules_weights_train_in_every_batch_that_reaches_them(schedule):
-    # The weights a backward reaches were found once, on the first micro-batch: a branch of a
-    # leaf module it did not take was skipped by every later update, in batches that took it
-    # too. Eager skips a weight only in a batch none of whose micro-batches reached it; AdamW's
-    # weight decay and moments show any difference.
-    class Net(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b, self.c = torch.nn.Linear(8, 8), _TwoBranches(), torch.nn.Linear(8, 1)
+class _BranchNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(8, 8), _TwoBranches(), torch.nn.Linear(8, 1)
 
-        def forward(self, x):
-            return self.c(torch.tanh(self.b(self.a(x))))
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(self.a(x))))
 
+
+def _branch_run(signs):
+    """A :class:`_BranchNet` whose ``a`` keeps each input's sign, and one batch of 4 micro-batches
+    of 2 per entry of ``signs``: micro-batch k takes ``b.up`` where ``signs[k]`` is 1, else
+    ``b.down``. With AdamW's weight decay and moments, any weight stepped in a batch that did
+    not reach it (or not stepped in one that did) shows."""
     torch.manual_seed(0)
-    net = Net().double()
+    net = _BranchNet().double()
     g = torch.Generator().manual_seed(1)
 
     def sign(k):  # micro-batches' inputs far from 0, so their sums have these signs behind a
         return torch.full((2, 8), 10.0 if k else -10.0, dtype=torch.float64)
 
-    # batch 1: every micro-batch takes `down`; batch 2: both branches; batch 3: `up` only
-    xs = [torch.cat([sign(k) for k in ks]) for ks in ((0, 0, 0, 0), (1, 0, 0, 1), (1, 1, 1, 1), (0, 1, 1, 0))]
-    batches = [(x + 0.01 * torch.randn(8, 8, generator=g, dtype=torch.float64),
-                torch.randn(8, 1, generator=g, dtype=torch.float64)) for x in xs]
-    net.a.weight.data = torch.eye(8, dtype=torch.float64)  # keeps each input's sign through a
+    batches = [(torch.cat([sign(k) for k in ks]) + 0.01 * torch.randn(8, 8, generator=g, dtype=torch.float64),
+                torch.randn(8, 1, generator=g, dtype=torch.float64)) for ks in signs]
+    net.a.weight.data = torch.eye(8, dtype=torch.float64)
     net.a.bias.data.zero_()
-    opt = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.5)
-    loss = torch.nn.functional.mse_loss
+    return net, batches, functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.5), torch.nn.functional.mse_loss
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "2bw"])
+def test_a_leaf_modules_weights_train_in_every_batch_that_reaches_them(schedule):
+    # The weights a backward reaches were found once, on the first micro-batch: a branch of a
+    # leaf module it did not take was skipped by every later update, in batches that took it
+    # too. Eager skips a weight only in a batch none of whose micro-batches reached it.
+    # batch 1: every micro-batch takes `down`; batch 2: both branches; batch 3: `up` only
+    net, batches, opt, loss = _branch_run(((0, 0, 0, 0), (1, 0, 0, 1), (1, 1, 1, 1), (0, 1, 1, 0)))
     pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, optimizer=opt, microbatches=4, stages=2,
                           schedule=schedule, verbose=False, leaf_modules=_TwoBranches)
     losses = [pipe.step(x, y) for x, y in batches]
@@ -173,6 +179,30 @@ def test_a_leaf_modules_weights_train_in_every_batch_that_reaches_them(schedule)
         fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, microbatches=4, stages=2, accumulate="optimizer",
                        optimizer=functools.partial(torch.optim.Adam, lr=0.01), verbose=False,
                        leaf_modules=_TwoBranches)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "2bw"])
+def test_data_parallel_replicas_of_a_leaf_module_skip_the_weights_no_replica_reached(schedule):
+    # Each replica gathered its own reached set: in a batch where replica 0's micro-batches all
+    # took `down` and replica 1's all took `up`, replica 0 skipped `up` and replica 1 `down`,
+    # though both got the summed gradient of both, so the replicas' weights drifted apart. The
+    # sets are now summed over the replicas with the gradients: w = 2 trains as one replica of
+    # all 4 micro-batches (as DDP does).
+    net, batches, opt, loss = _branch_run(((0, 0, 1, 1), (1, 1, 0, 0), (1, 0, 1, 1)))
+    example = (batches[0][0][:2],)
+    plan = fxpipe.plan(fxpipe.trace(net, example, leaf_modules=[_TwoBranches]), example, stages=2, microbatches=2,
+                       schedule=schedule, world_size=4)
+    assert plan.width == 2
+    pipe = fxpipe.compile(net, example, loss_fn=loss, optimizer=opt, plan=plan, microbatches=2, schedule=schedule,
+                          verbose=False, leaf_modules=_TwoBranches)
+    losses = [pipe.step(x, y) for x, y in batches]
+    pipe.flush()
+    ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(net, batches, 4, loss, opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    expected = dict(ref.named_parameters())
+    for rank, worker in pipe.workers.items():
+        for name, got in worker.store.newest().items():
+            assert torch.allclose(got, expected[name], rtol=1e-12, atol=1e-14), (rank, name)
 
 
 class _Counted(torch.nn.Module):
