@@ -88,11 +88,14 @@ def _peak_rss() -> float:
     return float("nan")
 
 
-def _timed(step, batches, warmup: int, start=None, batch: int = BATCH, stamps: list | None = None) -> tuple[float, int]:
+def _timed(step, batches, warmup: int, start=None, batch: int = BATCH, stamps: list | None = None,
+           cpu: dict | None = None) -> tuple[float, int]:
     """(seconds for the steps after ``warmup``, samples in them), all ranks starting together;
     ``start`` runs right before the timed steps. The peak resident memory is counted from the
     first step on: training's, not the setup's (fxpipe's calibration, PiPPy's export). ``stamps``
-    gets the system-wide monotonic clock at the start and after each timed step."""
+    gets the system-wide monotonic clock at the start and after each timed step. ``cpu`` gets the
+    CPU time per timed step, in ms: ``main`` of the calling thread (the one that computes; time
+    blocked in a wait is not CPU time) and ``process`` of all its threads (gloo's too)."""
     _peak_rss_reset()
     for x, y in batches[:warmup]:
         step(x, y)
@@ -100,14 +103,17 @@ def _timed(step, batches, warmup: int, start=None, batch: int = BATCH, stamps: l
         dist.barrier()
     if start is not None:
         start()
-    t0 = time.perf_counter()
+    t0, main0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
     if stamps is not None:
         stamps.append(time.monotonic())
     for x, y in batches[warmup:]:
         step(x, y)
         if stamps is not None:
             stamps.append(time.monotonic())
-    return time.perf_counter() - t0, batch * (len(batches) - warmup)
+    steps = len(batches) - warmup
+    if cpu is not None:
+        cpu.update(main=1e3 * (time.thread_time() - main0) / steps, process=1e3 * (time.process_time() - process0) / steps)
+    return time.perf_counter() - t0, batch * steps
 
 
 def _limit(rank: int, batches, warmup: int) -> dict:
@@ -123,8 +129,9 @@ def _limit(rank: int, batches, warmup: int) -> dict:
         opt.zero_grad()
 
     stamps: list[float] = []
-    seconds, samples = _timed(step, batches, warmup, stamps=stamps)
-    return {"seconds": seconds, "samples": samples, "stamps": stamps}
+    cpu: dict = {}
+    seconds, samples = _timed(step, batches, warmup, stamps=stamps, cpu=cpu)
+    return {"seconds": seconds, "samples": samples, "stamps": stamps, "cpu": cpu}
 
 
 def _gpt2():
@@ -157,15 +164,15 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     mode = dict(cost_mode="calibrated") if device_model is None else dict(device_model=device_model)
     pipe = fxpipe.compile(net, example, loss_fn=loss, microbatches=m, stages=dist.get_world_size(),
                           schedule=schedule, optimizer=_optimizer, verbose=False, **mode)
-    profile = Profile()
+    profile, cpu = Profile(), {}
     seconds, samples = _timed(pipe.step, batches, warmup, start=lambda: setattr(pipe, "profile", profile),
-                              batch=m * mb)
+                              batch=m * mb, cpu=cpu)
     pipe.profile = None
     pipe.flush()
     plan = pipe.plan
     costs = Costs.of_plan(plan)
     predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), costs).step_time
-    return {"seconds": seconds, "samples": samples, "profile": profile.summary(),
+    return {"seconds": seconds, "samples": samples, "profile": profile.summary(), "cpu": cpu,
             "predicted": predicted, "cores": costs.cores, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
                                                 1e3 * costs.per_stage("backward", i), 1e3 * costs.per_stage("update", i))
                                                for i, sp in enumerate(plan.stage_plans)]}
@@ -211,8 +218,9 @@ def _pippy(rank: int, name: str, batches, warmup: int) -> dict:
         opt.step()
         opt.zero_grad()
 
-    seconds, samples = _timed(step, batches, warmup)
-    return {"seconds": seconds, "samples": samples}
+    cpu: dict = {}
+    seconds, samples = _timed(step, batches, warmup, cpu=cpu)
+    return {"seconds": seconds, "samples": samples, "cpu": cpu}
 
 
 def _worker(rank: int, world: int, name: str, store: str, out: str, steps: int, warmup: int) -> None:
@@ -427,6 +435,15 @@ def report(results: dict[str, list[list[dict]]]) -> None:
                 row.append(f"{got:.1f}" + (f" ({100 * got / limits[r]:.1f}%)" if share else ""))
             per_round.append(row)
         print(tabulate(per_round, headers=["system"] + [f"round {r + 1}" for r in range(rounds)]))
+    print("\nCPU time per step (ms, median round; per rank, or per trainer for the limit): the main thread, which "
+          "computes (a wait blocked is not CPU time), and the whole process (gloo's threads too). A limit "
+          "trainer computes the whole model: half of its main thread's time is one pipeline rank's share.")
+    cpu_rows = []
+    for name, runs in results.items():
+        middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
+        cpu_rows.append([_LABELS.get(name, name)] + [f"{r['cpu']['main']:.0f} / {r['cpu']['process']:.0f}"
+                                                     for r in middle])
+    print(tabulate(cpu_rows, headers=["system"] + [f"rank {r}: main / process" for r in range(len(cpu_rows[0]) - 1)]))
     for name, runs in results.items():
         if not name.startswith("fxpipe"):
             continue
