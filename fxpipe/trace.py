@@ -368,9 +368,10 @@ def _symbolic_trace(model: nn.Module, args: tuple, kwargs: dict, leaves: tuple) 
     # Order placeholders like the flattened (args, kwargs), so pytree flattening feeds them.
     names = pytree.tree_leaves((tuple(params[: len(args)]), {k: k for k in kwargs}))
     _, in_spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-    first = next(iter(gm.graph.nodes))
-    for name in names:
-        first.prepend(placeholders[name])
+    ordered = [placeholders[name] for name in names]
+    anchor = next(n for n in gm.graph.nodes if n not in ordered)  # not one of them: prepending
+    for node in ordered:  # a node to itself would leave it where it is, out of order
+        anchor.prepend(node)
     output = next(n for n in gm.graph.nodes if n.op == "output")
     leaves_out, out_spec = pytree.tree_flatten(output.args[0])
     output.args = (tuple(leaves_out),)

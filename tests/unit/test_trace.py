@@ -195,6 +195,28 @@ def test_symbolic_trace_fallback_with_leaf_modules():
     assert fxpipe.trace(model, (x,), leaf_modules=["gate"]).meta["fxpipe"].path == "symbolic_trace"
 
 
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_the_symbolic_trace_path_feeds_the_inputs_in_the_models_order(by_keyword):
+    # The placeholders were reordered by prepending each to the graph's first node, itself the
+    # first placeholder: two inputs came out swapped, three rotated. Inputs of one shape then
+    # trained on each other's data without an error.
+    class Three(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x, y, z):
+            return self.a(x) + 2 * self.b(y) + 3 * self.c(z)
+
+    torch.manual_seed(0)
+    model, inputs = Three(), [torch.randn(3, 4) for _ in range(3)]
+    example = dict(zip("xyz", inputs)) if by_keyword else tuple(inputs)
+    gm = fxpipe.trace(model, example, prefer="symbolic_trace")
+    assert gm.meta["fxpipe"].path == "symbolic_trace"
+    got = gm(**example) if by_keyword else gm(*example)
+    assert torch.equal(got, model(*inputs))
+
+
 def test_untraceable_model_raises_a_trace_error_naming_class_module_and_line():
     with pytest.raises(TraceError) as e:
         fxpipe.trace(Gated(), (torch.randn(3, 4),))
