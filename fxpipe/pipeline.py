@@ -606,6 +606,9 @@ class Pipeline:
         # the process group's watchdog enforces the timeout instead (docs/design.md).
         wait_limit = self.timeout if self.device.type == "cpu" else None
         comm_for = (lambda r: DistComm(groups, timeout=wait_limit)) if self.distributed else hub.comm
+        # the stages that run opaque leaf modules: there and on every stage before them, which
+        # weights a backward reaches may change from one micro-batch to the next
+        leafy = [plan.assignment[n.name] for n in gm.graph.nodes if n.op == "call_module"]
         for r in ranks:
             s, rep = topo.locate(r)
             stage = self.staged.stages[s]
@@ -628,6 +631,7 @@ class Pipeline:
                 precision=precision,
                 scaler=LossScaler.like(o.scaler) if precision.scaled else None,
                 accumulate=o.accumulate,
+                dynamic=any(at >= s for at in leafy),
             )
             try:  # the user's optimizer and scheduler factories run here, on this rank's stage alone
                 self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,

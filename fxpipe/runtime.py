@@ -33,7 +33,7 @@ from .comm import EVERY_RANK, Comm, Handle, dp_group
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision, fp32_params
 from .schedule import Action, Kind, batch_of, waits_for
-from .trace import alias_base, runs_leaf_modules, written_values
+from .trace import alias_base, written_values
 from .weights import WeightStore
 
 __all__ = ["StageWorker", "WorkerConfig", "compute_loss", "drain_posted"]
@@ -61,6 +61,9 @@ class WorkerConfig:
     precision: Precision = field(default_factory=Precision)  # fp32, or 16-bit compute from fp32 masters
     scaler: LossScaler | None = None  # fp16: each worker keeps a copy, updated from the shared verdict
     accumulate: str = "gradients"  # or "optimizer": AdamA, no gradient buffer and no per-step NORM
+    # This stage or a later one runs opaque leaf modules, so which weights (and boundary inputs)
+    # a backward reaches may change from one micro-batch to the next (WeightStore's ``dynamic``)
+    dynamic: bool = False
 
 
 def _squared_norm(grads: Sequence[torch.Tensor], device) -> torch.Tensor:
@@ -111,7 +114,7 @@ class StageWorker:
                                  strict_kernels=cfg.strict_kernels, precision=cfg.precision,
                                  device=self.device, share_initial=replica == 0, shared=cfg.tied_groups,
                                  keep_fp32=fp32_params(stage.module) if cfg.precision.mixed else (),
-                                 dynamic=runs_leaf_modules(stage.module))
+                                 dynamic=cfg.dynamic)
         self.autocast = cfg.precision.autocast  # the forward's and the loss's context, per device type
         self.scaler = copy.deepcopy(cfg.scaler) if cfg.scaler is not None else None
         self.batch_scale: dict[int, float] = {}  # fp16: batch -> the loss scale its backwards used
@@ -151,6 +154,9 @@ class StageWorker:
         # Gradients flow through floating-point boundary values only; both ends agree from specs.
         self.float_out = [s is not None and s.torch_dtype.is_floating_point for s in self.output_specs]
         self.float_in = [s.torch_dtype.is_floating_point for s in self.input_specs]
+        # Which float outputs the next stage's backward reached (its SEND_GRAD's flags): found on
+        # the first backward, or read at every one where it may change (``cfg.dynamic``)
+        self._reached_out: list[bool] | None = None
         self._warned_unsplit = False  # zb: the stage's unsplit backward is reported once
 
     # ------------------------------------------------------------------ helpers
@@ -252,6 +258,7 @@ class StageWorker:
             for s, f in zip(self.output_specs, self.float_out)
             if f
         ]
+        bufs.append(torch.empty(len(bufs), dtype=torch.uint8, device=self.device))  # the reached flags
         self.recv_grad[a.index] = (bufs, self.comm.irecv(bufs, self.next, str(a)))
 
     def _forward_inputs(self, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -339,10 +346,14 @@ class StageWorker:
         self.store.backward_weight(self._batch(a.index), ctx.pop("pending"))
 
     def _take_input_grads(self, boundary) -> None:
-        """Keep the boundary inputs' gradients for SEND_GRAD (and clear their ``.grad``). A
-        boundary input that did not influence the outputs still gets a (zero) gradient, so both
-        sides of the channel always exchange the same tensors."""
-        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
+        """Keep the boundary inputs' gradients for SEND_GRAD (and clear their ``.grad``), and one
+        flag per input: whether the backward reached it. An input it did not reach (read only
+        through ``.detach()``, a comparison or under ``no_grad``) is sent a zero gradient, so both
+        sides always exchange the same tensors, flagged 0: the previous stage then leaves that
+        output out of its backward's roots, so the weights only it reaches get no gradient (as
+        in eager, where their ``.grad`` stays None and the optimizer skips them)."""
+        reached = torch.tensor([x.grad is not None for x in boundary], dtype=torch.uint8, device=self.device)
+        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary] + [reached]
         for x in boundary:
             x.grad = None
 
@@ -362,8 +373,11 @@ class StageWorker:
         else:
             bufs, h = self.recv_grad.pop(k)
             h.wait()
+            *grads, flags = bufs
+            if self._reached_out is None or self.cfg.dynamic:  # a host read: on a GPU, once
+                self._reached_out = [bool(f) for f in flags.tolist()]
             outs = [o for o, f in zip(ctx["outputs"], self.float_out) if f]
-            pairs = [(o, g) for o, g in zip(outs, bufs) if o.requires_grad]
+            pairs = [(o, g) for o, g, r in zip(outs, grads, self._reached_out) if o.requires_grad and r]
             roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
         boundary = [x for x, f in zip(ctx["boundary"], self.float_in) if f]
         if self.is_last and self.cfg.accumulate != "optimizer":  # x*0 is 0 or NaN: the NORM carries it

@@ -205,6 +205,52 @@ def test_data_parallel_replicas_of_a_leaf_module_skip_the_weights_no_replica_rea
             assert torch.allclose(got, expected[name], rtol=1e-12, atol=1e-14), (rank, name)
 
 
+class _Teacher(torch.nn.Module):
+    """Distillation-style: the teacher branch is read only through ``.detach()``, the gate only
+    by a comparison. Eager leaves their gradients None, so AdamW's weight decay never moves them."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.teacher = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.gate = nn.Linear(8, 8)
+        self.student = nn.Sequential(*[x for _ in range(3) for x in (nn.Linear(8, 8), nn.Tanh())])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        t, thr = self.teacher(x), self.gate(x)
+        h = self.student(x)
+        return self.head((h + t.detach()) * (h > thr).to(h.dtype))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "2bw"])
+def test_a_weight_a_later_stage_reads_only_through_detach_or_a_comparison_is_not_stepped(schedule):
+    # The next stage sent a zero gradient for a boundary value its backward never reached, and
+    # this stage backpropagated it: the teacher's and the gate's weights counted as reached and
+    # weight decay moved them. The gradient message now flags what was reached.
+    torch.manual_seed(0)
+    net = _Teacher().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64))
+               for _ in range(3)]
+    opt = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.5)
+    loss = torch.nn.functional.mse_loss
+    ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(net, batches, 4, loss, opt)
+    for stages in (2, 3, 4):
+        pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, optimizer=opt, microbatches=4, stages=stages,
+                              schedule=schedule, verbose=False)
+        crossing = {n.name for n in pipe.staged_graph.graph.nodes if n.target in (torch.ops.aten.detach.default,
+                                                                                 torch.ops.aten.gt.Tensor)}
+        assert {pipe.plan.assignment[n] for n in crossing} != {0}  # the reads lie past the first cut
+        losses = [pipe.step(x, y) for x, y in batches]
+        pipe.flush()
+        assert losses == pytest.approx(ref_losses, rel=1e-12)
+        sd = pipe.state_dict()
+        for name, p in ref.named_parameters():
+            assert torch.allclose(sd[name], p, rtol=1e-12, atol=1e-14), (stages, name)
+        assert torch.equal(sd["teacher.2.weight"], net.teacher[2].weight)
+
+
 class _Counted(torch.nn.Module):
     """Counts its calls in a buffer, first or last thing in forward."""
 
