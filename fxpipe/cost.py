@@ -510,16 +510,20 @@ def _fake_flops(gm: fx.GraphModule, node: fx.Node) -> float:
         if isinstance(v, torch.Tensor):
             with mode:
                 return torch.empty(tuple(v.shape), dtype=v.dtype, device=v.device)
-        if a.op == "get_attr":
-            return getattr(gm, a.target, None)
+        if a.op == "get_attr":  # a fake copy: an in-place op must not write the model's tensor
+            got = getattr(gm, a.target, None)
+            return mode.from_tensor(got) if isinstance(got, torch.Tensor) else got
         return v
 
     try:
         args = pytree.tree_map(fake, node.args)
         kwargs = pytree.tree_map(fake, node.kwargs)
         with mode, FlopCounterMode(display=False) as counter:
-            if node.op == "call_module":
-                gm.get_submodule(node.target)(*args, **kwargs)
+            if node.op == "call_module":  # on fake copies of its state: a leaf module's forward
+                # may update it in place (BatchNorm's num_batches_tracked), even on fake inputs
+                sub = gm.get_submodule(node.target)
+                state = {n: mode.from_tensor(t) for n, t in (*sub.named_parameters(), *sub.named_buffers())}
+                torch.func.functional_call(sub, state, tuple(args), kwargs)
             elif node.op == "call_method":
                 getattr(args[0], node.target)(*args[1:], **kwargs)
             else:

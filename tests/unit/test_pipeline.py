@@ -251,6 +251,31 @@ def test_a_weight_a_later_stage_reads_only_through_detach_or_a_comparison_is_not
         assert torch.equal(sd["teacher.2.weight"], net.teacher[2].weight)
 
 
+def test_compile_leaves_a_cumulative_batchnorm_where_it_was():
+    # BatchNorm(momentum=None) averages its statistics over num_batches_tracked and so takes the
+    # symbolic_trace path (export cannot capture float(num_batches_tracked)). The cost model ran
+    # each leaf module under fake tensors but on its real buffers: compile counted one batch
+    # that never came, and every running statistic after it was averaged with the wrong weight.
+    nn = torch.nn
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 2)).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64))
+               for _ in range(3)]
+    opt, loss = functools.partial(torch.optim.SGD, lr=0.1), torch.nn.functional.mse_loss
+    pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, optimizer=opt, microbatches=4, stages=2,
+                          schedule="1f1b", verbose=False)
+    assert pipe.staged_graph.meta["fxpipe"].path == "symbolic_trace"
+    assert int(net[1].num_batches_tracked) == 0
+    losses = [pipe.step(x, y) for x, y in batches]
+    ref_losses, ref = train_flush(net, batches, 4, loss, opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    sd = pipe.state_dict()
+    assert int(sd["1.num_batches_tracked"]) == 12
+    for name, t in ref.state_dict().items():
+        assert torch.allclose(sd[name].double(), t.double(), rtol=1e-12, atol=1e-14), name
+
+
 class _Counted(torch.nn.Module):
     """Counts its calls in a buffer, first or last thing in forward."""
 
