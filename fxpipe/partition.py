@@ -906,7 +906,7 @@ def _assemble(parts: _Parts) -> Chain:
     bad = np.zeros(n + 1, dtype=np.int64)
     np.add.at(diff, parts.lo, parts.size)
     np.add.at(diff, parts.hi, -parts.size)
-    g = parts.size * parts.grad
+    g = (parts.size + 1.0) * parts.grad  # with its byte in SEND_GRAD's reached flags (fxpipe.runtime)
     np.add.at(gdiff, parts.lo, g)
     np.add.at(gdiff, parts.hi, -g)
     np.add.at(bad, parts.lo, parts.bad.astype(np.int64))
