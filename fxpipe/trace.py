@@ -38,6 +38,7 @@ import operator
 import os
 import re
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -214,6 +215,13 @@ def trace(
             path = "symbolic_trace"
         except Exception as e:  # noqa: BLE001
             raise _trace_error(model, export_exc, e) from (export_exc or e)
+        if export_exc is not None:  # said, not silent: the two paths capture at different levels
+            why = (str(export_exc).strip().splitlines() or [""])[0]
+            why = f"{type(export_exc).__name__}: {why[:200]}{'...' if len(why) > 200 else ''}"
+            warnings.warn(f"fxpipe: torch.export could not capture {type(model).__name__} ({why}); it was captured "
+                          f"with torch.fx.symbolic_trace instead, as torch-level calls rather than aten operators. "
+                          f"The whole error: gm.meta['fxpipe'].export_error of fxpipe.trace(model, example); pass "
+                          f"leaf_modules= to choose this path on purpose", RuntimeWarning, stacklevel=2)
 
     tied = _dedup_parameters(model, gm)
     _clean(gm)
