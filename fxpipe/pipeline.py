@@ -1027,6 +1027,7 @@ class Pipeline:
             if node.op.startswith("call"):
                 stage = max(stage, train.get(node.name, stage))
                 mapping[node.name] = stage
+        _fill_empty_eval_stages(gm, mapping, self.plan.stages)
         build = sorted({wk.index for wk in self.workers.values()})
         prepare(gm, self.config.policy, self.device)
         # a meta model's eval stages: the workers' newest weights and buffers, else the training source's
@@ -1326,6 +1327,35 @@ class Pipeline:
         if self.rank != 0:
             return []
         return write_pipeline_dumps(self, out_dir, events)
+
+
+def _fill_empty_eval_stages(gm: fx.GraphModule, mapping: dict[str, int], stages: int) -> None:
+    """Give each training stage none of whose nodes the eval trace has (nodes only training
+    runs: BatchNorm's ``num_batches_tracked += 1``, dropout) a node of its own in ``gm`` and
+    ``mapping``: a copy of the value the next stage's first node reads, which that node then
+    reads instead. The eval pipeline keeps the training ranks' stages, each holding the same
+    weights, and a stage passes what crosses it on."""
+    nodes = [n for n in gm.graph.nodes if n.name in mapping]
+    used = set(mapping.values())
+    for s in range(stages):
+        if s in used:
+            continue
+        first = next((n for n in nodes if mapping[n.name] > s), None)
+        value = None if first is None else next(
+            (a for a in first.all_input_nodes if a.op != "get_attr" and isinstance(a.meta.get("val"), torch.Tensor)
+             and (a.op == "placeholder" or mapping.get(a.name, s) < s)), None)
+        if value is None:
+            raise PlanError(f"eval_step: stage {s} runs only nodes the eval-mode trace lacks, and no value crosses "
+                            f"it to give it one; evaluate with another pipeline (fxpipe.compile(model.eval(), ...)) "
+                            f"or plan fewer stages")
+        with gm.graph.inserting_before(first):
+            copied = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
+        copied.meta = {k: v for k, v in value.meta.items() if k in ("val", "tensor_meta", "fxpipe")}
+        first.replace_input_with(value, copied)
+        mapping[copied.name] = s
+        nodes.insert(nodes.index(first), copied)
+        used.add(s)
+    gm.recompile()
 
 
 class _Newest:

@@ -423,6 +423,29 @@ def test_eval_step_uses_newest_weights_with_dropout_off():
     assert pipe.eval_step({"input_ids": ids, "labels": ids}) == got  # deterministic: no dropout
 
 
+def test_eval_step_runs_where_a_training_stage_holds_only_nodes_eval_lacks():
+    # The planner may give a stage nothing but a BatchNorm's num_batches_tracked += 1, which the
+    # eval-mode trace does not have: eval_step then refused the plan ("stage(s) [1] have none").
+    # That stage now passes a copy of what crosses it on.
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for c in (3, 8, 8) for m in (nn.Conv2d(c, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())],
+                          nn.Flatten(), nn.Linear(8 * 36, 5))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 3, 6, 6, generator=g), torch.randint(0, 5, (8,), generator=g)
+    pipe = fxpipe.compile(model, (x[:2],), loss_fn=torch.nn.functional.cross_entropy, microbatches=4, stages=3,
+                          schedule="1f1b", optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False)
+    nodes = {n.name: n for n in pipe.staged_graph.graph.nodes}
+    assert [n for n, s in pipe.plan.assignment.items() if s == 1 and nodes[n].op == "call_function"] == ["add__1"]
+    pipe.step(x, y)
+    got = pipe.eval_step(x, y)
+    model.load_state_dict(pipe.state_dict())
+    model.eval()
+    with torch.no_grad():
+        expected = sum(float(torch.nn.functional.cross_entropy(model(a), b)) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
 def test_step_without_sync_returns_the_same_loss_as_a_device_tensor():
     case = CASES["2bw_sgd"]
     synced, batches = _compile(case)
