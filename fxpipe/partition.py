@@ -1569,7 +1569,8 @@ def plan(
         ("stages", stages), ("microbatches", microbatches), ("world_size", world_size), ("global_batch", global_batch)))
     device_memory = _positive("device_memory", device_memory, integer=False)
     if microbatches is None and global_batch is None:
-        raise PlanError("give microbatches=m (micro-batches per step) or global_batch=N (samples per step)")
+        raise PlanError("fxpipe.plan: give microbatches=m (micro-batches per step) or global_batch=N (samples per "
+                        "step), found neither; pass e.g. microbatches=8 (fxpipe.compile's default)")
     cluster = Cluster.resolve(cluster)
     if cluster is not None and device is not None:
         raise PlanError(

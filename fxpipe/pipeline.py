@@ -193,9 +193,13 @@ class PipelineConfig:
             bad("max_grad_norm", "a number > 0 (or None for no clipping)", self.max_grad_norm,
                 "pass e.g. max_grad_norm=1.0, or None to train without clipping")
         if self.cost_mode not in ("analytic", "measured", "calibrated"):
-            bad("cost_mode", "'analytic', 'measured' or 'calibrated'", self.cost_mode)
+            bad("cost_mode", "'analytic', 'measured' or 'calibrated'", self.cost_mode,
+                "'analytic' prices operators by FLOPs and bytes (the default), 'measured' profiles each node on "
+                "rank 0, 'calibrated' fits the FLOP/byte model to this machine by timing the model")
         if self.kernels not in ("auto", "triton", "torch", "off"):
-            bad("kernels", "'auto', 'triton', 'torch' or 'off'", self.kernels)
+            bad("kernels", "'auto', 'triton', 'torch' or 'off'", self.kernels,
+                "'auto' runs the fused Triton update on a GPU and torch.optim on the CPU, 'triton' insists on "
+                "Triton, 'torch' runs the fused update's torch math, 'off' plain torch.optim")
         if not callable(self.optimizer):
             bad("optimizer", "a callable taking [(name, parameter), ...] and returning a torch.optim.Optimizer",
                 self.optimizer, "pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
@@ -203,7 +207,10 @@ class PipelineConfig:
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 bad(name, "a callable (or None)", getattr(self, name))
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            bad("seed", "an int", self.seed)
+            bad("seed", "an int", self.seed, "pass e.g. seed=0: it seeds dropout's streams per micro-batch and stage")
+        for name in ("check_batch", "verbose"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "True or False", getattr(self, name))
         if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
                                          or not self.timeout > 0):
             bad("timeout", "a number of seconds > 0 (or None)", self.timeout,

@@ -181,7 +181,9 @@ class WeightStore:
             try:
                 self.strategy = _AdamA(self, kernels)
             except KernelError as e:
-                raise ConfigError(f"fxpipe.compile: accumulate='optimizer' (AdamA) cannot update this stage: {e}") from e
+                raise ConfigError(f"fxpipe.compile: accumulate='optimizer' (AdamA) cannot update this stage: {e}. AdamA "
+                                  f"runs torch.optim.Adam or AdamW (without amsgrad, maximize or differentiable); "
+                                  f"train this optimizer with accumulate='gradients' (the default)") from e
         elif kernels is not None and self.optimizer is not None:
             from .kernels import KernelBackendError, KernelError
 

@@ -337,7 +337,8 @@ def test_error_microbatches_below_stages(gpt_gm):
     (dict(stages=2, microbatches=-1), "microbatches must be a positive integer, found -1"),
     (dict(stages=3, world_size=4, microbatches=4), r"world_size 4 is not divisible by stages 3.*\[1, 2, 4\]"),
     (dict(world_size=4, global_batch=6, microbatches=1), r"global_batch 6 is not divisible by"),
-    (dict(stages=2), "give microbatches=m"),
+    (dict(stages=2), r"give microbatches=m \(micro-batches per step\) or global_batch=N \(samples per step\), found "
+                     r"neither; pass e.g. microbatches=8"),
     (dict(stages=2, microbatches=4, schedule="zb1"), "schedule must be one of"),
     (dict(stages=2, microbatches=4, cost_mode="guess"), "cost_mode must be 'analytic' or 'measured'"),
     # integral floats used to pass and crash in range() or give a plan of m=4.0 micro-batches

@@ -635,8 +635,12 @@ def test_data_parallel_ranges_leave_out_tied_weights():
     (dict(microbatches=0), "fxpipe.compile: microbatches must be an int >= 1 (or None), found 0"),
     (dict(stages=2.0), "fxpipe.compile: stages must be an int >= 1 (or None), found 2.0"),
     (dict(max_grad_norm=-1.0), "fxpipe.compile: max_grad_norm must be a number > 0 (or None for no clipping), found -1.0"),
-    (dict(kernels="cuda"), "fxpipe.compile: kernels must be 'auto', 'triton', 'torch' or 'off', found 'cuda'"),
-    (dict(cost_mode="fast"), "fxpipe.compile: cost_mode must be 'analytic', 'measured' or 'calibrated', found 'fast'"),
+    (dict(kernels="cuda"), "fxpipe.compile: kernels must be 'auto', 'triton', 'torch' or 'off', found 'cuda'; 'auto' "
+                           "runs the fused Triton update on a GPU and torch.optim on the CPU"),
+    (dict(cost_mode="fast"), "fxpipe.compile: cost_mode must be 'analytic', 'measured' or 'calibrated', found 'fast'; "
+                             "'analytic' prices operators by FLOPs and bytes (the default)"),
+    (dict(seed=1.5), "fxpipe.compile: seed must be an int, found 1.5; pass e.g. seed=0"),
+    (dict(check_batch="no"), "fxpipe.compile: check_batch must be True or False, found 'no'"),
     (dict(optimizer=torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)),
      "fxpipe.compile: optimizer must be a callable taking [(name, parameter), ...]"),
 ])
@@ -644,6 +648,16 @@ def test_compile_checks_its_arguments_before_anything_runs(kwargs, message):
     model, example = rmsnorm_residual()
     with pytest.raises(ValueError, match=re.escape(message)):
         fxpipe.compile(model, example, verbose=False, **kwargs)
+
+
+def test_adama_with_another_optimizer_says_to_accumulate_gradients():
+    model, example = rmsnorm_residual()
+    with pytest.raises(ConfigError, match=re.escape(
+            "found NAdam; use the torch reference path (no fused update) for other optimizers. AdamA runs "
+            "torch.optim.Adam or AdamW (without amsgrad, maximize or differentiable); train this optimizer with "
+            "accumulate='gradients' (the default)")):
+        fxpipe.compile(model, example, loss_fn=lambda out, y: out.float().pow(2).mean(), accumulate="optimizer",
+                       optimizer=functools.partial(torch.optim.NAdam, lr=0.1), stages=2, verbose=False)
 
 
 def test_topology_names_every_group_once():
