@@ -675,8 +675,63 @@ def _module_of_frame(model: nn.Module, frame: traceback.FrameSummary) -> str:
     return ""
 
 
+# The symbolic_trace path records torch-level calls, which have no schema: in-place writes and
+# views are known by name there (``x.mul_(2)``, ``torch.relu_(x)``, ``x += y``, ``F.relu(x,
+# inplace=True)``, ``nn.ReLU(inplace=True)``; ``x.view(...)``, ``x[:, :8]``, ``x.transpose(0, 1)``).
+# Erring towards "written" costs a copy of a stage's argument; erring the other way, wrong numbers.
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                                operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+                                operator.ixor, operator.ilshift, operator.irshift})
+_NOT_WRITES = frozenset({"requires_grad_", "retain_grad", "share_memory_"})
+_VIEWS = frozenset({"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "narrow", "select",
+                    "squeeze", "unsqueeze", "expand", "expand_as", "t", "flatten", "unflatten", "split", "chunk",
+                    "unbind", "diagonal", "as_strided", "detach", "movedim", "moveaxis", "swapaxes", "swapdims",
+                    "unfold", "contiguous", "tensor_split", "split_with_sizes", "view_as_real", "view_as_complex"})
+
+
+def _torch_level_name(nd: fx.Node) -> str | None:
+    """The name of a torch-level call (a Tensor method, or a function of ``torch`` or
+    ``torch.nn.functional``), None for an aten operator (it has a schema) or anything else."""
+    if nd.op == "call_method":
+        return nd.target
+    if nd.op == "call_function" and getattr(nd.target, "_schema", None) is None:
+        name = getattr(nd.target, "__name__", None)
+        if name and nd.target in (getattr(torch, name, None), getattr(torch.nn.functional, name, None)):
+            return name
+    return None
+
+
+def _writes_first_argument(nd: fx.Node) -> bool:
+    """Whether a torch-level call (or leaf module) writes its first argument in place."""
+    if nd.op == "call_module":
+        owner = nd.graph.owning_module
+        try:
+            return owner is not None and getattr(owner.get_submodule(nd.target), "inplace", False) is True
+        except AttributeError:
+            return False
+    if nd.op == "call_function" and nd.target in _INPLACE_OPERATORS:
+        return True
+    name = _torch_level_name(nd)
+    if name is None:
+        return False
+    if name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES:
+        return True
+    if nd.kwargs.get("inplace") is True:
+        return True
+    if nd.op == "call_function" and nd.target is getattr(torch.nn.functional, name, None):
+        try:  # F.relu(x, True): inplace given by position
+            bound = inspect.signature(nd.target).bind(*nd.args, **nd.kwargs)
+        except (TypeError, ValueError):
+            return False
+        return bound.arguments.get("inplace") is True
+    return False
+
+
 def written_values(nd: fx.Node) -> list[fx.Node]:
-    """The values call ``nd`` writes in place (its schema's ``Tensor(a!)`` arguments)."""
+    """The values call ``nd`` writes in place: its schema's ``Tensor(a!)`` arguments, or on the
+    symbolic_trace path the first argument of an in-place call known by name (above)."""
+    if _writes_first_argument(nd):
+        return [nd.args[0]] if nd.args and isinstance(nd.args[0], fx.Node) else []
     schema = getattr(nd.target, "_schema", None) if nd.op == "call_function" else None
     if schema is None or not schema.is_mutable:
         return []
@@ -690,11 +745,14 @@ def written_values(nd: fx.Node) -> list[fx.Node]:
 
 def alias_base(nd: fx.Node) -> fx.Node | None:
     """The node whose storage ``nd``'s output shares, per its schema (a view, or the ``self`` an
-    in-place op returns; ``getitem`` of a tuple of views), else None."""
-    if nd.op != "call_function" or not nd.args or not isinstance(nd.args[0], fx.Node):
+    in-place op returns; ``getitem`` of a tuple of views), or on the symbolic_trace path by name
+    (a view method or function, an in-place call), else None."""
+    if nd.op not in ("call_function", "call_method", "call_module") or not nd.args or not isinstance(nd.args[0], fx.Node):
         return None
-    if nd.target is operator.getitem:
+    if nd.target is operator.getitem or _writes_first_argument(nd) or _torch_level_name(nd) in _VIEWS:
         return nd.args[0]
+    if nd.op != "call_function":
+        return None
     schema = getattr(nd.target, "_schema", None)
     if schema is None or not schema.returns or schema.returns[0].alias_info is None:
         return None
