@@ -157,6 +157,7 @@ class StageWorker:
         # Which float outputs the next stage's backward reached (its SEND_GRAD's flags): found on
         # the first backward, or read at every one where it may change (``cfg.dynamic``)
         self._reached_out: list[bool] | None = None
+        self._reached_in: torch.Tensor | None = None  # the flags this stage sends with its input gradients
         self._warned_unsplit = False  # zb: the stage's unsplit backward is reported once
 
     # ------------------------------------------------------------------ helpers
@@ -352,8 +353,12 @@ class StageWorker:
         sides always exchange the same tensors, flagged 0: the previous stage then leaves that
         output out of its backward's roots, so the weights only it reaches get no gradient (as
         in eager, where their ``.grad`` stays None and the optimizer skips them)."""
-        reached = torch.tensor([x.grad is not None for x in boundary], dtype=torch.uint8, device=self.device)
-        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary] + [reached]
+        if self._reached_in is None or self.cfg.dynamic:  # one tensor for good where it cannot change:
+            # built from a host list, it would wait for the device at every backward on a GPU
+            self._reached_in = torch.tensor([x.grad is not None for x in boundary], dtype=torch.uint8,
+                                            device=self.device)
+        self._input_grads = [x.grad if x.grad is not None else torch.zeros_like(x) for x in boundary]
+        self._input_grads.append(self._reached_in)
         for x in boundary:
             x.grad = None
 

@@ -502,7 +502,8 @@ def test_planner_prices_a_deferred_w_at_the_inputs_its_weights_read():
     device = costs.device
     zb, flush = (StageModel.for_schedule(s, 2, 4, False, device) for s in ("zb", "1f1b"))
     n = chain.n
-    assert chain.cross[0] == h and chain.cross_grad[0] == h  # a(x) crosses the cut after it
+    # a(x) crosses the cut after it, and its gradient back with its reached-flag byte
+    assert chain.cross[0] == h and chain.cross_grad[0] == h + 1
     E, A, inp = h + 2 * y, float(chain.act[1:].sum()), chain.cross[0]
     assert stage_memory(chain, zb, 1, 1, n - 1) == stage_memory(chain, flush, 1, 1, n - 1) + max(
         E + inp, 2 * E + 2 * inp - A)
