@@ -205,6 +205,13 @@ def test_data_parallel_replicas_of_a_leaf_module_skip_the_weights_no_replica_rea
             assert torch.allclose(got, expected[name], rtol=1e-12, atol=1e-14), (rank, name)
 
 
+def _regression_batches(n: int, inputs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` float64 batches of 8 samples: ``inputs`` features in, 2 targets out."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, inputs, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64))
+            for _ in range(n)]
+
+
 class _Teacher(torch.nn.Module):
     """Distillation-style: the teacher branch is read only through ``.detach()``, the gate only
     by a comparison. Eager leaves their gradients None, so AdamW's weight decay never moves them."""
@@ -230,9 +237,7 @@ def test_a_weight_a_later_stage_reads_only_through_detach_or_a_comparison_is_not
     # weight decay moved them. The gradient message now flags what was reached.
     torch.manual_seed(0)
     net = _Teacher().double()
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64))
-               for _ in range(3)]
+    batches = _regression_batches(3, inputs=8)
     opt = functools.partial(torch.optim.AdamW, lr=0.05, weight_decay=0.5)
     loss = torch.nn.functional.mse_loss
     ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(net, batches, 4, loss, opt)
@@ -259,9 +264,7 @@ def test_compile_leaves_a_cumulative_batchnorm_where_it_was():
     nn = torch.nn
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=None), nn.ReLU(), nn.Linear(8, 2)).double()
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64))
-               for _ in range(3)]
+    batches = _regression_batches(3, inputs=4)
     opt, loss = functools.partial(torch.optim.SGD, lr=0.1), torch.nn.functional.mse_loss
     with pytest.warns(RuntimeWarning, match=r"fxpipe: torch.export could not capture Sequential \(\w+: .*\); it was "
                                             r"captured with torch.fx.symbolic_trace instead"):
@@ -314,9 +317,7 @@ def test_in_place_writes_on_the_symbolic_trace_path_are_found(recompute):
     # ("a leaf Variable that requires grad is being used in an in-place operation").
     torch.manual_seed(0)
     net = _InPlace().double()
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 2, generator=g, dtype=torch.float64))
-               for _ in range(2)]
+    batches = _regression_batches(2, inputs=8)
     opt, loss = functools.partial(torch.optim.SGD, lr=0.1), torch.nn.functional.mse_loss
     ref_losses, ref = train_flush(net, [(x.clone(), y) for x, y in batches], 4, loss, opt)
     for stages in (2, 3, 4):
