@@ -46,7 +46,7 @@ from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
 from .schedule import SCHEDULES, Action, Program, format_actions, min_microbatches, norm_every_step, rank_of, stage_and_replica
-from .trace import normalize_inputs, runs_leaf_modules, trace
+from .trace import leaf_module_calls, normalize_inputs, trace
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
 
@@ -593,7 +593,10 @@ class Pipeline:
         self.staged_graph = gm
         self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
                                                     if len(tp.stages) > 1), plan.layout)
-        if o.accumulate == "optimizer" and runs_leaf_modules(gm):
+        # the stages that run opaque leaf modules: there and on every stage before them, which
+        # weights a backward reaches may change from one micro-batch to the next
+        leafy = [plan.assignment[n.name] for n in leaf_module_calls(gm)]
+        if o.accumulate == "optimizer" and leafy:
             raise ConfigError(
                 "fxpipe.compile: accumulate='optimizer' (AdamA) folds each micro-batch's gradient into the moments "
                 "as it comes, so every micro-batch must reach the same weights; the model runs leaf_modules, whose "
@@ -613,9 +616,6 @@ class Pipeline:
         # the process group's watchdog enforces the timeout instead (docs/design.md).
         wait_limit = self.timeout if self.device.type == "cpu" else None
         comm_for = (lambda r: DistComm(groups, timeout=wait_limit)) if self.distributed else hub.comm
-        # the stages that run opaque leaf modules: there and on every stage before them, which
-        # weights a backward reaches may change from one micro-batch to the next
-        leafy = [plan.assignment[n.name] for n in gm.graph.nodes if n.op == "call_module"]
         for r in ranks:
             s, rep = topo.locate(r)
             stage = self.staged.stages[s]

@@ -50,7 +50,7 @@ from torch import nn
 from .errors import TraceError
 
 __all__ = ["trace", "NodeInfo", "TraceInfo", "TensorSpec", "normalize_inputs", "module_path", "get_attr",
-           "runs_leaf_modules"]
+           "leaf_module_calls"]
 
 
 @dataclass(frozen=True)
@@ -429,10 +429,10 @@ def _dedup_parameters(model: nn.Module, gm: fx.GraphModule) -> dict[str, tuple[s
     return {k: tuple(v) for k, v in aliases.items() if v}
 
 
-def runs_leaf_modules(gm: fx.GraphModule) -> bool:
-    """Whether ``gm`` calls opaque leaf modules (``leaf_modules``): Python that runs as it is, so
+def leaf_module_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """``gm``'s calls of opaque leaf modules (``leaf_modules``): Python that runs as it is, so
     which weights its backward reaches may change from one call to the next."""
-    return any(n.op == "call_module" for n in gm.graph.nodes)
+    return [n for n in gm.graph.nodes if n.op == "call_module"]
 
 
 def graph_modules(gm: fx.GraphModule) -> list[fx.GraphModule]:
