@@ -1017,29 +1017,31 @@ class Pipeline:
             raise kind(text)
 
     def _build_eval(self):
-        """Stages of an eval-mode trace, cut where the training stages are: each eval node takes
+        """Stages of an eval-mode trace by the training trace's tracer, cut where the training stages are: each eval node takes
         the training stage of the node of the same name (dropout nodes, absent in eval, simply
         vanish), carried forward in graph order so stages stay contiguous."""
         from .codegen import split
 
         was = self.model.training
         self.model.eval()
-        try:
-            gm = trace(self.model, self._example, leaf_modules=self.config.leaf_modules)
+        try:  # in eval mode until split has copied the leaf modules (a copy keeps its mode)
+            # the training trace's tracer: the two graphs' nodes are matched by name
+            gm = trace(self.model, self._example, leaf_modules=self.config.leaf_modules,
+                       prefer=self.trace_info.path)
+            train = self.staged.assignment
+            mapping, stage = {}, 0
+            for node in gm.graph.nodes:
+                if node.op.startswith("call"):
+                    stage = max(stage, train.get(node.name, stage))
+                    mapping[node.name] = stage
+            _fill_empty_eval_stages(gm, mapping, self.plan.stages)
+            build = sorted({wk.index for wk in self.workers.values()})
+            prepare(gm, self.config.policy, self.device)
+            # a meta model's eval stages: the workers' newest weights and buffers, else the training source's
+            source = None if self._source is None else _Newest(self.workers.values(), self._source)
+            return split(gm, mapping, build=build, device=self.device, source=source)  # buffers, constants
         finally:
             self.model.train(was)
-        train = self.staged.assignment
-        mapping, stage = {}, 0
-        for node in gm.graph.nodes:
-            if node.op.startswith("call"):
-                stage = max(stage, train.get(node.name, stage))
-                mapping[node.name] = stage
-        _fill_empty_eval_stages(gm, mapping, self.plan.stages)
-        build = sorted({wk.index for wk in self.workers.values()})
-        prepare(gm, self.config.policy, self.device)
-        # a meta model's eval stages: the workers' newest weights and buffers, else the training source's
-        source = None if self._source is None else _Newest(self.workers.values(), self._source)
-        return split(gm, mapping, build=build, device=self.device, source=source)  # buffers, constants
 
     # ------------------------------------------------------------------ checkpoints
 

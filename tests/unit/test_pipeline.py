@@ -6,6 +6,7 @@ Both references live in tests/reference.py and do not import fxpipe.
 """
 
 import functools
+import warnings
 import re
 
 import pytest
@@ -495,6 +496,47 @@ def test_eval_step_runs_where_a_training_stage_holds_only_nodes_eval_lacks():
     model.eval()
     with torch.no_grad():
         expected = sum(float(torch.nn.functional.cross_entropy(model(a), b)) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("how", ["leaf_modules", "export_fails"])
+def test_eval_step_on_the_symbolic_trace_path_runs_its_modules_in_eval_mode(how):
+    # On the symbolic_trace path modules are calls of copies of the model's modules. The eval
+    # stages copied them after the model was put back in training mode: eval_step ran BatchNorm
+    # on batch statistics (moving the training running statistics) and kept dropout on. Where
+    # export failed only in training mode (BatchNorm(momentum=None)), the eval trace took the
+    # export path and its node names matched no training node: eval_step refused the plan.
+    nn = torch.nn
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm, self.drop = nn.Linear(16, 16), nn.BatchNorm1d(16, momentum=None), nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(torch.relu(self.norm(self.lin(x))))
+
+    model = nn.Sequential(nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    kw = {"leaf_modules": [Block]} if how == "leaf_modules" else {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # export's failure, said at compile
+        pipe = fxpipe.compile(model, (x[:4],), loss_fn=nn.functional.mse_loss, microbatches=4, stages=2,
+                              schedule="1f1b", optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False,
+                              **kw)
+    assert pipe.trace_info.path == "symbolic_trace"
+    pipe.step(x, y)
+    trained = pipe.state_dict()
+    got = pipe.eval_step(x, y)
+    assert pipe.eval_step(x, y) == got  # no dropout
+    after = pipe.state_dict()
+    assert all(torch.equal(after[k], t) for k, t in trained.items())  # no running statistics moved
+    model.load_state_dict(trained)
+    model.eval()
+    with torch.no_grad():
+        expected = sum(float(nn.functional.mse_loss(model(a), b)) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
     assert got == pytest.approx(expected, rel=1e-6)
 
 
