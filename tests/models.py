@@ -29,6 +29,8 @@ __all__ = [
     "cnn_bn",
     "transformer_encoder",
     "rmsnorm_residual",
+    "BranchNet",
+    "TwoBranches",
     "gpt2_tiny",
     "bert_tiny",
     "llama_tiny",
@@ -159,6 +161,29 @@ def rmsnorm_residual(*, seed: int = 0, batch: int = 2, dropout: float = 0.0):
     torch.manual_seed(seed)
     model = RMSResidual(dropout=dropout)
     return model, (torch.randint(0, 50, (batch, 8)),)
+
+
+class TwoBranches(nn.Module):
+    """A leaf module (``leaf_modules=TwoBranches``) whose branches own their weights: which of
+    them a backward reaches depends on the data (the sign of the input's sum)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.up(x) if x.sum() > 0 else self.down(x)
+
+
+class BranchNet(nn.Module):
+    """Linear, :class:`TwoBranches`, tanh, Linear to 1: input ``(batch, 8)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), TwoBranches(), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(self.a(x))))
 
 
 def _transformers():

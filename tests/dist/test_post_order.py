@@ -26,11 +26,14 @@ from tests.dist.harness import run_function
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
 # (model, schedule, stages, clip, recompute); the width is world / stages
+# "branch": a leaf module whose backward reaches data-dependent weights (the reached flags in
+# each gradient message; with w = 2 the reached counts summed with the gradients)
 CONFIGS = {
     2: [("gpt2", s, 2, True, r) for s in ("2bw", "1f1b", "gpipe") for r in (False, True)]
-    + [("rms", "2bw", 2, False, False), ("gpt2", "zb", 2, True, False)],
+    + [("rms", "2bw", 2, False, False), ("gpt2", "zb", 2, True, False), ("branch", "2bw", 2, True, False)],
     3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")] + [("rms", "2bw", 3, True, False)],
-    4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe") for d in (2, 4)] + [("rms", "2bw", 2, True, False)],
+    4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe") for d in (2, 4)] + [("rms", "2bw", 2, True, False)]
+    + [("branch", s, 2, True, False) for s in ("2bw", "1f1b", "zb")],
     6: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")],
 }
 
@@ -72,12 +75,22 @@ def record(rank: int, world: int) -> list:
     """Run every configuration of this world size; return the posts of each."""
     import fxpipe
     from tests.cases import lm_loss
-    from tests.models import gpt2_tiny, rmsnorm_residual
+    from tests.models import BranchNet, TwoBranches, gpt2_tiny, rmsnorm_residual
 
     out = []
     for model_name, schedule, d, clip, recompute in CONFIGS[world]:
         w = world // d
-        if model_name == "gpt2":
+        leaves = ()
+        if model_name == "branch":  # the first half of the batch takes b.down, the second b.up: with w = 2
+            # replica 0 reaches only b.down, replica 1 only b.up
+            torch.manual_seed(0)
+            model, leaves, loss_fn = BranchNet(), (TwoBranches,), torch.nn.functional.mse_loss
+            with torch.no_grad():
+                model.a.weight.copy_(torch.eye(8))
+                model.a.bias.zero_()
+            batch = torch.stack([torch.full((8,), 1.0 if 2 * k >= d * w else -1.0) for k in range(d * w)])
+            target, example = torch.zeros(d * w, 1), (batch[:1],)
+        elif model_name == "gpt2":
             model, example = gpt2_tiny(batch=1, seq=4, labels=True)
             ids = torch.randint(0, 100, (d * w, 4), generator=torch.Generator().manual_seed(0))
             batch, target, loss_fn = {"input_ids": ids, "labels": ids}, None, None
@@ -87,7 +100,7 @@ def record(rank: int, world: int) -> list:
             batch, target, loss_fn = x, x, lm_loss
         pipe = fxpipe.compile(model, example, loss_fn=loss_fn, microbatches=d, schedule=schedule, stages=d,
                               max_grad_norm=1.0 if clip else None, recompute=recompute or None, verbose=False,
-                              optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
+                              optimizer=functools.partial(torch.optim.SGD, lr=1e-3), leaf_modules=leaves)
         log: list = []
         saved = {name: getattr(dist, name) for name in ("isend", "irecv") + _COLLECTIVES}
         _record_posts(log)

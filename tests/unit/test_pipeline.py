@@ -15,7 +15,7 @@ import torch
 import fxpipe
 from fxpipe.errors import ConfigError, FxpipeError, RuntimeMismatchError
 from tests.cases import CASES, build, compare
-from tests.models import gpt2_tiny, rmsnorm_residual, t5_tiny
+from tests.models import BranchNet, TwoBranches, gpt2_tiny, rmsnorm_residual, t5_tiny
 from tests.reference import train_2bw, train_flush
 
 SINGLE = [name for name, c in CASES.items() if c.width == 1 and not c.dropout]
@@ -119,33 +119,13 @@ def test_a_leaf_module_with_data_dependent_control_flow_trains():
     assert all(torch.allclose(sd[n], t, rtol=1e-12, atol=1e-14) for n, t in ref.named_parameters())
 
 
-class _TwoBranches(torch.nn.Module):
-    """A leaf whose branches own their weights: which of them a backward reaches depends on the data."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.up(x) if x.sum() > 0 else self.down(x)
-
-
-class _BranchNet(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b, self.c = torch.nn.Linear(8, 8), _TwoBranches(), torch.nn.Linear(8, 1)
-
-    def forward(self, x):
-        return self.c(torch.tanh(self.b(self.a(x))))
-
-
 def _branch_run(signs):
-    """A :class:`_BranchNet` whose ``a`` keeps each input's sign, and one batch of 4 micro-batches
+    """A :class:`BranchNet` whose ``a`` keeps each input's sign, and one batch of 4 micro-batches
     of 2 per entry of ``signs``: micro-batch k takes ``b.up`` where ``signs[k]`` is 1, else
     ``b.down``. With AdamW's weight decay and moments, any weight stepped in a batch that did
     not reach it (or not stepped in one that did) shows."""
     torch.manual_seed(0)
-    net = _BranchNet().double()
+    net = BranchNet().double()
     g = torch.Generator().manual_seed(1)
 
     def sign(k):  # micro-batches' inputs far from 0, so their sums have these signs behind a
@@ -166,7 +146,7 @@ def test_a_leaf_modules_weights_train_in_every_batch_that_reaches_them(schedule)
     # batch 1: every micro-batch takes `down`; batch 2: both branches; batch 3: `up` only
     net, batches, opt, loss = _branch_run(((0, 0, 0, 0), (1, 0, 0, 1), (1, 1, 1, 1), (0, 1, 1, 0)))
     pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, optimizer=opt, microbatches=4, stages=2,
-                          schedule=schedule, verbose=False, leaf_modules=_TwoBranches)
+                          schedule=schedule, verbose=False, leaf_modules=TwoBranches)
     losses = [pipe.step(x, y) for x, y in batches]
     pipe.flush()
     ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(net, batches, 4, loss, opt)
@@ -179,7 +159,7 @@ def test_a_leaf_modules_weights_train_in_every_batch_that_reaches_them(schedule)
             "comes, so every micro-batch must reach the same weights; the model runs leaf_modules")):
         fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, microbatches=4, stages=2, accumulate="optimizer",
                        optimizer=functools.partial(torch.optim.Adam, lr=0.01), verbose=False,
-                       leaf_modules=_TwoBranches)
+                       leaf_modules=TwoBranches)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb", "2bw"])
@@ -191,11 +171,11 @@ def test_data_parallel_replicas_of_a_leaf_module_skip_the_weights_no_replica_rea
     # all 4 micro-batches (as DDP does).
     net, batches, opt, loss = _branch_run(((0, 0, 1, 1), (1, 1, 0, 0), (1, 0, 1, 1)))
     example = (batches[0][0][:2],)
-    plan = fxpipe.plan(fxpipe.trace(net, example, leaf_modules=[_TwoBranches]), example, stages=2, microbatches=2,
+    plan = fxpipe.plan(fxpipe.trace(net, example, leaf_modules=[TwoBranches]), example, stages=2, microbatches=2,
                        schedule=schedule, world_size=4)
     assert plan.width == 2
     pipe = fxpipe.compile(net, example, loss_fn=loss, optimizer=opt, plan=plan, microbatches=2, schedule=schedule,
-                          verbose=False, leaf_modules=_TwoBranches)
+                          verbose=False, leaf_modules=TwoBranches)
     losses = [pipe.step(x, y) for x, y in batches]
     pipe.flush()
     ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(net, batches, 4, loss, opt)
