@@ -395,31 +395,36 @@ def _unreadable(path: str, e: BaseException) -> CheckpointError:
         f"Pipeline.save wrote whole")
 
 
-def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
-    """Load the checkpoint at ``path`` (already resolved, its ``meta`` read) into ``pipe``'s
-    workers, which are flushed; returns the caller's extra dict."""
-    key = _key_of(pipe)
-    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # key -> shape, dtype
-    try:  # each rank checks its own stages: all raise if one does
-        _check_keys(pipe, path, stored)
-        problem = None
-    except CheckpointError as e:
-        problem = str(e)
-    pipe._raise_agreed(problem, CheckpointError, "rank {rank} cannot load this checkpoint, so no rank does: ", group)
+def _check_run(pipe: "Pipeline", path: str, meta: dict) -> None:
+    """The run the checkpoint at ``path`` continues: the same dropout seed, and for 2bw a
+    checkpoint that holds W(t-1) (one of 2bw, or of step 0)."""
     if meta["seed"] != pipe.config.seed:
         raise CheckpointError(
             f"load: {path} was trained with seed={meta['seed']}, this pipeline has seed={pipe.config.seed}; "
             f"dropout would draw other numbers from here on. Pass seed={meta['seed']} to fxpipe.compile."
         )
-    steps = meta["steps"]
-    want_previous = pipe.plan.schedule == "2bw"
-    if want_previous and meta["schedule"] != "2bw" and steps > 0:
+    if pipe.plan.schedule == "2bw" and meta["schedule"] != "2bw" and meta["steps"] > 0:
         raise CheckpointError(
             f"load: {path} comes from schedule {meta['schedule']!r}, which keeps one weight version; 2bw "
             f"needs W(t-1) too. Resume with a schedule of one weight version: '1f1b', "
             f"'gpipe' or 'zb'."
         )
-    want_previous = want_previous and meta["schedule"] == "2bw"
+
+
+def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
+    """Load the checkpoint at ``path`` (already resolved, its ``meta`` read) into ``pipe``'s
+    workers, which are flushed; returns the caller's extra dict."""
+    key = _key_of(pipe)
+    stored = dcp.FileSystemReader(path).read_metadata().state_dict_metadata  # key -> shape, dtype
+    try:  # each rank checks its own stages and settings: all raise if one does
+        _check_keys(pipe, path, stored)
+        _check_run(pipe, path, meta)
+        problem = None
+    except CheckpointError as e:
+        problem = str(e)
+    pipe._raise_agreed(problem, CheckpointError, "rank {rank} cannot load this checkpoint, so no rank does: ", group)
+    steps = meta["steps"]
+    want_previous = pipe.plan.schedule == "2bw" and meta["schedule"] == "2bw"
     sd: dict[str, Any] = {"model": {}, "optim": {"state": {}, "param_groups": {}}, "extra": None}
     if want_previous:
         sd["model_previous"] = {}

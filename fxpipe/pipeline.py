@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import gc
 import os
 import socket
@@ -46,7 +47,7 @@ from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
 from .schedule import SCHEDULES, Action, Program, format_actions, min_microbatches, norm_every_step, rank_of, stage_and_replica
-from .trace import leaf_module_calls, normalize_inputs, trace
+from .trace import leaf_module_calls, module_path, normalize_inputs, trace
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
 
@@ -57,6 +58,22 @@ DEFAULT_TIMEOUT = 300.0  # seconds a rank waits for another before it raises (co
 def default_optimizer(named_params):
     """AdamW with torch's defaults (lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2)."""
     return torch.optim.AdamW(named_params)
+
+
+def _describe(value) -> str:
+    """``value`` as text that is the same on every rank given the same argument: numbers and
+    strings by repr, classes and functions by qualified name, a ``functools.partial`` with its
+    arguments, a module or any other object by its class (never an address)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return repr(value)
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    if isinstance(value, functools.partial):
+        bound = [_describe(a) for a in value.args] + [f"{k}={_describe(v)}" for k, v in sorted(value.keywords.items())]
+        return f"partial({_describe(value.func)}, {', '.join(bound)})"
+    if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
 def compile(
@@ -264,6 +281,30 @@ class PipelineConfig:
         if self.plan is not None:
             object.__setattr__(self, "plan", _read_plan(self.plan))  # frozen: a Plan from here on
 
+    # What every rank must be given alike: each runs its own stage(s) of one plan, so a setting one
+    # rank reads differently either trains its stages differently (clipping, the learning rate
+    # schedule, the seed) or posts messages of another size or at another time (the precision,
+    # the schedule, the batch check, calibration), which fails mid-step or hangs. Not here: the
+    # device (cuda:LOCAL_RANK), verbose and timeout, which may differ, and weights' path, which
+    # may be mounted elsewhere on another node (its kind must agree).
+    AGREED = ("schedule", "stages", "microbatches", "plan", "optimizer", "lr_scheduler", "loss_fn", "max_grad_norm",
+              "recompute", "seed", "check_batch", "cost_mode", "device_model", "kernels", "nonfinite", "precision",
+              "scaler", "accumulate", "weights", "leaf_modules")
+
+    def agreed_settings(self) -> dict[str, str]:
+        """:attr:`AGREED`'s settings as comparable text (callables by name and bound arguments,
+        a plan by its JSON, a GradScaler by its settings): what :class:`Pipeline` compares across ranks."""
+        out = {name: _describe(getattr(self, name)) for name in self.AGREED}
+        if self.plan is not None:
+            out["plan"] = self.plan.to_json()
+        if self.weights is not None:
+            out["weights"] = "a state dict" if isinstance(self.weights, Mapping) else "a path"
+        if self.scaler is not None:
+            sc = LossScaler.like(self.scaler)
+            out["scaler"] = (f"GradScaler(init_scale={sc.scale}, growth_factor={sc.growth_factor}, "
+                             f"backoff_factor={sc.backoff_factor}, growth_interval={sc.growth_interval})")
+        return out
+
     def check_plan(self) -> None:
         """The arguments a given ``plan`` fixes must not say otherwise (each would be silently
         overridden): ``stages``, ``recompute`` and ``microbatches`` (the plan's would run),
@@ -433,6 +474,8 @@ class Pipeline:
         from .materialize import Materializer, has_meta
 
         o = self.config
+        if self.distributed:
+            self._check_settings_agree()
         # meta example inputs: CPU zeros of their shapes (batches are checked against them, checkpoints keep them)
         args, kwargs = pytree.tree_map(lambda x: torch.zeros_like(x, device="cpu") if isinstance(x, torch.Tensor)
                                        and x.is_meta else x, (args, kwargs))
@@ -473,6 +516,25 @@ class Pipeline:
         atexit.register(gc.unfreeze)  # at exit everything is collected as usual
         if self.config.verbose and self.rank == 0:
             print(self.describe())
+
+    def _check_settings_agree(self) -> None:
+        """Every rank was given the same settings (:attr:`PipelineConfig.AGREED`), else every rank
+        raises the same ConfigError: the set-up's first communication, before any rank traces or plans."""
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, self.config.agreed_settings())
+        differ = []
+        for name in PipelineConfig.AGREED:
+            by_value: dict[str, list[int]] = {}
+            for r, settings in enumerate(gathered):
+                by_value.setdefault(settings[name], []).append(r)
+            if len(by_value) > 1:
+                differ.append(f"{name} is " + " but ".join(f"{v if len(v) <= 120 else v[:117] + '...'} on rank(s) {rs}"
+                                                            for v, rs in by_value.items()))
+        if differ:
+            raise ConfigError(
+                f"fxpipe.compile: every rank must be given the same settings (each runs its stage(s) of one plan), "
+                f"found {'; '.join(differ)}. Pass the same arguments on every rank (under torchrun, the same "
+                f"script and command line)")
 
     def _agreed_plan(self, gm: fx.GraphModule, m: int, kernels) -> Plan:
         """The plan every rank runs: calibrated (``cost_mode``), made on rank 0 alone and broadcast,
@@ -1017,9 +1079,11 @@ class Pipeline:
             raise kind(text)
 
     def _build_eval(self):
-        """Stages of an eval-mode trace by the training trace's tracer, cut where the training stages are: each eval node takes
-        the training stage of the node of the same name (dropout nodes, absent in eval, simply
-        vanish), carried forward in graph order so stages stay contiguous."""
+        """Stages of an eval-mode trace by the training trace's tracer, cut where the training
+        stages are: each eval node takes the training stage of its counterpart, the training node
+        of the same operator that is as many calls into the same module (:func:`_node_keys`;
+        dropout nodes, absent in eval, simply vanish, and an operator only training runs shifts
+        no other's counterpart), carried forward in graph order so stages stay contiguous."""
         from .codegen import split
 
         was = self.model.training
@@ -1028,12 +1092,12 @@ class Pipeline:
             # the training trace's tracer: the two graphs' nodes are matched by name
             gm = trace(self.model, self._example, leaf_modules=self.config.leaf_modules,
                        prefer=self.trace_info.path)
-            train = self.staged.assignment
+            train = {key: self.staged.assignment[name] for name, key in _node_keys(self.staged_graph).items()
+                     if name in self.staged.assignment}
             mapping, stage = {}, 0
-            for node in gm.graph.nodes:
-                if node.op.startswith("call"):
-                    stage = max(stage, train.get(node.name, stage))
-                    mapping[node.name] = stage
+            for name, key in _node_keys(gm).items():
+                stage = max(stage, train.get(key, stage))
+                mapping[name] = stage
             _fill_empty_eval_stages(gm, mapping, self.plan.stages)
             build = sorted({wk.index for wk in self.workers.values()})
             prepare(gm, self.config.policy, self.device)
@@ -1336,6 +1400,20 @@ class Pipeline:
         if self.rank != 0:
             return []
         return write_pipeline_dumps(self, out_dir, events)
+
+
+def _node_keys(gm: fx.GraphModule) -> dict[str, tuple[str, str, str, int]]:
+    """Each computing node's name -> (owning module, op, target, how many such calls of that
+    module came before it): what names a node in another trace of the same model (train against
+    eval mode) where an operator one of them runs alone shifts the names of all after it."""
+    seen: dict[tuple[str, str, str], int] = {}
+    keys = {}
+    for node in gm.graph.nodes:
+        if node.op.startswith("call"):
+            base = (module_path(node), node.op, str(node.target))
+            keys[node.name] = (*base, seen.get(base, 0))
+            seen[base] = seen.get(base, 0) + 1
+    return keys
 
 
 def _fill_empty_eval_stages(gm: fx.GraphModule, mapping: dict[str, int], stages: int) -> None:

@@ -197,6 +197,53 @@ def test_a_stage_one_rank_cannot_set_up_stops_every_rank_with_its_reason():
     assert example0[1] == f"rank 1 cannot run the plan, so no rank does: ConfigError: {example1[1]}"
 
 
+def settings_differ(rank: int, world: int):
+    import functools
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fxpipe
+
+    got = []
+    # rank 1 alone: bf16 (its messages half the size: gloo aborted the process mid-step), a
+    # clipping norm or a learning-rate schedule (its stage trained otherwise, silently), another
+    # schedule or m (rank 0's plan ran instead)
+    for kwargs in (dict(precision="bf16"), dict(max_grad_norm=0.01),
+                   dict(lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)),
+                   dict(schedule="1f1b", microbatches=2)):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        try:
+            fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, stages=world, verbose=False, timeout=60,
+                           optimizer=functools.partial(torch.optim.SGD, lr=0.1), **(kwargs if rank == 1 else {}))
+            got.append(None)
+        except Exception as e:  # noqa: BLE001
+            got.append((type(e).__name__, str(e)))
+    dist.barrier()
+    return got
+
+
+def test_settings_given_differently_on_one_rank_stop_every_rank_at_compile():
+    results = run_function(2, "tests.dist.test_agreed_errors:settings_differ", timeout=150)
+    assert [r["error"] for r in results] == [None, None], results
+    mine, theirs = (r["value"] for r in results)
+    assert mine == theirs  # the same error on every rank
+    kinds, messages = zip(*mine)
+    assert set(kinds) == {"ConfigError"}
+    start = "fxpipe.compile: every rank must be given the same settings (each runs its stage(s) of one plan), found "
+    assert all(m.startswith(start) and m.endswith("Pass the same arguments on every rank (under torchrun, the same "
+                                                  "script and command line)") for m in messages)
+    assert "found precision is 'fp32' on rank(s) [0] but 'bf16' on rank(s) [1]." in messages[0]
+    assert "found max_grad_norm is None on rank(s) [0] but 0.01 on rank(s) [1]." in messages[1]
+    assert ("found lr_scheduler is None on rank(s) [0] but partial(torch.optim.lr_scheduler.StepLR, step_size=1) on "
+            "rank(s) [1].") in messages[2]
+    assert ("found schedule is '2bw' on rank(s) [0] but '1f1b' on rank(s) [1]; microbatches is None on rank(s) [0] "
+            "but 2 on rank(s) [1].") in messages[3]
+
+
 class EvalReadsMore:
     """Built in the ranks: in eval mode the last layer's output also reads ``l1.bias``, which
     the first stage holds in training."""

@@ -520,6 +520,43 @@ def test_eval_step_on_the_symbolic_trace_path_runs_its_modules_in_eval_mode(how)
     assert got == pytest.approx(expected, rel=1e-6)
 
 
+class _TrainingOnlyFirst(torch.nn.Module):
+    """In training mode an extra call of ``l[0]`` comes first: every later node of the training
+    trace is named one call further on than its eval-mode counterpart (``linear_1`` for ``linear``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(5)])
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        if self.training:
+            x = x + 0.5 * torch.tanh(self.l[0](x))
+        for layer in self.l:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_eval_step_where_training_runs_an_operator_first_that_eval_lacks(stages):
+    # Eval nodes took the stage of the training node of the same name: the shifted names put
+    # l.2's linear on the stage of training's `linear_2` (l.1's), and eval_step refused the plan
+    # ("reads parameters ['l.2.weight', ...] that training stage 0 does not hold").
+    torch.manual_seed(0)
+    net = _TrainingOnlyFirst().double()
+    x, y = _regression_batches(1, 8)[0]
+    y = y[:, :1]
+    pipe = fxpipe.compile(net, (x[:2],), loss_fn=torch.nn.functional.mse_loss, microbatches=4, stages=stages,
+                          schedule="1f1b", optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False)
+    pipe.step(x, y)
+    got = pipe.eval_step(x, y)
+    net.load_state_dict(pipe.state_dict())
+    net.eval()
+    with torch.no_grad():
+        expected = sum(float(torch.nn.functional.mse_loss(net(a), b)) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+    assert got == pytest.approx(expected, rel=1e-12)
+
+
 def test_step_without_sync_returns_the_same_loss_as_a_device_tensor():
     case = CASES["2bw_sgd"]
     synced, batches = _compile(case)
