@@ -43,9 +43,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch.nn.modules.batchnorm import _NormBase
 
-from .device import follow_call, follow_device
+from .device import follow_call, follow_device, rng_devices
 from .errors import ConfigError
 from .trace import TensorSpec, graph_modules
 
@@ -151,6 +152,21 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
         _annotate(gm, precision, device, keep)
 
 
+def _run_real(module: torch.nn.Module, state: dict, args, kwargs, device: torch.device, fake):
+    """``module`` (a leaf whose forward branches on values) run once for its output specs on real
+    zeros of ``args``' and ``state``'s specs: a copy, so no state of the model moves, with the RNG
+    restored. Its outputs come back as fake tensors (``fake``)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def real(t):
+        return torch.zeros(t.shape, dtype=t.dtype, device=device) if isinstance(t, torch.Tensor) else t
+
+    with unset_fake_temporarily(), torch.random.fork_rng(devices=rng_devices(device)), torch.no_grad():
+        out = torch.func.functional_call(copy.deepcopy(module).to(device), pytree.tree_map(real, state),
+                                         tuple(pytree.tree_map(real, list(args))), pytree.tree_map(real, kwargs))
+    return pytree.tree_map(lambda t: fake(t, t.dtype) if isinstance(t, torch.Tensor) else t, out)
+
+
 def fp32_params(gm: fx.GraphModule) -> frozenset[str]:
     """The parameters of ``gm`` (names as ``gm.named_parameters()`` gives them) whose compute
     copy stays fp32 under mixed precision (module docstring):
@@ -162,7 +178,10 @@ def fp32_params(gm: fx.GraphModule) -> frozenset[str]:
     * the weight and bias of a ``layer_norm`` or ``group_norm`` (op, functional call or leaf
       module) whose input is fp32 under the policy: known once :func:`prepare` has annotated the
       graph (a stage module keeps its nodes' annotations), so ``gm`` unprepared gives only the
-      first kind.
+      first kind;
+    * inside an opaque module (a ``leaf_modules`` call), whose inner values the graph does not
+      show, the weight and bias of every norm of either kind: fp32, as eager autocast leaves
+      them (the CPU kernels take an fp32 weight beside a 16-bit input too).
 
     A parameter read elsewhere too stays fp32 as well: autocast's cast lists round it where eager
     autocast would."""
@@ -176,6 +195,10 @@ def fp32_params(gm: fx.GraphModule) -> frozenset[str]:
             if isinstance(module, _STATISTICS_MODULES) or (
                     isinstance(module, _INPUT_DTYPE_MODULES) and n.args and _fp32_input(n.args[0])):
                 keep.update(f"{n.target}.{name}" for name, _ in module.named_parameters())
+            elif not isinstance(module, _INPUT_DTYPE_MODULES):  # an opaque module: its norms' inputs are unknown
+                keep.update(f"{n.target}.{path}.{name}" for path, sub in module.named_modules() if path
+                            and isinstance(sub, _STATISTICS_MODULES + _INPUT_DTYPE_MODULES)
+                            for name, _ in sub.named_parameters(recurse=False))
         elif n.op == "call_function":
             if isinstance(n.target, torch._ops.OpOverload):
                 bound = _bound(n)
@@ -284,6 +307,18 @@ def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device, ke
             args, kwargs = follow_call(target, fx.node.map_aggregate(args, followed),
                                        fx.node.map_aggregate(kwargs, followed), src, device)
             return super().call_function(target, args, kwargs)
+
+        def call_module(self, target, args, kwargs):
+            # with its parameters as the stage will hold them (16-bit copies but for ``keep``)
+            # and fake copies of its buffers, which its forward may update (BatchNorm's count)
+            sub = self.fetch_attr(target)
+            state = {name: mode.from_tensor(t).to(precision.dtype if f"{target}.{name}" in params and
+                                                  t.is_floating_point() else t.dtype)
+                     for name, t in (*sub.named_parameters(remove_duplicate=False), *sub.named_buffers())}
+            try:
+                return torch.func.functional_call(sub, state, tuple(args), kwargs)
+            except Exception:  # noqa: BLE001 - control flow on values fake tensors lack: run it
+                return _run_real(sub, state, args, kwargs, device, fake)
 
         def run_node(self, n: fx.Node):
             out = super().run_node(n)

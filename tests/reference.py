@@ -103,7 +103,8 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
     """Mixed precision as a careful single-device script does it: the optimizer steps fp32 master
     weights; each batch's forwards run a ``dtype`` copy of them under
     ``torch.autocast(device_type, dtype)`` (the loss too); each micro-batch's gradient (of the
-    16-bit copy) is added into an fp32 sum. Batch t computes on the copy of the master after
+    16-bit copy) is added into an fp32 sum (a weight no micro-batch reached gets none, and the
+    optimizer skips it, as in eager). Batch t computes on the copy of the master after
     ``max(t-2, 0)`` updates under 2bw, ``t-1`` otherwise. ``cast_params=False``: the copy stays
     fp32 and autocast alone rounds what its cast lists say, as in plain eager autocast (a
     BatchNorm model, whose batch_norm autocast runs on the fp32 parameters, needs it); a set of
@@ -133,6 +134,7 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
         s = scales[v]
         params = [p for _, p in probe.named_parameters()]
         grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in zip(names, params)}
+        reached = set()  # a weight no micro-batch reached gets no gradient (None), as in eager
         total = 0.0
         for x, y in _micro(batch, m):
             with torch.autocast(device_type, dtype=dtype):
@@ -141,6 +143,7 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
             for n, g in zip(names, gs):
                 if g is not None:
                     grads[n] += g.float()
+                    reached.add(n)
             total += float(loss.detach().float())
         finite = all(bool(torch.isfinite(g).all()) for g in grads.values())
         if scaler:
@@ -157,7 +160,7 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
         if finite:
             grads = _clip({n: g / s for n, g in grads.items()}, max_grad_norm)
             for n, p in master.named_parameters():
-                p.grad = grads[n]
+                p.grad = grads[n] if n in reached else None
             opt.step()
         else:
             skipped.append(t)

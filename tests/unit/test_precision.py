@@ -72,15 +72,16 @@ def _bn_batches(steps=6, n=8):
     return [(torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)) for _ in range(steps)]
 
 
-def _against_eager_autocast(net, example, batches, schedule, precision, kernels, cast_params=False):
-    """Train ``net`` with fxpipe (AdamW, m = 4, 2 stages) and with eager autocast
-    (train_mixed, ``cast_params`` as it takes it): (pipe, initial weights, losses, reference
-    losses, reference model, reference's skipped steps)."""
+def _against_eager_autocast(net, example, batches, schedule, precision, kernels, cast_params=False, **options):
+    """Train ``net`` with fxpipe (AdamW, m = 4, 2 stages, compile's ``options``) and with eager
+    autocast (train_mixed, ``cast_params`` as it takes it): (pipe, initial weights, losses,
+    reference losses, reference model, reference's skipped steps)."""
     opt = functools.partial(torch.optim.AdamW, lr=1e-2)
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
     scaler = torch.amp.GradScaler("cpu", init_scale=SCALER[0]) if precision == "fp16" else None
     pipe = fxpipe.compile(net, example, loss_fn=F.cross_entropy, optimizer=opt, microbatches=4, stages=2,
-                          schedule=schedule, precision=precision, scaler=scaler, kernels=kernels, verbose=False)
+                          schedule=schedule, precision=precision, scaler=scaler, kernels=kernels, verbose=False,
+                          **options)
     losses = [pipe.step(*b) for b in batches]
     ref_losses, ref, skipped = train_mixed(net, batches, 4, F.cross_entropy, opt, dtype=DTYPES[precision],
                                            schedule=schedule, scaler=SCALER if scaler else None,
@@ -113,6 +114,61 @@ def test_batch_norm_trains_as_eager_autocast(schedule, precision, kernels):
     assert {n.split(".")[0] for wk in pipe.workers.values() for n in wk.store.compute_layout.views(
         wk.store.slots[0]) if wk.store.compute(0)[n].dtype == torch.float32} == {"bn1", "bn2"}
     assert precision_module.fp32_params(pipe.staged_graph) == {"bn1.weight", "bn1.bias", "bn2.weight", "bn2.bias"}
+
+
+class _Gain(torch.nn.Module):
+    """Its output's dtype comes from a parameter of its own: 16-bit with the 16-bit copy."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.gain = torch.nn.Linear(16, 16), torch.nn.Parameter(torch.full((16,), 1.5))
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * self.gain
+
+
+class _LinBN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.lin(x)))
+
+
+class _Router(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.a(x) if x.sum() > 0 else self.b(x)
+
+
+@pytest.mark.parametrize("schedule,precision,kernels", [("2bw", "bf16", "off"), ("1f1b", "fp16", "torch")])
+def test_leaf_modules_train_as_eager_autocast(schedule, precision, kernels):
+    # Leaf modules under bf16/fp16: one that branches on values failed to compile (fake tensors
+    # cannot branch), a BatchNorm inside one got a 16-bit weight and failed at the first forward,
+    # and one whose output dtype comes from its own parameter was annotated with the fp32 master
+    # (bf16 * fp32 -> fp32) though the stage computes with the 16-bit copy: the receiver of a cut
+    # there expected fp32 and got bf16 (NaN losses on gloo ranks, every fp16 step skipped).
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), _Gain(), _LinBN(), _Router(), _Gain(), torch.nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(5)]
+    low = {n for n, _ in net.named_parameters()} - {"2.bn.weight", "2.bn.bias"}
+    pipe, initial, losses, ref_losses, ref, skipped = _against_eager_autocast(
+        net, (batches[0][0][:2],), batches, schedule, precision, kernels, cast_params=low,
+        leaf_modules=(_Gain, _LinBN, _Router))
+    assert skipped == pipe.skipped_steps == []
+    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 1e-4
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for name, buf in ref.named_buffers():  # the statistics moved only in training, as eager's
+        assert torch.allclose(pipe.state_dict()[name].float(), buf.float(), rtol=1e-5, atol=1e-6), name
+    assert precision_module.fp32_params(pipe.staged_graph) == {"2.bn.weight", "2.bn.bias"}
+    specs = {n.target: n.meta[precision_module.AUTOCAST_META].dtype for n in pipe.staged_graph.graph.nodes
+             if n.op == "call_module"}
+    assert specs == {str(i): str(DTYPES[precision]).removeprefix("torch.") for i in range(6)}
 
 
 def test_batch_norm_weights_are_found_in_either_kind_of_graph():
