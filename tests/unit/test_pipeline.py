@@ -456,6 +456,14 @@ def test_eval_step_uses_newest_weights_with_dropout_off():
     assert pipe.eval_step({"input_ids": ids, "labels": ids}) == got  # deterministic: no dropout
 
 
+def _eager_eval_loss(model, state, loss_fn, x, y, m: int = 4) -> float:
+    """``model`` with ``state`` loaded, in eval mode: its mean loss over ``m`` micro-batches."""
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        return sum(float(loss_fn(model(a), b)) for a, b in zip(x.chunk(m), y.chunk(m))) / m
+
+
 def test_eval_step_runs_where_a_training_stage_holds_only_nodes_eval_lacks():
     # The planner may give a stage nothing but a BatchNorm's num_batches_tracked += 1, which the
     # eval-mode trace does not have: eval_step then refused the plan ("stage(s) [1] have none").
@@ -472,10 +480,7 @@ def test_eval_step_runs_where_a_training_stage_holds_only_nodes_eval_lacks():
     assert [n for n, s in pipe.plan.assignment.items() if s == 1 and nodes[n].op == "call_function"] == ["add__1"]
     pipe.step(x, y)
     got = pipe.eval_step(x, y)
-    model.load_state_dict(pipe.state_dict())
-    model.eval()
-    with torch.no_grad():
-        expected = sum(float(torch.nn.functional.cross_entropy(model(a), b)) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+    expected = _eager_eval_loss(model, pipe.state_dict(), torch.nn.functional.cross_entropy, x, y)
     assert got == pytest.approx(expected, rel=1e-6)
 
 
@@ -513,10 +518,7 @@ def test_eval_step_on_the_symbolic_trace_path_runs_its_modules_in_eval_mode(how)
     assert pipe.eval_step(x, y) == got  # no dropout
     after = pipe.state_dict()
     assert all(torch.equal(after[k], t) for k, t in trained.items())  # no running statistics moved
-    model.load_state_dict(trained)
-    model.eval()
-    with torch.no_grad():
-        expected = sum(float(nn.functional.mse_loss(model(a), b)) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+    expected = _eager_eval_loss(model, trained, nn.functional.mse_loss, x, y)
     assert got == pytest.approx(expected, rel=1e-6)
 
 
@@ -550,10 +552,7 @@ def test_eval_step_where_training_runs_an_operator_first_that_eval_lacks(stages)
                           schedule="1f1b", optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False)
     pipe.step(x, y)
     got = pipe.eval_step(x, y)
-    net.load_state_dict(pipe.state_dict())
-    net.eval()
-    with torch.no_grad():
-        expected = sum(float(torch.nn.functional.mse_loss(net(a), b)) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+    expected = _eager_eval_loss(net, pipe.state_dict(), torch.nn.functional.mse_loss, x, y)
     assert got == pytest.approx(expected, rel=1e-12)
 
 
