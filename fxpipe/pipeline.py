@@ -62,12 +62,18 @@ def default_optimizer(named_params):
 
 def _describe(value) -> str:
     """``value`` as text that is the same on every rank given the same argument: numbers and
-    strings by repr, classes and functions by qualified name, a ``functools.partial`` with its
-    arguments, a module or any other object by its class (never an address)."""
+    strings by repr, containers by their items (a set's and a dict's in sorted order: each
+    process orders strings by its own hash seed), classes and functions by qualified name (what
+    a lambda or closure captures is not compared), a ``functools.partial`` with its arguments, a
+    module or any other object by its class (never an address)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
     if isinstance(value, (tuple, list)):
         return "(" + ", ".join(_describe(v) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_describe(v) for v in value)) + "}"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(sorted(f"{_describe(k)}: {_describe(v)}" for k, v in value.items())) + "}"
     if isinstance(value, functools.partial):
         bound = [_describe(a) for a in value.args] + [f"{k}={_describe(v)}" for k, v in sorted(value.keywords.items())]
         return f"partial({_describe(value.func)}, {', '.join(bound)})"
@@ -292,9 +298,11 @@ class PipelineConfig:
               "scaler", "accumulate", "weights", "leaf_modules")
 
     def agreed_settings(self) -> dict[str, str]:
-        """:attr:`AGREED`'s settings as comparable text (callables by name and bound arguments,
-        a plan by its JSON, a GradScaler by its settings): what :class:`Pipeline` compares across ranks."""
+        """:attr:`AGREED`'s settings as comparable text (:func:`_describe`: callables by name, a
+        partial's with its bound arguments; a plan by its JSON, a GradScaler by its settings):
+        what :class:`Pipeline` compares across ranks."""
         out = {name: _describe(getattr(self, name)) for name in self.AGREED}
+        out["leaf_modules"] = _describe(set(self.leaf_modules))  # compile's tuple of a set: any order
         if self.plan is not None:
             out["plan"] = self.plan.to_json()
         if self.weights is not None:

@@ -208,6 +208,12 @@ def settings_differ(rank: int, world: int):
     import fxpipe
 
     got = []
+    # alike on both ranks, though each process orders a set of strings by its own hash seed
+    # (compile's tuple of it came out ('0', '2') on one rank and ('2', '0') on the other)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, stages=world, verbose=False, timeout=60,
+                   leaf_modules={"0", "2"})
     # rank 1 alone: bf16 (its messages half the size: gloo aborted the process mid-step), a
     # clipping norm or a learning-rate schedule (its stage trained otherwise, silently), another
     # schedule or m (rank 0's plan ran instead)
