@@ -1529,6 +1529,7 @@ def plan(
     precision: str = "fp32",
     cluster: Cluster | str | None = None,
     top: int = 8,
+    leaf_modules=(),
 ) -> Plan:
     """Trace (if needed), cost and partition a model; return the best :class:`Plan`.
 
@@ -1554,6 +1555,8 @@ def plan(
     chooses how many of its accelerators to use (N = d·w up to its size). The model may be
     built on the meta device (with meta example inputs): nothing is allocated.
     ``top``: how many configurations ``plan.configurations`` keeps (the best of each depth).
+    ``leaf_modules``: as ``fxpipe.compile``'s (:func:`fxpipe.trace`'s), for a model traced here;
+    a GraphModule from :func:`fxpipe.trace` was captured with its own.
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, found {schedule!r}")
@@ -1577,7 +1580,7 @@ def plan(
             f"give cluster= or device=, not both: found cluster {cluster.name!r} and device {device.name!r}; a "
             f"cluster describes its own accelerators (Cluster.from_device_model(device) makes one of a DeviceModel)"
         )
-    gm = _graph_of(model_or_gm, example_inputs)
+    gm = _graph_of(model_or_gm, example_inputs, leaf_modules)
     if cost_mode == "measured" and costs is None and _on_meta(gm):
         raise PlanError(
             "cost_mode='measured' runs every operator on real tensors, but the model is on the meta device (found "
@@ -1620,16 +1623,21 @@ def plan(
     return plan
 
 
-def _graph_of(model_or_gm, example_inputs) -> fx.GraphModule:
+def _graph_of(model_or_gm, example_inputs, leaf_modules=()) -> fx.GraphModule:
     """The traced graph to plan: ``model_or_gm`` itself when fxpipe traced it, else its trace."""
+    leaf_modules = (leaf_modules,) if isinstance(leaf_modules, (type, str)) else tuple(leaf_modules)
     if isinstance(model_or_gm, fx.GraphModule) and "fxpipe" in model_or_gm.meta:
+        if leaf_modules:
+            raise PlanError("fxpipe.plan: leaf_modules= applies to a model traced here, but a GraphModule from "
+                            "fxpipe.trace was given, captured with its own; pass the model itself, or trace it "
+                            "with fxpipe.trace(model, example, leaf_modules=...)")
         return model_or_gm
     if isinstance(model_or_gm, nn.Module):
         if example_inputs is None:
             raise PlanError("plan(model, example_inputs): example_inputs (one micro-batch) are needed to trace a module")
         from .trace import trace
 
-        return trace(model_or_gm, example_inputs)
+        return trace(model_or_gm, example_inputs, leaf_modules=leaf_modules)
     raise PlanError(f"plan expects an nn.Module or a GraphModule from fxpipe.trace, found {type(model_or_gm).__name__}")
 
 
@@ -1815,7 +1823,8 @@ def _fingerprint_at(model_or_gm, gm: fx.GraphModule, example_inputs, traced: int
         return graph_fingerprint(gm)
     from .trace import trace
 
-    return graph_fingerprint(trace(model_or_gm, _resized(example_inputs, traced, b)))
+    return graph_fingerprint(trace(model_or_gm, _resized(example_inputs, traced, b),
+                                   leaf_modules=gm.meta["fxpipe"].leaf_modules))
 
 
 def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, costs: GraphCosts,
@@ -1826,7 +1835,7 @@ def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, c
 
     big = costs.batch_size
     second = _resized(example_inputs, big, big // 2 if big > 1 else 2)
-    gm2 = trace(model, second)
+    gm2 = trace(model, second, leaf_modules=gm.meta["fxpipe"].leaf_modules)
     other = annotate(gm2, second, mode="measured", device=device, torch_device=torch_device)
     return fit_two_sizes(gm, costs, other)
 

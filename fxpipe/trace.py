@@ -124,6 +124,7 @@ class TraceInfo:
     # A meta model (or meta example inputs) is traced as if on this device (fake tensors): the
     # device its graph's baked device arguments name. None: the parameters' device.
     device: torch.device | None = None
+    leaf_modules: tuple = ()  # what the capture kept opaque: a trace of the model at another size keeps them too
 
     def flatten_inputs(self, args: Sequence, kwargs: Mapping) -> list:
         """The flat list of input values for the placeholders, from model-style args/kwargs."""
@@ -239,6 +240,7 @@ def trace(
         export_error=None if export_exc is None else f"{type(export_exc).__name__}: {export_exc}"[:2000],
         tied=tied,
         device=_traced_device(model, leaves) if on_meta else None,
+        leaf_modules=leaf_modules,
     )
     return gm
 

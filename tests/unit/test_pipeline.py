@@ -186,6 +186,27 @@ def test_data_parallel_replicas_of_a_leaf_module_skip_the_weights_no_replica_rea
             assert torch.allclose(got, expected[name], rtol=1e-12, atol=1e-14), (rank, name)
 
 
+def test_plan_takes_leaf_modules_and_traces_at_other_sizes_with_them():
+    # fxpipe.plan had no leaf_modules=: a model that needs them had to be traced first; and a
+    # plan searching the micro-batch size traced the model again without them (TraceError)
+    net, batches, opt, loss = _branch_run(((0, 1, 0, 1),))
+    example = (batches[0][0][:4],)
+    with pytest.raises(fxpipe.TraceError):
+        fxpipe.plan(net, example, stages=2, global_batch=8, world_size=2)
+    plan = fxpipe.plan(net, example, stages=2, global_batch=8, world_size=2, schedule="1f1b",
+                       leaf_modules=[TwoBranches])
+    assert plan.microbatch_size * plan.microbatches == 8 and plan.microbatch_size != 4  # traced again at b
+    b = plan.microbatch_size
+    pipe = fxpipe.compile(net, (batches[0][0][:b],), loss_fn=loss, optimizer=opt, plan=plan, schedule="1f1b",
+                          verbose=False, leaf_modules=TwoBranches)
+    assert pipe.step(*batches[0]) == pytest.approx(train_flush(net, batches, plan.microbatches, loss, opt)[0][0],
+                                                   rel=1e-12)
+    with pytest.raises(fxpipe.PlanError, match=re.escape(
+            "fxpipe.plan: leaf_modules= applies to a model traced here, but a GraphModule from fxpipe.trace was given")):
+        fxpipe.plan(fxpipe.trace(net, example, leaf_modules=[TwoBranches]), example, stages=2, microbatches=2,
+                    leaf_modules=[TwoBranches])
+
+
 def _regression_batches(n: int, inputs: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``n`` float64 batches of 8 samples: ``inputs`` features in, 2 targets out."""
     g = torch.Generator().manual_seed(1)
