@@ -1097,7 +1097,7 @@ class Pipeline:
         was = self.model.training
         self.model.eval()
         try:  # in eval mode until split has copied the leaf modules (a copy keeps its mode)
-            # the training trace's tracer: the two graphs' nodes are matched by name
+            # the training trace's tracer, so both graphs record operators at the same level
             gm = trace(self.model, self._example, leaf_modules=self.config.leaf_modules,
                        prefer=self.trace_info.path)
             train = {key: self.staged.assignment[name] for name, key in _node_keys(self.staged_graph).items()
