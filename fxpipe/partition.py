@@ -95,7 +95,7 @@ from .errors import PlanError
 from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint, megabytes
-from .trace import alias_base, written_values
+from .trace import alias_base, as_leaf_modules, written_values
 from .schedule import SCHEDULES, min_microbatches, rank_of, zb_bounds
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
@@ -1625,9 +1625,8 @@ def plan(
 
 def _graph_of(model_or_gm, example_inputs, leaf_modules=()) -> fx.GraphModule:
     """The traced graph to plan: ``model_or_gm`` itself when fxpipe traced it, else its trace."""
-    leaf_modules = (leaf_modules,) if isinstance(leaf_modules, (type, str)) else tuple(leaf_modules)
     if isinstance(model_or_gm, fx.GraphModule) and "fxpipe" in model_or_gm.meta:
-        if leaf_modules:
+        if as_leaf_modules(leaf_modules):
             raise PlanError("fxpipe.plan: leaf_modules= applies to a model traced here, but a GraphModule from "
                             "fxpipe.trace was given, captured with its own; pass the model itself, or trace it "
                             "with fxpipe.trace(model, example, leaf_modules=...)")

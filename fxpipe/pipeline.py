@@ -47,7 +47,7 @@ from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
 from .schedule import SCHEDULES, Action, Program, format_actions, min_microbatches, norm_every_step, rank_of, stage_and_replica
-from .trace import leaf_module_calls, module_path, normalize_inputs, trace
+from .trace import as_leaf_modules, leaf_module_calls, module_path, normalize_inputs, trace
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
 
@@ -138,7 +138,7 @@ def compile(
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
         device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite, precision=precision, scaler=scaler,
         accumulate=accumulate, weights=weights,
-        leaf_modules=(leaf_modules,) if isinstance(leaf_modules, (type, str)) else tuple(leaf_modules),
+        leaf_modules=as_leaf_modules(leaf_modules),
     )
     return Pipeline(model, example_inputs, config)
 

@@ -50,7 +50,7 @@ from torch import nn
 from .errors import TraceError
 
 __all__ = ["trace", "NodeInfo", "TraceInfo", "TensorSpec", "normalize_inputs", "module_path", "get_attr",
-           "leaf_module_calls"]
+           "leaf_module_calls", "as_leaf_modules"]
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,12 @@ def _clean_path(path: str) -> str:
 # main entry point
 
 
+def as_leaf_modules(leaf_modules) -> tuple:
+    """``leaf_modules`` as ``trace``, ``plan`` and ``compile`` take it (a module class, a
+    qualified name, or an iterable of them) as a tuple."""
+    return (leaf_modules,) if isinstance(leaf_modules, (type, str)) else tuple(leaf_modules)
+
+
 def trace(
     model: nn.Module,
     example_inputs,
@@ -189,7 +195,7 @@ def trace(
 
     ``example_inputs`` is one micro-batch: a tuple (positional) or a dict (keyword). The
     graph is specialised to those shapes (trace at the micro-batch size). ``leaf_modules``
-    (classes or qualified names) are kept as opaque calls by the ``symbolic_trace`` fallback.
+    (a class or qualified name, or several) are kept as opaque calls by the ``symbolic_trace`` fallback.
     ``prefer="symbolic_trace"`` skips export. The path taken is ``gm.meta["fxpipe"].path``.
     """
     if not isinstance(model, nn.Module):
@@ -197,7 +203,7 @@ def trace(
     if prefer not in ("export", "symbolic_trace"):
         raise ValueError(f"prefer must be 'export' or 'symbolic_trace', found {prefer!r}")
     args, kwargs = normalize_inputs(example_inputs)
-    leaf_modules = tuple(leaf_modules)
+    leaf_modules = as_leaf_modules(leaf_modules)
 
     export_exc: BaseException | None = None
     gm = None
