@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import io
 import operator
@@ -210,8 +211,8 @@ def trace(
     on_meta = _on_meta(model, args, kwargs)
     if prefer == "export" and not leaf_modules:
         try:
-            with _no_kv_cache(model):
-                gm = _export_meta(model, args, kwargs) if on_meta else _export(model, args, kwargs)
+            with _no_kv_cache(model), _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs):
+                gm = _export_meta(model, e_args, e_kwargs) if on_meta else _export(model, e_args, e_kwargs)
             path = "export"
         except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
             export_exc = e
@@ -265,6 +266,44 @@ def _no_kv_cache(model: nn.Module):
     finally:
         for c, old in configs.values():
             c.use_cache = old
+
+
+#: The non-tensor inputs torch.export takes as constants on every torch fxpipe supports.
+_EXPORT_CONSTANTS = (type(None), bool, int, float, str)
+
+
+@contextlib.contextmanager
+def _constants_as_strings(model: nn.Module, args: tuple, kwargs: dict):
+    """(args, kwargs) for export, each other non-tensor input (an enum member, say) replaced by a
+    string that names it, with ``model.forward`` meanwhile swapping the real value back in. Before
+    torch 2.12 export refuses such an input; from 2.12 it takes enum members as constants. Either
+    way the graph bakes the value in and keeps a placeholder that no node reads, as it does for a
+    string, and every later batch must give the same value (``fxpipe.inputs.InputSignature``)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    real = {}
+    for i, x in enumerate(leaves):
+        if not isinstance(x, (torch.Tensor, *_EXPORT_CONSTANTS)):
+            leaves[i] = f"<fxpipe: example input {i}, {x!r}>"
+            real[leaves[i]] = x
+    if not real:
+        yield args, kwargs
+        return
+    own = model.__dict__.get("forward")  # an instance's own forward, if it was given one
+    forward = model.forward
+
+    @functools.wraps(forward)  # export names the placeholders after forward's signature
+    def with_real_values(*a, **k):
+        a, k = pytree.tree_map(lambda v: real.get(v, v) if isinstance(v, str) else v, (a, k))
+        return forward(*a, **k)
+
+    model.forward = with_real_values
+    try:
+        yield pytree.tree_unflatten(leaves, spec)
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:

@@ -63,13 +63,15 @@ def test_nccl_script_that_ends_without_flush_exits_on_every_rank():
         assert "rank 0 ends with" in ranks[0].stdout and "rank 1 ends with" in ranks[1].stdout
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
-def test_cuda_resume_is_bitwise_the_uninterrupted_run(tmp_path, schedule):
-    # Checkpoints of GPU stages (fused optimizer state, CUDA RNG) resume bit for bit.
+@pytest.mark.parametrize("schedule,precision", [("2bw", "fp32"), ("1f1b", "fp32"), ("2bw", "bf16"), ("zb", "fp16")])
+def test_cuda_resume_is_bitwise_the_uninterrupted_run(tmp_path, schedule, precision):
+    # Checkpoints of GPU stages (fused optimizer state, CUDA RNG; under bf16/fp16 the master
+    # weights and, for fp16, the loss scale) resume bit for bit.
     from tests import resume
 
     def run(start, steps, **io):
-        return resume.run(resume.compile(schedule, 2, 2, kernels="auto", device="cuda"), start, steps, **io)
+        return resume.run(resume.compile(schedule, 2, 2, kernels="auto", device="cuda", precision=precision),
+                          start, steps, **io)
 
     full = run(0, 6)
     run(0, 3, save=str(tmp_path))
@@ -118,28 +120,108 @@ def _to_cuda(batches):
     return pytree.tree_map(lambda x: x.cuda() if isinstance(x, torch.Tensor) else x, batches)
 
 
-@pytest.mark.parametrize("model_name,schedule", [("gpt", "2bw"), ("gpt2", "1f1b"), ("llama", "2bw")])
-def test_cuda_bf16_matches_the_mixed_precision_reference_under_cudas_policy(model_name, schedule):
+@pytest.mark.parametrize("model_name,schedule,precision", [("gpt", "2bw", "bf16"), ("gpt2", "1f1b", "bf16"),
+                                                           ("llama", "2bw", "bf16"), ("gpt", "zb", "bf16"),
+                                                           ("llama", "zb", "fp16"), ("gpt2", "1f1b", "fp16")])
+def test_cuda_mixed_precision_matches_the_reference_under_cudas_policy(model_name, schedule, precision):
     # On CUDA autocast keeps softmax, layer_norm and the losses in fp32 (CPU's list differs): the
-    # reference runs on the same GPU under the same device type's policy.
+    # reference runs on the same GPU under the same device type's policy. fp16 scales the loss
+    # with a GradScaler("cuda")'s settings, the reference with the same rule.
     from tests.cases import build_mixed, relative_update_error
     from tests.reference import train_mixed
+    from tests.unit.test_precision import DTYPES, SCALER
 
     net, example, batches, loss_fn, opt = build_mixed(model_name)
     net, batches = net.cuda(), _to_cuda(batches)
     example = _to_cuda([(example, None)])[0][0]
     initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    scaler = torch.amp.GradScaler("cuda", init_scale=SCALER[0]) if precision == "fp16" else None
     pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2, schedule=schedule,
-                          precision="bf16", device="cuda", verbose=False)
+                          precision=precision, scaler=scaler, device="cuda", verbose=False)
     assert "stage 0 fused (triton), stage 1 fused (triton)" in pipe.describe()
     store = pipe.workers[0].store
     assert store.master[torch.float32].device.type == "cuda"
-    assert {b.dtype for slot in store.slots for b in slot.values()} == {torch.bfloat16}
+    assert {b.dtype for slot in store.slots for b in slot.values()} == {DTYPES[precision]}
     losses = [pipe.step(*b) for b in batches]
-    ref_losses, ref, _ = train_mixed(net, batches, 4, loss_fn, opt, dtype=torch.bfloat16, schedule=schedule,
-                                     device_type="cuda")
-    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 0.05
-    assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(losses, ref_losses))
+    ref_losses, ref, skipped = train_mixed(net, batches, 4, loss_fn, opt, dtype=DTYPES[precision], schedule=schedule,
+                                           device_type="cuda", scaler=SCALER if scaler else None)
+    assert pipe.skipped_steps == skipped
+    error = relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters()))
+    print(f"{model_name} {schedule} {precision}: relative update error {error:.2e}")
+    assert error <= 0.05, error
+    assert all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+
+
+def test_cuda_leaf_modules_train_as_eager_autocast():
+    # Leaf modules under bf16 on the GPU: one whose output dtype comes from its own parameter,
+    # one holding a BatchNorm (its weights stay fp32), one that branches on values (annotated by
+    # running it once on zeros, on the stage's device), against eager autocast on the same GPU.
+    import functools
+
+    import torch.nn.functional as F
+
+    from fxpipe import precision as precision_module
+    from tests.cases import relative_update_error
+    from tests.reference import train_mixed
+    from tests.unit.test_precision import _Gain, _LinBN, _Router
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), _Gain(), _LinBN(), _Router(), _Gain(),
+                              torch.nn.Linear(16, 4)).cuda()
+    g = torch.Generator().manual_seed(5)
+    batches = _to_cuda([(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(5)])
+    low = {n for n, _ in net.named_parameters()} - {"2.bn.weight", "2.bn.bias"}
+    opt = functools.partial(torch.optim.AdamW, lr=1e-2)
+    initial = {n: p.detach().clone() for n, p in net.named_parameters()}
+    pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=F.cross_entropy, optimizer=opt, microbatches=4, stages=2,
+                          precision="bf16", device="cuda", leaf_modules=(_Gain, _LinBN, _Router), verbose=False)
+    assert "stage 0 fused (triton), stage 1 fused (triton)" in pipe.describe()
+    losses = [pipe.step(*b) for b in batches]
+    ref_losses, ref, skipped = train_mixed(net, batches, 4, F.cross_entropy, opt, dtype=torch.bfloat16,
+                                           device_type="cuda", cast_params=low)
+    assert skipped == pipe.skipped_steps == []
+    error = relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters()))
+    print(f"leaf modules bf16: relative update error {error:.2e}")
+    assert error <= 1e-2, error
+    assert all(abs(a - b) <= 1e-3 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    sd = pipe.state_dict()
+    for name, buf in ref.named_buffers():  # the statistics moved as eager's did
+        assert torch.allclose(sd[name].float(), buf.float().cpu(), rtol=1e-3, atol=1e-4), name
+    assert precision_module.fp32_params(pipe.staged_graph) == {"2.bn.weight", "2.bn.bias"}
+
+
+def test_cuda_eval_step_runs_modules_in_eval_mode_as_eager():
+    # eval_step on the GPU: leaf modules with BatchNorm (running statistics, not moved) and dropout
+    # (off), against the trained weights evaluated eagerly.
+    import functools
+
+    from tests.unit.test_pipeline import _eager_eval_loss
+
+    nn = torch.nn
+    torch.manual_seed(0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm, self.drop = nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5)
+
+        def forward(self, x):
+            return self.drop(torch.relu(self.norm(self.lin(x))))
+
+    model = nn.Sequential(nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+    pipe = fxpipe.compile(model, (x[:4],), loss_fn=nn.functional.mse_loss, microbatches=4, stages=2, schedule="1f1b",
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), leaf_modules=[Block], device="cuda",
+                          verbose=False)
+    for _ in range(3):
+        pipe.step(x, y)
+    trained = pipe.state_dict()
+    got = pipe.eval_step(x, y)
+    assert pipe.eval_step(x, y) == got  # no dropout
+    assert all(torch.equal(pipe.state_dict()[k], t) for k, t in trained.items())  # no statistics moved
+    expected = _eager_eval_loss(model.cuda(), trained, nn.functional.mse_loss, x.cuda(), y.cuda())
+    assert got == pytest.approx(expected, rel=1e-5)
 
 
 def test_cuda_parameter_groups_take_the_fused_triton_update():

@@ -6,6 +6,8 @@ share are never stepped successfully: a rejected batch must leave them untouched
 test_rejected_step_leaves_no_state checks on its own pipelines.
 """
 
+import copy
+import dataclasses
 import enum
 import functools
 import re
@@ -220,6 +222,38 @@ def test_an_enum_input_must_equal_the_traced_one_too():
     with pytest.raises(InputError, match=re.escape("input 'act': expected the constant <Act.RELU: 1>")):
         p.step({"x": x, "act": 1}, y)
     assert isinstance(p.step({"x": x, "act": Act.RELU}, y), float)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Mode:
+    """A constant object of the kind torch.export refuses as an input (neither a tensor, a number,
+    a string, nor a registered pytree node)."""
+    scale: float
+
+
+def test_a_constant_object_input_is_exported_baked_in_and_must_equal_the_traced_one():
+    # export refuses such an input (and, before torch 2.12, an enum member too: on torch 2.11
+    # the enum test above failed to compile, symbolic_trace refusing the non-tensor input as well)
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 4)
+
+        def forward(self, x, mode):
+            return self.b(torch.relu(self.a(x)) * mode.scale)
+
+    model = Scaled()
+    eager = copy.deepcopy(model)
+    p = _compile(model, {"x": torch.randn(B, 16), "mode": _Mode(2.0)})
+    assert p.trace_info.path == "export"
+    assert "forward" not in vars(model)  # the model's own forward is back
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape("input 'mode': expected the constant _Mode(scale=2.0)")):
+        p.eval_step({"x": x, "mode": _Mode(3.0)}, y)
+    got = p.eval_step({"x": x, "mode": _Mode(2.0)}, y)
+    with torch.no_grad():
+        expected = sum(float(_mse(eager(a, _Mode(2.0)), b)) for a, b in zip(x.chunk(M), y.chunk(M))) / M
+    assert got == pytest.approx(expected, rel=1e-6)
 
 
 # ------------------------------------------------------------------------- batch sizes
