@@ -20,10 +20,12 @@ import atexit
 import datetime
 import functools
 import gc
+import hashlib
 import os
 import socket
 import sys
 import time
+import types
 import warnings
 import weakref
 from dataclasses import dataclass, replace
@@ -60,26 +62,66 @@ def default_optimizer(named_params):
     return torch.optim.AdamW(named_params)
 
 
-def _describe(value) -> str:
+def _describe(value, depth: int = 0) -> str:
     """``value`` as text that is the same on every rank given the same argument: numbers and
     strings by repr, containers by their items (a set's and a dict's in sorted order: each
-    process orders strings by its own hash seed), classes and functions by qualified name (what
-    a lambda or closure captures is not compared), a ``functools.partial`` with its arguments, a
-    module or any other object by its class (never an address)."""
+    process orders strings by its own hash seed), classes by qualified name, a Python function
+    (a lambda or closure too) by qualified name with a digest of its code and the values of its
+    defaults and of what it captures (:func:`_describe_function`), a ``functools.partial`` with
+    its arguments, a module by its class and its number and string attributes (a loss module's
+    settings), any other object by its class (never an address)."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return repr(value)
+    if depth > 4:  # a closure that captures itself, or nesting too deep to be a setting
+        return f"a {type(value).__module__}.{type(value).__qualname__}"
+    deeper = functools.partial(_describe, depth=depth + 1)
     if isinstance(value, (tuple, list)):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
+        return "(" + ", ".join(deeper(v) for v in value) + ")"
     if isinstance(value, (set, frozenset)):
-        return "{" + ", ".join(sorted(_describe(v) for v in value)) + "}"
+        return "{" + ", ".join(sorted(deeper(v) for v in value)) + "}"
     if isinstance(value, Mapping):
-        return "{" + ", ".join(sorted(f"{_describe(k)}: {_describe(v)}" for k, v in value.items())) + "}"
+        return "{" + ", ".join(sorted(f"{deeper(k)}: {deeper(v)}" for k, v in value.items())) + "}"
     if isinstance(value, functools.partial):
-        bound = [_describe(a) for a in value.args] + [f"{k}={_describe(v)}" for k, v in sorted(value.keywords.items())]
-        return f"partial({_describe(value.func)}, {', '.join(bound)})"
+        bound = [deeper(a) for a in value.args] + [f"{k}={deeper(v)}" for k, v in sorted(value.keywords.items())]
+        return f"partial({deeper(value.func)}, {', '.join(bound)})"
+    if isinstance(value, types.FunctionType):
+        return _describe_function(value, deeper)
+    if isinstance(value, types.ModuleType):
+        return f"module {value.__name__}"
     if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '?')}.{value.__qualname__}"
-    return f"a {type(value).__module__}.{type(value).__qualname__}"
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(value, nn.Module):  # a loss module: its settings (CrossEntropyLoss's label_smoothing, ...)
+        settings = {k: v for k, v in vars(value).items() if not k.startswith("_") and k != "training"
+                    and (v is None or isinstance(v, (bool, int, float, str)))}
+        return f"a {kind}" + (f"({', '.join(f'{k}={v!r}' for k, v in sorted(settings.items()))})" if settings else "")
+    return f"a {kind}"
+
+
+def _describe_function(fn: types.FunctionType, describe: Callable) -> str:
+    """A function as :func:`_describe` gives it: ``module.qualname``, then in brackets a digest of
+    its code (bytecode, constants and the names it reads: ``lambda ps: SGD(ps, lr=0.1)`` and
+    ``lr=0.2`` differ), its defaults and what it captures, by name. Globals it reads are not
+    compared."""
+    def code_text(code: types.CodeType) -> str:
+        consts = (code_text(c) if isinstance(c, types.CodeType) else describe(c) for c in code.co_consts)
+        return f"{code.co_code.hex()}|{'|'.join(consts)}|{','.join(code.co_names)}"
+
+    parts = [f"code {hashlib.sha1(code_text(fn.__code__).encode()).hexdigest()[:8]}"]
+    if fn.__defaults__ or fn.__kwdefaults__:
+        parts.append(f"defaults {describe(fn.__defaults__ or ())} {describe(fn.__kwdefaults__ or {})}")
+    cells = zip(fn.__code__.co_freevars, fn.__closure__ or ())
+    captured = []
+    for name, cell in cells:
+        try:
+            content = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            captured.append(f"{name}=(empty)")
+            continue
+        captured.append(f"{name}={'(itself)' if content is fn else describe(content)}")
+    if captured:
+        parts.append("captures " + ", ".join(captured))
+    return f"{fn.__module__}.{fn.__qualname__}[{'; '.join(parts)}]"
 
 
 def compile(
@@ -298,8 +340,9 @@ class PipelineConfig:
               "scaler", "accumulate", "weights", "leaf_modules")
 
     def agreed_settings(self) -> dict[str, str]:
-        """:attr:`AGREED`'s settings as comparable text (:func:`_describe`: callables by name, a
-        partial's with its bound arguments; a plan by its JSON, a GradScaler by its settings):
+        """:attr:`AGREED`'s settings as comparable text (:func:`_describe`: a function by name, code,
+        defaults and captured values, a partial's with its bound arguments; a plan by its JSON, a
+        GradScaler by its settings):
         what :class:`Pipeline` compares across ranks."""
         out = {name: _describe(getattr(self, name)) for name in self.AGREED}
         out["leaf_modules"] = _describe(set(self.leaf_modules))  # compile's tuple of a set: any order
@@ -536,7 +579,7 @@ class Pipeline:
             for r, settings in enumerate(gathered):
                 by_value.setdefault(settings[name], []).append(r)
             if len(by_value) > 1:
-                differ.append(f"{name} is " + " but ".join(f"{v if len(v) <= 120 else v[:117] + '...'} on rank(s) {rs}"
+                differ.append(f"{name} is " + " but ".join(f"{v if len(v) <= 300 else v[:297] + '...'} on rank(s) {rs}"
                                                             for v, rs in by_value.items()))
         if differ:
             raise ConfigError(

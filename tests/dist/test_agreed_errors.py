@@ -4,6 +4,8 @@ stage cannot run, are refused on every rank at once, not by one rank while the o
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.dist.harness import run_function
@@ -214,17 +216,24 @@ def settings_differ(rank: int, world: int):
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, stages=world, verbose=False, timeout=60,
                    leaf_modules={"0", "2"})
-    # rank 1 alone: bf16 (its messages half the size: gloo aborted the process mid-step), a
-    # clipping norm or a learning-rate schedule (its stage trained otherwise, silently), another
-    # schedule or m (rank 0's plan ran instead)
-    for kwargs in (dict(precision="bf16"), dict(max_grad_norm=0.01),
-                   dict(lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1)),
-                   dict(schedule="1f1b", microbatches=2)):
+    def sgd(lr):
+        return lambda params: torch.optim.SGD(params, lr=lr)
+
+    # (every rank's, rank 1's own): bf16 on rank 1 (its messages half the size: gloo aborted the
+    # process mid-step), a clipping norm or a learning-rate schedule (its stage trained otherwise,
+    # silently), another schedule or m (rank 0's plan ran instead), a closure capturing another
+    # learning rate or a loss module with another reduction (both compared by name alone before)
+    for every, mine in (({}, dict(precision="bf16")), ({}, dict(max_grad_norm=0.01)),
+                        ({}, dict(lr_scheduler=functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1))),
+                        ({}, dict(schedule="1f1b", microbatches=2)),
+                        (dict(optimizer=sgd(0.1)), dict(optimizer=sgd(0.2))),
+                        (dict(loss_fn=nn.MSELoss()), dict(loss_fn=nn.MSELoss(reduction="sum")))):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        kwargs = {"loss_fn": F.mse_loss, "optimizer": functools.partial(torch.optim.SGD, lr=0.1), **every,
+                  **(mine if rank == 1 else {})}
         try:
-            fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, stages=world, verbose=False, timeout=60,
-                           optimizer=functools.partial(torch.optim.SGD, lr=0.1), **(kwargs if rank == 1 else {}))
+            fxpipe.compile(model, (torch.randn(2, 8),), stages=world, verbose=False, timeout=60, **kwargs)
             got.append(None)
         except Exception as e:  # noqa: BLE001
             got.append((type(e).__name__, str(e)))
@@ -248,6 +257,11 @@ def test_settings_given_differently_on_one_rank_stop_every_rank_at_compile():
             "rank(s) [1].") in messages[2]
     assert ("found schedule is '2bw' on rank(s) [0] but '1f1b' on rank(s) [1]; microbatches is None on rank(s) [0] "
             "but 2 on rank(s) [1].") in messages[3]
+    closure = re.escape("tests.dist.test_agreed_errors.settings_differ.<locals>.sgd.<locals>.<lambda>[code ") + "[0-9a-f]{8}; "
+    assert re.search(f"found optimizer is {closure}{re.escape('captures lr=0.1, torch=module torch] on rank(s) [0] but ')}{closure}"
+                     f"{re.escape('captures lr=0.2, torch=module torch] on rank(s) [1].')}", messages[4]), messages[4]
+    assert ("found loss_fn is a torch.nn.modules.loss.MSELoss(reduction='mean') on rank(s) [0] but a "
+            "torch.nn.modules.loss.MSELoss(reduction='sum') on rank(s) [1].") in messages[5]
 
 
 class EvalReadsMore:

@@ -1001,3 +1001,57 @@ def test_a_recorded_action_is_drawn_from_the_end_of_its_wait():
         StageWorker.run = real
     forwards = [(s, e) for r, a, s, e in pipe.recorded_timeline() if a.startswith("1F")]
     assert len(forwards) == 2 and all(e - s < 0.04 for s, e in forwards) and forwards[0][0] - started >= 0.05
+
+
+_SCRIPT = '''
+import torch
+
+def sgd(lr, momentum=0.0):
+    return lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+def walk(n):
+    return walk(n - 1) if n else 0
+
+def scaled(out, y, scale=2.0):
+    return torch.nn.functional.mse_loss(out, y) * scale
+
+one = lambda params: torch.optim.SGD(params, lr=0.1)
+other = lambda params: torch.optim.SGD(params, lr=0.2)
+'''
+
+
+def _script():
+    """The functions of ``_SCRIPT`` as one process running it as ``__main__`` defines them."""
+    names = {"__name__": "__main__"}
+    exec(compile(_SCRIPT, "train.py", "exec"), names)
+    return names
+
+
+def test_the_settings_ranks_compare_tell_functions_apart_by_code_defaults_and_captures():
+    # compile compares these across ranks (PipelineConfig.agreed_settings). Functions were
+    # compared by name alone: a closure capturing another learning rate on one rank, a lambda
+    # with another constant, a loss module with another reduction all passed.
+    from fxpipe.pipeline import PipelineConfig
+
+    def settings(optimizer=functools.partial(torch.optim.SGD, lr=0.1), loss_fn=None):
+        return PipelineConfig(optimizer=optimizer, loss_fn=loss_fn).agreed_settings()
+
+    a, b = _script(), _script()  # two processes running one script
+    assert settings(a["sgd"](0.1)) == settings(b["sgd"](0.1))
+    assert settings(a["one"]) == settings(b["one"])
+    assert settings(loss_fn=a["scaled"]) == settings(loss_fn=b["scaled"])
+    assert settings(loss_fn=a["walk"]) == settings(loss_fn=b["walk"])
+    ce = torch.nn.CrossEntropyLoss
+    assert settings(loss_fn=ce(label_smoothing=0.1)) == settings(loss_fn=ce(label_smoothing=0.1))
+    assert settings(loss_fn=ce(label_smoothing=0.1)) != settings(loss_fn=ce())
+    opt = settings(a["sgd"](0.1))["optimizer"]
+    assert opt.startswith("__main__.sgd.<locals>.<lambda>[code ") and opt.endswith(
+        "captures lr=0.1, momentum=0.0]")
+    assert settings(a["sgd"](0.1)) != settings(b["sgd"](0.2))
+    assert settings(a["sgd"](0.1)) != settings(b["sgd"](0.1, momentum=0.9))
+    assert settings(a["one"])["optimizer"].split("[")[0] == settings(a["other"])["optimizer"].split("[")[0]
+    assert settings(a["one"]) != settings(a["other"])  # same name, another constant
+    b["scaled"].__defaults__ = (3.0,)
+    assert settings(loss_fn=a["scaled"]) != settings(loss_fn=b["scaled"])
+    assert settings(loss_fn=ce(label_smoothing=0.1))["loss_fn"] == (
+        "a torch.nn.modules.loss.CrossEntropyLoss(ignore_index=-100, label_smoothing=0.1, reduction='mean')")
