@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
+import math
 import os
 import sys
 from typing import Callable
@@ -31,11 +33,26 @@ def _load_factory(spec: str, cmd: str = "inspect"):
         raise SystemExit(f"fxpipe {cmd}: expected a callable {fn_name!r} in module {mod_name!r}, found "
                          f"{type(fn).__name__ if fn is not None else 'nothing'}; name a function returning "
                          f"(model, example_inputs)")
+    try:
+        inspect.signature(fn).bind()
+    except TypeError:
+        raise SystemExit(f"fxpipe {cmd}: {spec} must be callable with no arguments, found {fn_name}"
+                         f"{inspect.signature(fn)}; give its parameters defaults, or name a function that "
+                         f"takes none") from None
+    except ValueError:  # a builtin without a signature: let the call say
+        pass
     result = fn()
     if not (isinstance(result, tuple) and len(result) == 2):
         raise SystemExit(
             f"fxpipe {cmd}: {spec}() must return (model, example_inputs), found {type(result).__name__}"
         )
+    from torch import nn
+
+    model, example = result
+    if not isinstance(model, nn.Module) or not isinstance(example, (tuple, dict)):
+        found = f"({type(model).__name__}, {type(example).__name__})"
+        raise SystemExit(f"fxpipe {cmd}: {spec}() must return (model, example_inputs): an nn.Module and one "
+                         f"micro-batch as a tuple (positional) or dict (keyword inputs), found {found}")
     return result
 
 
@@ -43,10 +60,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from .errors import FxpipeError
     from .inspect import inspect
 
+    if args.stages == 0 and (args.schedule is not None or args.microbatches is not None):
+        given = " and ".join(f"--{n}" for n in ("schedule", "microbatches") if getattr(args, n) is not None)
+        raise SystemExit(f"fxpipe inspect: {given} shape the schedule, which --stages 0 does not make (it writes "
+                         f"the trace's dumps alone); leave {given} out, or pass --stages N")
     model, example_inputs = _load_factory(args.factory)
     try:
         paths = inspect(model, example_inputs, args.out, stages=args.stages or None,
-                        microbatches=args.microbatches, schedule=args.schedule)
+                        microbatches=args.microbatches, schedule=args.schedule or "2bw")
     except FxpipeError as e:  # what the user can fix (--stages, the model): its message, no traceback
         raise SystemExit(f"fxpipe inspect: {e}") from None
     except OSError as e:  # --out not writable: one line, no traceback
@@ -116,6 +137,17 @@ def _positive_bytes(text: str) -> float:
     return v
 
 
+def _positive_float(text: str) -> float:
+    """An argparse type: a positive, finite number."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number such as 3e-3, found {text!r}") from None
+    if not (0 < v < math.inf):
+        raise argparse.ArgumentTypeError(f"expected a positive, finite number such as 3e-3, found {text!r}")
+    return v
+
+
 def _microbatches(text: str) -> int:
     try:
         return _positive_int(text)
@@ -124,16 +156,46 @@ def _microbatches(text: str) -> int:
                                          f"leave it out for the default max(2 x stages, 4)") from None
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    # torch's own launcher: same rendezvous, environment and failure handling as torchrun.
+def _torchrun_option(argv: list[str], *names: str) -> str | None:
+    """The value ``argv`` (torchrun's arguments) gives the first of ``names`` (``--nnodes=2`` or
+    ``--nnodes 2``; torchrun takes ``_`` for ``-``), else the ``PET_`` environment variable
+    torchrun reads for it, else None."""
+    for i, a in enumerate(argv):
+        key, eq, value = a.partition("=")
+        if key.replace("_", "-") in names:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return next((os.environ[v] for n in names if (v := "PET_" + n[2:].replace("-", "_").upper()) in os.environ), None)
+
+
+def _launch(cmd: str, argv: list[str]) -> int:
+    """torch's own launcher with ``argv``: a rank's failure ends in one summary, not a traceback."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    argv = [f"--nproc-per-node={args.nproc}", *args.torchrun_args, args.script, *args.script_args]
-    if args.nproc > 1 and not any(a.startswith("--rdzv") or a.startswith("--master") for a in args.torchrun_args):
-        argv.insert(0, "--standalone")
     os.environ.setdefault(*RESTARTABLE)
-    torchrun_main(argv)
+    try:
+        torchrun_main(argv)
+    except ChildFailedError as e:  # each rank printed its own error above
+        raise SystemExit(f"fxpipe {cmd}: {e}") from None
     return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    # torch's own launcher: same rendezvous, environment and failure handling as torchrun.
+    extra = args.torchrun_args
+    if not any(a in ("-m", "--module", "--no-python", "--no_python") for a in extra) and not os.path.isfile(args.script):
+        raise SystemExit(f"fxpipe run: script {args.script!r} not found (from {os.getcwd()}); expected a Python file")
+    nodes = _torchrun_option(extra, "--nnodes")
+    rendezvous = _torchrun_option(extra, "--rdzv-endpoint", "--master-addr")
+    if nodes is not None and nodes not in ("1", "1:1") and not rendezvous:
+        raise SystemExit(f"fxpipe run: --nnodes={nodes} needs a rendezvous point every node reaches: add "
+                         f"--torchrun-arg=--rdzv-backend=c10d --torchrun-arg=--rdzv-endpoint=HOST:PORT (HOST: one of "
+                         f"the nodes) and the same --torchrun-arg=--rdzv-id=NAME on every node")
+    argv = [f"--nproc-per-node={args.nproc}", *extra, args.script, *args.script_args]
+    # one node, no rendezvous given: torchrun's --standalone (a free port on this machine)
+    if args.nproc > 1 and nodes is None and not rendezvous and _torchrun_option(extra, "--node-rank") is None:
+        argv.insert(0, "--standalone")
+    return _launch("run", argv)
 
 
 # torchrun shares its rendezvous store with the workers' process group; after a restart
@@ -149,7 +211,7 @@ def add_demo_arguments(p) -> None:
     p.add_argument("--schedule", default="2bw", choices=SCHEDULES)
     p.add_argument("--microbatches", type=_positive_int, default=4, help="micro-batches per step")
     p.add_argument("--microbatch-size", type=_positive_int, default=8, help="sequences per micro-batch")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--lr", type=_positive_float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--out", default="fxpipe-out/demo", help="folder for the plan, stage code and timeline")
     p.add_argument("--checkpoint-dir", default=None,
                    help="save checkpoints here, and resume from the latest one when it exists")
@@ -166,25 +228,33 @@ def check_demo_args(p, args) -> None:
         p.error(f"--save-every {args.save_every} needs --checkpoint-dir DIR to save into")
     if args.keep and not args.checkpoint_dir:
         p.error(f"--keep {args.keep} needs --checkpoint-dir DIR to save into")
+    from .schedule import min_microbatches
+
+    stages = max(int(os.environ.get("WORLD_SIZE", args.nproc)), 2)  # the demo's d (fxpipe.demo.train)
+    if args.microbatches < (least := min_microbatches(args.schedule, stages)):
+        p.error(f"--microbatches {args.microbatches} is too few for --schedule {args.schedule} on {stages} stages: "
+                f"pass --microbatches {least} or more, or --schedule 1f1b")
+    for flag, folder in (("--out", args.out), ("--checkpoint-dir", args.checkpoint_dir)):
+        try:  # made now: a folder that cannot be made fails here, not after training
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            p.error(f"{flag} {folder!r}: cannot make the folder: {e.strerror or e}")
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """``fxpipe demo``: train in this process, or relaunch ``fxpipe.demo`` on ``--nproc`` ranks
     through torchrun."""
-    from .demo import train
+    from .demo import train_or_exit
 
     if args.nproc <= 1:
-        return train(args)
-    from torch.distributed.run import main as torchrun_main
-
+        return train_or_exit(args)
     argv = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "fxpipe.demo"]
     for name in ("steps", "schedule", "microbatches", "microbatch_size", "lr", "out", "checkpoint_dir", "save_every", "keep"):
         if getattr(args, name) is not None:
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault(*RESTARTABLE)
-    torchrun_main(argv)
-    return 0
+    return _launch("demo", argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,7 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("factory", help="MODULE:FACTORY, a function returning (model, example_inputs)")
     i.add_argument("--out", default="fxpipe-out", help="output folder (default: fxpipe-out)")
     i.add_argument("--stages", type=_non_negative_int, default=2, help="pipeline depth to plan for (0: trace dumps only)")
-    i.add_argument("--schedule", default="2bw", choices=SCHEDULES, help="schedule to draw")
+    i.add_argument("--schedule", default=None, choices=SCHEDULES, help="schedule to draw (default: 2bw)")
     i.add_argument("--microbatches", type=_microbatches, default=None,
                    help="micro-batches per step (default: max(2 x stages, 4))")
     i.set_defaults(fn=_cmd_inspect)
@@ -216,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--schedule", default="2bw", choices=SCHEDULES)
     pl.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     pl.add_argument("--world-size", type=_positive_int, default=None,
-                    help="accelerators to use (default: the planner chooses whole nodes up to the cluster)")
+                    help="accelerators to use (default: the planner chooses, up to the whole cluster)")
     pl.add_argument("--stages", type=_positive_int, default=None, help="pipeline depth (default: searched)")
     pl.add_argument("--top", type=_positive_int, default=8, help="configurations to list (the best of each depth)")
     pl.add_argument("--device-memory", type=_positive_bytes, default=None, metavar="BYTES",
@@ -227,7 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="launch SCRIPT on N local ranks through torch.distributed.run (torchrun)")
     r.add_argument("--nproc", type=_positive_int, default=2, help="ranks on this machine")
     r.add_argument("--torchrun-arg", dest="torchrun_args", action="append", default=[],
-                   help="extra argument for torchrun (repeatable), e.g. --torchrun-arg=--nnodes=2")
+                   help="extra argument for torchrun (repeatable), e.g. --torchrun-arg=--max-restarts=3; on several "
+                        "nodes --torchrun-arg=--nnodes=2 --torchrun-arg=--rdzv-backend=c10d "
+                        "--torchrun-arg=--rdzv-endpoint=HOST:PORT --torchrun-arg=--rdzv-id=NAME")
     r.add_argument("script")
     r.add_argument("script_args", nargs=argparse.REMAINDER)
     r.set_defaults(fn=_cmd_run)

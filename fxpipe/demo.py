@@ -190,6 +190,19 @@ def train(args) -> int:
     return 0
 
 
+def train_or_exit(args) -> int:
+    """:func:`train`, with what the user can fix (a :class:`fxpipe.errors.FxpipeError`, a folder
+    that cannot be written) as one line and exit code 1 instead of a traceback."""
+    from .errors import FxpipeError
+
+    try:
+        return train(args)
+    except FxpipeError as e:
+        raise SystemExit(f"fxpipe demo: {e}") from None
+    except OSError as e:
+        raise SystemExit(f"fxpipe demo: {e}") from None
+
+
 if __name__ == "__main__":
     import argparse
 
@@ -199,4 +212,4 @@ if __name__ == "__main__":
     add_demo_arguments(parser)
     ns = parser.parse_args()
     check_demo_args(parser, ns)
-    raise SystemExit(train(ns))
+    raise SystemExit(train_or_exit(ns))

@@ -135,7 +135,25 @@ def inspect(model, example_inputs, out_dir: str, *, stages: int | None = None, m
     gm = model if isinstance(model, fx.GraphModule) and "fxpipe" in model.meta else trace(
         model, example_inputs, leaf_modules=leaf_modules
     )
-    return write_node_table(gm, out_dir) + [write_dot(gm, out_dir)]
+    return _without_stale(out_dir, write_node_table(gm, out_dir) + [write_dot(gm, out_dir)])
+
+
+#: The files the dumps write (``*``: a stage's index); a folder written again keeps only this run's.
+_DUMP_FILES = ("nodes.txt", "nodes.json", "graph.dot", "plan.txt", "plan.json", "stage_*.py",
+               *(f"{name}.{ext}" for name in ("schedule", "timeline") for ext in ("txt", "json", "svg")))
+
+
+def _without_stale(out_dir: str, written: list[str]) -> list[str]:
+    """Delete the dumps an earlier run left in ``out_dir`` that this one did not write (a deeper
+    plan's ``stage_2.py`` beside a 2-stage plan, say); returns ``written``."""
+    import glob
+
+    fresh = {os.path.abspath(p) for p in written}
+    for pattern in _DUMP_FILES:
+        for path in glob.glob(os.path.join(glob.escape(out_dir), pattern)):
+            if os.path.abspath(path) not in fresh and os.path.isfile(path):
+                os.remove(path)
+    return written
 
 
 def write_plan(plan, out_dir: str) -> list[str]:
@@ -194,7 +212,7 @@ def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
         written = write_schedule_dumps(out_dir, lists, timeline=tl, name="timeline", title=title, unit="s",
                                        microbatches=pipe.plan.microbatches, total_steps=pipe.steps)
         paths += [str(p) for p in written.values()]
-    return paths
+    return _without_stale(out_dir, paths)
 
 
 def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, microbatches: int | None = None,
@@ -225,4 +243,4 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     paths += write_plan(p, out_dir)
     paths += [str(x) for x in write_stage_code(staged, out_dir)]
     lists = Program.of_plan(p, tied).lists(_DUMP_STEPS)
-    return paths + _simulated_schedule(out_dir, lists, p)
+    return _without_stale(out_dir, paths + _simulated_schedule(out_dir, lists, p))

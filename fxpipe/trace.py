@@ -35,6 +35,7 @@ import copy
 import functools
 import inspect
 import io
+import logging
 import operator
 import os
 import re
@@ -211,7 +212,8 @@ def trace(
     on_meta = _on_meta(model, args, kwargs)
     if prefer == "export" and not leaf_modules:
         try:
-            with _no_kv_cache(model), _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs):
+            with _no_kv_cache(model), _quiet_fake_tensors(), \
+                    _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs):
                 gm = _export_meta(model, e_args, e_kwargs) if on_meta else _export(model, e_args, e_kwargs)
             path = "export"
         except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
@@ -223,17 +225,17 @@ def trace(
             path = "symbolic_trace"
         except Exception as e:  # noqa: BLE001
             raise _trace_error(model, export_exc, e) from (export_exc or e)
-        if export_exc is not None:  # said, not silent: the two paths capture at different levels
-            why = (str(export_exc).strip().splitlines() or [""])[0]
-            why = f"{type(export_exc).__name__}: {why[:200]}{'...' if len(why) > 200 else ''}"
-            warnings.warn(f"fxpipe: torch.export could not capture {type(model).__name__} ({why}); it was captured "
-                          f"with torch.fx.symbolic_trace instead, as torch-level calls rather than aten operators. "
-                          f"The whole error: gm.meta['fxpipe'].export_error of fxpipe.trace(model, example); pass "
-                          f"leaf_modules= to choose this path on purpose", RuntimeWarning, stacklevel=2)
 
     tied = _dedup_parameters(model, gm)
     _clean(gm)
-    _annotate(gm, args, kwargs, path)
+    _annotate(gm, args, kwargs, path)  # a model that fails on the example raises here, warning of nothing else
+    if export_exc is not None:  # said, not silent: the two paths capture at different levels
+        why = (str(export_exc).strip().splitlines() or [""])[0]
+        why = f"{type(export_exc).__name__}: {why[:200]}{'...' if len(why) > 200 else ''}"
+        warnings.warn(f"fxpipe: torch.export could not capture {type(model).__name__} ({why}); it was captured "
+                      f"with torch.fx.symbolic_trace instead, as torch-level calls rather than aten operators. "
+                      f"The whole error: gm.meta['fxpipe'].export_error of fxpipe.trace(model, example); pass "
+                      f"leaf_modules= to choose this path on purpose", RuntimeWarning, stacklevel=2)
     leaves = pytree.tree_leaves((args, kwargs))
     first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     gm.meta["fxpipe"] = TraceInfo(
@@ -266,6 +268,20 @@ def _no_kv_cache(model: nn.Module):
     finally:
         for c, old in configs.values():
             c.use_cache = old
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """Without torch's fake-tensor log: an operator that fails on the example's shapes logs a
+    40-line traceback there before export raises, and fxpipe says what failed in one line (the
+    fallback's TraceError) or keeps export's error (``TraceInfo.export_error``)."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    was = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = was
 
 
 #: The non-tensor inputs torch.export takes as constants on every torch fxpipe supports.
@@ -626,8 +642,9 @@ def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
     flat = pytree.tree_leaves((args, kwargs))
     try:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
-        # ShapeProp prints a traceback before re-raising; the fallback below handles it.
-        with mode, contextlib.redirect_stderr(io.StringIO()):
+        # ShapeProp prints a traceback before re-raising, and torch's fake-tensor log another; the
+        # fallback below handles it.
+        with mode, contextlib.redirect_stderr(io.StringIO()), _quiet_fake_tensors():
             ShapeProp(gm).run(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat])
         source = gm
     except Exception:  # noqa: BLE001 - data-dependent leaf: measure on a real copy

@@ -235,3 +235,153 @@ def test_inspect_unwritable_out_is_one_line(tmp_path):
 def test_python_dash_m_fxpipe_is_the_fxpipe_command():
     out = subprocess.run([sys.executable, "-m", "fxpipe", "plan", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("usage: fxpipe plan"), out.stderr
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["demo", "--lr", "-1"], "--lr: expected a positive, finite number such as 3e-3, found '-1'"),
+    (["demo", "--lr", "inf"], "--lr: expected a positive, finite number such as 3e-3, found 'inf'"),
+    (["demo", "--lr", "fast"], "--lr: expected a positive number such as 3e-3, found 'fast'"),
+    (["demo", "--nproc", "1", "--microbatches", "1"],
+     "--microbatches 1 is too few for --schedule 2bw on 2 stages: pass --microbatches 2 or more, or --schedule 1f1b"),
+])
+def test_demo_mistakes_are_usage_errors_before_training(capsys, argv, words):
+    # they trained first, or ended in a traceback whose advice named compile's Python arguments
+    line = _usage_error(capsys, argv)
+    assert "error:" in line and words in line, line
+
+
+def test_demo_folders_that_cannot_be_made_are_usage_errors_before_training(capsys, tmp_path):
+    # a file in the way of --out (or --checkpoint-dir) failed after every step had run
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    for flag in ("--out", "--checkpoint-dir"):
+        line = _usage_error(capsys, ["demo", "--nproc", "1", "--steps", "1", flag, str(blocker / "sub")])
+        assert f"error: {flag} '{blocker / 'sub'}': cannot make the folder: Not a directory" in line, line
+
+
+def test_demo_errors_in_training_are_one_line(monkeypatch):
+    # what compile or a step raises (here, a plan that cannot fit) ends the demo in one line, exit code 1
+    import fxpipe
+    from fxpipe.cli import main
+    from fxpipe.errors import PlanError
+
+    def refuse(*a, **k):
+        raise PlanError("no plan fits (a test)")
+
+    monkeypatch.setattr(fxpipe, "compile", refuse)
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--nproc", "1", "--steps", "1"])
+    assert e.value.code == "fxpipe demo: no plan fits (a test)"
+
+
+_FACTORIES = '''
+import torch
+
+def swapped():
+    return (torch.randn(2, 8),), torch.nn.Linear(8, 2)
+
+def needs_size(size):
+    return torch.nn.Linear(size, 2), (torch.randn(2, size),)
+
+def bare_inputs():
+    return torch.nn.Linear(8, 2), torch.randn(2, 8)
+'''
+
+
+@pytest.mark.parametrize("factory, words", [
+    ("swapped", "() must return (model, example_inputs): an nn.Module and one micro-batch as a tuple "
+                "(positional) or dict (keyword inputs), found (tuple, Linear)"),
+    ("bare_inputs", "found (Linear, Tensor)"),
+    ("needs_size", " must be callable with no arguments, found needs_size(size); give its parameters defaults, or "
+                   "name a function that takes none"),
+])
+@pytest.mark.parametrize("cmd", ["inspect", "plan"])
+def test_a_factory_that_returns_the_wrong_thing_is_one_line(tmp_path, monkeypatch, cmd, factory, words):
+    # inspect ended in trace's TypeError traceback
+    from fxpipe.cli import main
+
+    (tmp_path / "cli_factories.py").write_text(_FACTORIES)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    extra = ["--out", str(tmp_path / "out")] if cmd == "inspect" else ["--cluster", "dgx-a100", "--global-batch", "8"]
+    with pytest.raises(SystemExit) as e:
+        main([cmd, f"cli_factories:{factory}", *extra])
+    msg = str(e.value.code)
+    assert msg.startswith(f"fxpipe {cmd}: cli_factories:{factory}") and words in msg and "\n" not in msg, msg
+
+
+def test_inspect_with_stages_0_refuses_the_options_it_would_ignore(tmp_path):
+    from fxpipe.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "fxpipe.demo:demo_factory", "--stages", "0", "--microbatches", "3", "--out", str(tmp_path)])
+    assert str(e.value.code) == ("fxpipe inspect: --microbatches shape the schedule, which --stages 0 does not make "
+                                 "(it writes the trace's dumps alone); leave --microbatches out, or pass --stages N")
+
+
+def test_inspect_into_a_used_folder_leaves_only_this_runs_dumps(tmp_path):
+    # a 3-stage run's stage_2.py stayed beside a 2-stage plan; a trace-only run kept the old plan
+    from fxpipe.cli import main
+
+    out = tmp_path / "out"
+    (out).mkdir()
+    (out / "notes.md").write_text("mine")
+    main(["inspect", "fxpipe.demo:demo_factory", "--stages", "3", "--out", str(out)])
+    assert (out / "stage_2.py").exists()
+    main(["inspect", "fxpipe.demo:demo_factory", "--stages", "2", "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == sorted([*DUMPS, "notes.md"])
+    main(["inspect", "fxpipe.demo:demo_factory", "--stages", "0", "--out", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["graph.dot", "nodes.json", "nodes.txt", "notes.md"]
+
+
+def test_a_model_that_fails_on_the_example_is_one_line_without_torchs_log(tmp_path, monkeypatch, capfd):
+    # torch's fake-tensor log printed a 40-line traceback before fxpipe's one-line message
+    from fxpipe.cli import main
+
+    (tmp_path / "bad_shapes.py").write_text("import torch\n\ndef f():\n    return torch.nn.Linear(8, 4), "
+                                             "(torch.randn(2, 7),)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "bad_shapes:f", "--out", str(tmp_path / "out")])
+    assert str(e.value.code).startswith("fxpipe inspect: the model fails on the example inputs")
+    captured = capfd.readouterr()
+    assert captured.err == "" and captured.out == "", captured
+
+
+@pytest.mark.parametrize("extra, standalone", [
+    ([], True),
+    (["--max-restarts=3"], True),
+    (["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=job"], False),
+    (["--nnodes", "2", "--master-addr=node0", "--node-rank=1"], False),
+    (["--nnodes=1"], False),
+])
+def test_run_adds_standalone_only_for_one_node_without_a_rendezvous(tmp_path, monkeypatch, extra, standalone):
+    # --standalone overrode the documented --nnodes=2: the rendezvous went to localhost and no node could join
+    import torch.distributed.run
+
+    from fxpipe.cli import main
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    seen = []
+    monkeypatch.setattr(torch.distributed.run, "main", seen.append)
+    assert main(["run", *(f"--torchrun-arg={a}" for a in extra), str(script), "--lr", "1"]) == 0
+    assert seen == [[*(["--standalone"] if standalone else []), "--nproc-per-node=2", *extra, str(script), "--lr", "1"]]
+
+
+def test_run_refuses_several_nodes_without_a_rendezvous_and_a_missing_script(tmp_path, monkeypatch):
+    import torch.distributed.run
+
+    from fxpipe.cli import main
+
+    monkeypatch.setattr(torch.distributed.run, "main", lambda argv: pytest.fail("launched"))
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as e:
+        main(["run", "--torchrun-arg=--nnodes=2", str(script)])
+    assert str(e.value.code).startswith("fxpipe run: --nnodes=2 needs a rendezvous point every node reaches: add "
+                                        "--torchrun-arg=--rdzv-backend=c10d --torchrun-arg=--rdzv-endpoint=HOST:PORT")
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(tmp_path / "nope.py")])
+    assert str(e.value.code).startswith(f"fxpipe run: script '{tmp_path / 'nope.py'}' not found")
