@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--world-size", type=_positive_int, default=None,
                     help="accelerators to use (default: the planner chooses, up to the whole cluster)")
     pl.add_argument("--stages", type=_positive_int, default=None, help="pipeline depth (default: searched)")
-    pl.add_argument("--top", type=_positive_int, default=8, help="configurations to list (the best of each depth)")
+    pl.add_argument("--top", type=_positive_int, default=8, help="configurations to list (the best of each number of accelerators and depth)")
     pl.add_argument("--device-memory", type=_positive_bytes, default=None, metavar="BYTES",
                     help="bytes each accelerator may fill, e.g. 30e9 (default: the cluster's memory less its reserve)")
     pl.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON (Plan.to_json) to PATH")

@@ -228,7 +228,8 @@ class Cluster:
             raise PlanError(f"cluster file {path!r}: expected a .json or .toml file, found extension {ext or '(none)'!r}; "
                             f"rename it or give a preset ({sorted(PRESETS)})")
         if not os.path.isfile(path):
-            raise PlanError(f"cluster file {path!r} does not exist; expected a .json or .toml file or a preset "
+            found = "is a folder" if os.path.isdir(path) else "does not exist"
+            raise PlanError(f"cluster file {path!r} {found}; expected a .json or .toml file or a preset "
                             f"name ({sorted(PRESETS)})")
         toml = _toml(path) if ext == ".toml" else None
         try:
@@ -332,6 +333,16 @@ class Cluster:
             out["intra_allreduce_bandwidth_gbs"] = self.intra_allreduce_bandwidth / _G
         return out
 
+    def check_memory(self, device_memory: float | None) -> None:
+        """Raise a PlanError where ``device_memory`` (bytes a stage may fill, None: the usable
+        memory) is more than one accelerator has."""
+        if device_memory is not None and device_memory > self.memory:
+            raise PlanError(
+                f"device_memory {device_memory / _G:.1f} GB is more than the {self.memory / _G:.1f} GB each "
+                f"{self.accelerator} of {self.name} has; pass at most {self.memory / _G:.1f} GB, or leave it out for "
+                f"{self.usable_memory / _G:.1f} GB (its memory less a reserve of {self.reserved / _G:.1f} GB)"
+            )
+
     def with_efficiency(self, efficiency: float) -> "Cluster":
         """This cluster with a measured fraction of peak (e.g. from :meth:`calibrate`)."""
         return dataclasses.replace(self, efficiency=efficiency)
@@ -341,11 +352,23 @@ class Cluster:
         """This cluster with ``efficiency`` measured on one local accelerator of its kind: every
         compute node of ``model`` runs forward on ``device`` (:func:`fxpipe.cost.annotate`,
         ``mode="measured"``), and the efficiency is the FLOPs of the matrix products divided by
-        their time, over the peak for ``precision``'s dtype. Run it where the accelerator is the
-        cluster's (a V100 for a V100 cluster); the figure replaces the preset's assumed one."""
+        their time, over the peak for ``precision``'s dtype. Under bf16 or fp16 a copy of the
+        model and its floating-point inputs in that dtype is timed, so the products run in it as
+        they do under autocast. Run it where the accelerator is the cluster's (a V100 for a V100
+        cluster); the figure replaces the preset's assumed one."""
+        import copy
+
+        import torch.utils._pytree as pytree
+
         from .cost import annotate
         from .trace import trace
 
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+        self.peak_flops(precision)  # a precision this cluster has a figure for, before timing anything
+        if dtype is not None:
+            model = copy.deepcopy(model).to(dtype)
+            example_inputs = pytree.tree_map(
+                lambda x: x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x, example_inputs)
         gm = trace(model, example_inputs)
         costs = annotate(gm, example_inputs, mode="measured", torch_device=device, repeats=repeats)
         flops = sum(c.flops(costs.batch_size) for c in costs.nodes.values() if c.flops.a or c.flops.c)
@@ -413,7 +436,8 @@ class Cluster:
         if ranks > self.size:
             raise PlanError(
                 f"cluster {self.name!r} has {self.size} accelerators ({self.nodes} nodes x {self.per_node}), "
-                f"found a request for {ranks}; use world_size <= {self.size} or a cluster with more nodes"
+                f"found a request for {ranks}; use world_size <= {self.size} (fxpipe plan --world-size) or a cluster with "
+                f"more nodes (--nodes)"
             )
 
     def ring_bandwidth(self, group: Sequence[int], concurrent: Sequence[Sequence[int]] = ()) -> float:

@@ -1525,7 +1525,7 @@ def plan(
     optimizer_bytes_per_param: float = 8.0,
     torch_device: str | torch.device | None = None,
     clip: bool | None = None,
-    accumulation: str = "autograd",
+    accumulation: str | None = None,
     precision: str = "fp32",
     cluster: Cluster | str | None = None,
     top: int = 8,
@@ -1543,8 +1543,10 @@ def plan(
     clips and checks for non-finite values); like data parallelism (w > 1) this makes every stage
     keep a second gradient buffer, which the memory model then counts. None: True with a
     ``cluster`` (a plan for a real run counts what ``compile`` will hold), else False.
-    ``accumulation``: ``"autograd"`` (torch.optim) or ``"fused"`` (the kernels' path, one more
-    scratch gradient per stage); see :func:`fxpipe.weights.weight_bytes`.
+    ``accumulation``: ``"autograd"`` (torch.optim), ``"fused"`` (the kernels' path, one more
+    scratch gradient per stage) or ``"optimizer"`` (AdamA); see :func:`fxpipe.weights.weight_bytes`.
+    None: ``"fused"`` with a ``cluster`` (``compile`` runs the fused kernels on its GPUs), else
+    ``"autograd"``.
     ``precision``: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``fxpipe.compile``'s); the memory model
     counts the master weights, the 2-byte compute versions and compute-dtype activations.
 
@@ -1554,12 +1556,14 @@ def plan(
     placement over its links (:mod:`fxpipe.cluster`). Without ``world_size`` the search also
     chooses how many of its accelerators to use (N = d·w up to its size). The model may be
     built on the meta device (with meta example inputs): nothing is allocated.
-    ``top``: how many configurations ``plan.configurations`` keeps (the best of each depth).
+    ``top``: how many configurations ``plan.configurations`` keeps (the best of each (N, d)).
     ``leaf_modules``: as ``fxpipe.compile``'s (:func:`fxpipe.trace`'s), for a model traced here;
     a GraphModule from :func:`fxpipe.trace` was captured with its own.
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, found {schedule!r}")
+    if accumulation is None:
+        accumulation = "autograd" if cluster is None else "fused"
     if accumulation not in ("autograd", "fused", "optimizer"):
         raise PlanError(f"accumulation must be 'autograd', 'fused' or 'optimizer' (AdamA), found {accumulation!r}")
     if precision not in PRECISIONS:
@@ -1570,6 +1574,7 @@ def plan(
         raise PlanError(f"recompute must be True, False or None (the planner decides), found {recompute!r}")
     stages, microbatches, world_size, global_batch = (_positive(name, v) for name, v in (
         ("stages", stages), ("microbatches", microbatches), ("world_size", world_size), ("global_batch", global_batch)))
+    top = _positive("top", top, allow_none=False)
     device_memory = _positive("device_memory", device_memory, integer=False)
     if microbatches is None and global_batch is None:
         raise PlanError("fxpipe.plan: give microbatches=m (micro-batches per step) or global_batch=N (samples per "
@@ -1581,6 +1586,12 @@ def plan(
             f"cluster describes its own accelerators (Cluster.from_device_model(device) makes one of a DeviceModel)"
         )
     gm = _graph_of(model_or_gm, example_inputs, leaf_modules)
+    if cost_mode == "measured" and costs is None and cluster is not None:
+        raise PlanError(
+            f"cost_mode='measured' times every operator on this machine, not on {cluster.name}'s accelerators, "
+            f"found both; plan for a cluster with cost_mode='analytic' (its accelerators' FLOP/s), after "
+            f"measuring its efficiency on one of them with Cluster.calibrate if you have one"
+        )
     if cost_mode == "measured" and costs is None and _on_meta(gm):
         raise PlanError(
             "cost_mode='measured' runs every operator on real tensors, but the model is on the meta device (found "
@@ -1591,6 +1602,8 @@ def plan(
     cluster, worlds, device = _worlds(cluster, world_size, stages, device, torch_device, precision)
     if clip is None:
         clip = given_cluster
+    if given_cluster:
+        cluster.check_memory(device_memory)
     limit = float(device_memory) if device_memory is not None else device.memory_bytes
     if costs is None:
         costs = annotate(gm, example_inputs, mode=cost_mode, device=device, torch_device=torch_device)
@@ -1668,7 +1681,8 @@ def _worlds(cluster: Cluster | None, world_size: int | None, stages: int | None,
                 raise PlanError(
                     f"stages={stages} does not divide any whole number of {cluster.name} nodes' accelerators "
                     f"({cluster.per_node} per node, up to {cluster.size}); use stages dividing one of "
-                    f"{[k * cluster.per_node for k in range(1, cluster.nodes + 1)]}, or give world_size"
+                    f"{[k * cluster.per_node for k in range(1, cluster.nodes + 1)]}, or give world_size (fxpipe plan "
+                    f"--world-size)"
                 )
         device = cluster.device_model(precision)
     else:
@@ -1713,7 +1727,7 @@ def _plan_of(best: _Candidate, fits: list, found, gm: fx.GraphModule, model_or_g
         cluster=cluster if given_cluster else None,
         placement=placement(cluster, best.d, best.w, best.layout),
         layout=best.layout,
-        configurations=_configuration_rows(found.candidates, best, schedule, limit, top) if given_cluster or top else (),
+        configurations=_configuration_rows(found.candidates, best, schedule, limit, top),
     )
     return plan
 
@@ -2186,7 +2200,7 @@ class Capacity:
 
 def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int, schedule: str = "2bw",
              precision: str = "fp32", world_size: int | None = None, clip: bool = True,
-             optimizer_bytes_per_param: float = 8.0, accumulation: str = "autograd",
+             optimizer_bytes_per_param: float = 8.0, accumulation: str = "fused",
              device_memory: float | None = None) -> Capacity:
     """The largest number of blocks whose model fits ``cluster`` (all its accelerators, or
     ``world_size``) under ``schedule``'s memory formula, at the least memory any configuration
@@ -2195,7 +2209,8 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
     the model one block at a time (:class:`BlockCosting`) and asks the partitioner whether any
     cut fits. Returns the depth, its parameter count and the fitting configuration. ``clip``: the
     training clips by the global norm (two gradient buffers per stage, as with data parallelism;
-    without either, one)."""
+    without either, one). ``accumulation``: as :func:`plan`'s; ``"fused"`` by default, what
+    ``fxpipe.compile`` runs on a cluster's accelerators (the fused kernels' scratch gradient)."""
     cluster = Cluster.resolve(cluster)
     if cluster is None:
         raise PlanError("capacity needs a cluster (a fxpipe.Cluster, a preset name or a .json/.toml path), found None")
@@ -2207,6 +2222,7 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
     world = world_size or cluster.size
     cluster.check_fits(world)
     device = cluster.device_model(precision)
+    cluster.check_memory(device_memory)
     limit = float(device_memory) if device_memory is not None else device.memory_bytes
     kw = dict(schedule=schedule, optimizer_bytes_per_param=optimizer_bytes_per_param, accumulation=accumulation,
               precision=precision)
@@ -2225,13 +2241,22 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
             if b is None:
                 continue
             m = per // b
-            # two gradient buffers under clipping or data parallelism, as _price counts them (one
-            # otherwise: a tied weight's second buffer is not counted here)
-            chain = source.chain(b, 2 if (w > 1 or clip) else 1)
+            # gradient buffers as _price counts them: two under clipping or data parallelism; else
+            # one, or two on every stage where a stage holding a tied weight's copy (which keeps a
+            # second) breaks the limit with one
+            buffers = 2 if (w > 1 or clip) else 1
+            chain = source.chain(b, buffers)
             sm = StageModel.for_schedule(schedule, d, m, True, device, limit, stage_links(cluster, d, w),
                                          cluster.overlap_p2p)
-            if sum(chain.valid) >= d - 1 and _Solver(chain, sm).feasible(math.inf) is not None:
-                return d, w, b, m, chain, sm
+            if sum(chain.valid) < d - 1 or _Solver(chain, sm).feasible(math.inf) is None:
+                continue
+            if buffers == 1:
+                part = _Solver(chain, sm).solve()
+                if part is None or _over_with_tied_buffers(chain, sm, part, limit):
+                    chain = source.chain(b, 2)
+                    if _Solver(chain, sm).feasible(math.inf) is None:
+                        continue
+            return d, w, b, m, chain, sm
         return None
 
     lo, hi = 1, 2  # lo fits (or is the floor), hi is the next to try

@@ -17,7 +17,7 @@ trimmed)::
       node 0: replica 0 stages 0-1
     predicted 3.147 ms per step, 2542.0 samples/s (all-reduce 0.113 ms); chosen over d=2 w=1 b=2 m=4 recompute=on (2161.1 samples/s)
     global batch: b·m·w = 2 x 4 x 1 = 8 samples per step
-    configurations searched (the best of each depth):
+    configurations searched (the best of each number of accelerators and depth):
       N    d    w    b    m  recompute      samples/s    step ms  ...  fits    why not chosen
       2    2    1    2    4  off               2542.0        3.1  ...  yes     chosen
 """
@@ -298,7 +298,7 @@ class Plan:
             parts.append(f"cluster {self.cluster.describe()}; precision {self.precision}")
         parts += [self.table(), self.placement_text(), self.why(), batch]
         if self.configurations:
-            parts += ["configurations searched (the best of each depth):", self.configurations_table()]
+            parts += ["configurations searched (the best of each number of accelerators and depth):", self.configurations_table()]
         return "\n".join(p for p in parts if p)
 
 

@@ -174,8 +174,8 @@ def test_capacity_finds_the_deepest_model_that_fits(blocks):
     cap = capacity(blocks, cluster=roomy, global_batch=8, precision="fp16")
     assert cap.stages * cap.width == 4 and cap.memory <= roomy.usable_memory
     assert cap.params == blocks.params(cap.layers) and 24 < cap.layers < 100
-    # one block more fits at no depth
-    more = blocks.source(cap.layers + 1, precision="fp16")
+    # one block more fits at no depth (with the fused kernels' scratch gradient: what compile runs on a cluster)
+    more = blocks.source(cap.layers + 1, precision="fp16", accumulation="fused")
     for d in (1, 2, 4):
         sm = StageModel.for_schedule("2bw", d, 8 // (4 // d), True, roomy.device_model("fp16"), roomy.usable_memory,
                                      stage_links(roomy, d, 4 // d))
@@ -183,9 +183,15 @@ def test_capacity_finds_the_deepest_model_that_fits(blocks):
             partition_chain(more.chain(1, 2), sm)
     assert capacity(blocks, cluster=Cluster(**{**roomy.__dict__, "memory": per_block * 24}), global_batch=8,
                     precision="fp16").layers > cap.layers
-    # without clipping a pipeline of one replica keeps one gradient buffer: more blocks fit
-    unclipped = capacity(blocks, cluster=roomy, global_batch=8, precision="fp16", clip=False)
-    assert unclipped.width == 1 and unclipped.layers > cap.layers, (unclipped, cap)
+    # capacity's answer is plan's: the deepest model fits, one block more does not. Without
+    # clipping a replica keeps one gradient buffer, but a stage holding a copy of the tied
+    # embedding keeps two; capacity left that out (44 blocks "fit" here, which plan refused)
+    for clip in (True, False):
+        most = capacity(blocks, cluster=roomy, global_batch=8, precision="fp16", clip=clip)
+        kw = dict(cluster=roomy, global_batch=8, precision="fp16", clip=clip, top=1)
+        assert fxpipe.plan(*meta_gpt(most.layers), **kw).memory_limit == roomy.usable_memory
+        with pytest.raises(PlanError, match="no configuration fits"):
+            fxpipe.plan(*meta_gpt(most.layers + 1), **kw)
 
 
 def test_block_costing_errors():
@@ -244,7 +250,13 @@ def test_cli_plans_a_factory_and_writes_json(tmp_path, monkeypatch, capsys):
     (dict(cluster=small_cluster(), stages=3, global_batch=12),
      r"stages=3 does not divide any whole number of small nodes' accelerators .* or give world_size"),
     (dict(cluster=small_cluster(), global_batch=8, cost_mode="measured"),
+     r"cost_mode='measured' times every operator on this machine, not on small's accelerators, found both; plan "
+     r"for a cluster with cost_mode='analytic'"),
+    (dict(global_batch=8, cost_mode="measured"),
      r"cost_mode='measured' runs every operator on real tensors, but the model is on the meta device"),
+    (dict(cluster=small_cluster(), global_batch=8, device_memory=50e9),
+     r"device_memory 50.0 GB is more than the 40.0 GB each .* of small has; pass at most 40.0 GB, or leave it out"),
+    (dict(cluster=small_cluster(), global_batch=8, top=0), r"top must be a positive integer, found 0"),
 ])
 def test_cluster_plan_errors(gpt4, kw, match):
     gm, inputs = gpt4
