@@ -1626,14 +1626,48 @@ def plan(
         raise PlanError(_no_fit_message(source, cluster, device, found, schedule=schedule, clip=clip, limit=limit,
                                         where=f" of {cluster.name}" if given_cluster else "", recompute=recompute,
                                         global_batch=global_batch))
+    shared = device.host_cores is not None and device.host_cores < fits[0].d * fits[0].w
+    split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
+    if shared or split:  # the closed form does not hold: choose by the simulator
+        found = _simulated(found, gm, device, cluster if given_cluster else None, schedule=schedule, precision=precision)
+        fits = [c for c in found.candidates if c.fits]
     best = fits[0]
     plan = _plan_of(best, fits, found, gm, model_or_gm, example_inputs, costs, device, cluster, given_cluster,
                     schedule=schedule, precision=precision, limit=limit, top=top)
-    shared = device.host_cores is not None and device.host_cores < best.d * best.w
-    split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
     if shared or split:
         plan = _simulated_cuts(plan, gm, best, cluster, limit, move=split)
     return plan
+
+
+#: How many of the fitting configurations (the best by the closed form) the simulator re-prices
+#: where the closed form does not hold (:func:`_simulated`).
+_SIMULATED = 32
+
+
+def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster | None, *, schedule: str,
+               precision: str):
+    """``found`` with the step of each of its :data:`_SIMULATED` best fitting candidates
+    simulated at the solver's cuts (:class:`fxpipe.simulate.Costs` of their stage plans, as
+    :func:`_simulated_cuts` prices them), best first: where ranks share a host's cores or zb's
+    split costs more than a backward, the plan, its runner-up and its configuration rows are
+    then ranked by one measure. Candidates that do not fit keep the closed form's figures."""
+    from .schedule import generate
+    from .simulate import Costs, simulate
+
+    fitting = [c for c in found.candidates if c.fits]
+    priced = {}
+    for c in fitting[:_SIMULATED]:
+        tied = set() if c.grad_buffers == 2 else _stages_with_shared_tensors(c.chain, c.part.bounds)
+        sps = [_stage_plan(gm, c.chain, c.model, s, l, r, extra_grads=s in tied) for s, (l, r) in enumerate(c.part.bounds)]
+        links = stage_links(cluster, c.d, c.w, c.layout) if cluster is not None else None
+        lists = generate(schedule, c.d, c.m, 8, width=c.w, recompute=list(c.model.recompute))
+        pipe = simulate(lists, Costs.of_stages(sps, device, schedule=schedule, precision=precision, width=c.w,
+                                               links=links)).step_time
+        step = step_time(schedule, pipe, c.allreduce)
+        priced[id(c)] = dataclasses.replace(c, throughput=c.b * c.m * c.w / step, step_time=step, pipe=pipe)
+    simulated = sorted((priced[id(c)] for c in fitting[:_SIMULATED]), key=_Candidate.key)
+    return dataclasses.replace(found, candidates=simulated + fitting[_SIMULATED:] + [c for c in found.candidates
+                                                                                   if not c.fits])
 
 
 def _graph_of(model_or_gm, example_inputs, leaf_modules=()) -> fx.GraphModule:
@@ -1764,8 +1798,9 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
     def bounds_of(cuts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
         return tuple(zip((0,) + tuple(c + 1 for c in cuts), cuts + (chain.n - 1,)))
 
-    def priced(cuts: tuple[int, ...]) -> tuple[float, float, tuple] | None:
-        """(simulated step, all-reduce, stage plans) of the cuts; None where a stage breaks the limit."""
+    def priced(cuts: tuple[int, ...]) -> tuple[float, float, tuple, float] | None:
+        """(simulated step, all-reduce, stage plans, simulated pipeline) of the cuts; None where a
+        stage breaks the limit."""
         bounds = bounds_of(cuts)
         tied = set() if best.grad_buffers == 2 else _stages_with_shared_tensors(chain, bounds)
         sps = []
@@ -1778,7 +1813,7 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
             return None
         ar = reduction_time(cluster, chain, bounds, plan.width, plan.layout)
         pipe = simulate(lists, Costs.of_plan(dataclasses.replace(plan, stage_plans=tuple(sps)))).step_time
-        return step_time(plan.schedule, pipe, ar), ar, tuple(sps)
+        return step_time(plan.schedule, pipe, ar), ar, tuple(sps), pipe
 
     allowed = np.flatnonzero(chain.valid)
     done = np.cumsum(chain.fwd + chain.bwd)  # compute of positions 0..c
@@ -1802,10 +1837,14 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
                 cuts, priced_cuts = best_trial[1], best_trial[2]
         if cuts == start:
             break
-    step, ar, sps = priced_cuts
+    step, ar, sps, pipe = priced_cuts
+    memory = max(sp.memory for sp in sps)
+    rows = tuple(dataclasses.replace(r, throughput=plan.global_batch / step, step_time=step, allreduce_time=ar,
+                                     pipeline_time=pipe, memory=memory)
+                 if r.reason == "chosen" else r for r in plan.configurations)
     return dataclasses.replace(plan, stage_plans=sps, allreduce_time=ar,
                                assignment_pairs=_assignment(gm, bounds_of(cuts)), bottleneck=max(sp.time for sp in sps),
-                               step_time=step, throughput=plan.global_batch / step)
+                               step_time=step, throughput=plan.global_batch / step, configurations=rows)
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:

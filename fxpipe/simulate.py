@@ -100,14 +100,21 @@ class Costs:
         zb's cuts and what the dumps draw. None for a plan without stages."""
         from .cluster import stage_links
 
-        sps = plan.stage_plans
-        if not sps:
+        if not plan.stage_plans:
             return None
-        dev = plan.device
-        backward = [sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps]
         # each boundary's link: a cluster's intra- or inter-node one, as the planner priced it
         links = (stage_links(plan.cluster, plan.stages, plan.width, plan.layout) if plan.cluster is not None
-                 else [(dev.p2p_latency, dev.p2p_bandwidth)] * (len(sps) - 1))
+                 else None)
+        return cls.of_stages(plan.stage_plans, plan.device, schedule=plan.schedule, precision=plan.precision,
+                             width=plan.width, links=links)
+
+    @classmethod
+    def of_stages(cls, sps, dev, *, schedule: str, precision: str, width: int, links=None) -> "Costs":
+        """The costs of stage plans (``fxpipe.plan.StagePlan``) on ``dev`` (a DeviceModel):
+        ``links`` (latency, bandwidth) per boundary, None for ``dev``'s own p2p link."""
+        backward = [sp.backward_time - (sp.forward_time if sp.recompute else 0.0) for sp in sps]
+        if links is None:
+            links = [(dev.p2p_latency, dev.p2p_bandwidth)] * (len(sps) - 1)
         return cls(
             forward=[sp.forward_time for sp in sps],
             backward=backward,
@@ -116,10 +123,10 @@ class Costs:
             p2p=[lat + sp.send_bytes / bw for sp, (lat, bw) in zip(sps, links)] or 0.0,
             # one copy of the weights at each update where the runtime keeps two versions (2bw's
             # W(t-1)) or a master (mixed precision's rounded compute copy)
-            update=[dev.update_time(sp.param_bytes, copies=int(versions_of(plan.schedule) > 1 or plan.precision != "fp32"))
+            update=[dev.update_time(sp.param_bytes, copies=int(versions_of(schedule) > 1 or precision != "fp32"))
                     for sp in sps],
             # replicas run the same timeline on the same host: each one's stages get 1/width of it
-            cores=dev.host_cores / plan.width if dev.host_cores is not None else None,
+            cores=dev.host_cores / width if dev.host_cores is not None else None,
         )
 
     def per_stage(self, name: str, stage: int) -> float:
