@@ -1059,7 +1059,7 @@ class Pipeline:
         """Forward-only pipelined loss of one global batch with the newest weights and dropout
         off (stages generated from a second, eval-mode trace that reads the training weights and
         buffers), run as a forward-only schedule (:meth:`fxpipe.schedule.Program.eval`) by the
-        same executor. Flushes first. Returns the mean loss on the last stage's rank(s), else None."""
+        same executor. Flushes first. Returns the mean loss over every micro-batch, on every rank."""
         self._require_setup("eval_step")
         plan = self.plan
         m, w = plan.microbatches, plan.width
@@ -1162,15 +1162,19 @@ class Pipeline:
 
     def state_dict(self, *, local: bool = False) -> dict[str, torch.Tensor]:
         """The newest weights and buffers under the ORIGINAL model's keys (CPU tensors), on
-        every rank; ``local=True`` gives only this rank's stage(s). Flushes first."""
+        every rank; ``local=True`` gives only this rank's stage(s) (a data-parallel replica's
+        too: its weights equal replica 0's). Flushes first."""
         self._require_setup("state_dict")
         self.flush()
-        parts = {wk.index: wk.local_state() for wk in self.workers.values() if wk.replica == 0}
-        if local:
+        if local:  # each stage this process holds, from its lowest replica here
+            held: dict[int, StageWorker] = {}
+            for wk in sorted(self.workers.values(), key=lambda w: -w.replica):
+                held[wk.index] = wk
             merged: dict[str, torch.Tensor] = {}
-            for sd in parts.values():
-                merged.update(sd)
+            for wk in held.values():
+                merged.update(wk.local_state())
             return self._to_original(merged)
+        parts = {wk.index: wk.local_state() for wk in self.workers.values() if wk.replica == 0}
         if self.distributed:
             gathered: list = [None] * self.world_size
             dist.all_gather_object(gathered, parts)
@@ -1240,7 +1244,8 @@ class Pipeline:
         """Checkpoint the full training state into ``path/step-<steps>`` and, once every rank's
         files are complete, point ``path/latest`` at it; returns that directory. A collective:
         every rank calls it (with the same ``extra``, e.g. a data loader position). ``keep=k``:
-        then delete the checkpoints of earlier steps beyond the ``k`` newest (None keeps all).
+        then delete this run's checkpoints of earlier steps beyond the ``k`` newest (None keeps
+        all; checkpoints another run left in ``path`` are never deleted).
 
         The state: both 2bw weight versions, the optimizer state (one format for torch.optim and
         the fused kernels), the lr scheduler, :attr:`steps`, each rank's RNG state, the plan and

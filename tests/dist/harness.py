@@ -48,8 +48,12 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
                 losses = [pipe.step(x, y, sync=i % 2 == 0) for i, (x, y) in enumerate(batches)]
                 losses = [None if v is None else float(v) for v in losses]
                 state = pipe.state_dict()
+                # this rank's own stage, on every replica (data-parallel replicas > 0 gave {})
+                local = pipe.state_dict(local=True)
+                local_ok = all(torch.equal(v, state[k]) for k, v in local.items())
                 evaluated = pipe.eval_step(*batches[0])
-                result = {"losses": losses, "state": state if rank == 0 else None, "eval": evaluated, "error": None}
+                result = {"losses": losses, "state": state if rank == 0 else None, "eval": evaluated, "error": None,
+                          "local_state": (sorted(local), local_ok)}
             except Exception:  # report, and keep the ranks in step for the next case
                 result = {"losses": None, "state": None, "error": traceback.format_exc()}
                 print(f"rank {rank} case {name} failed:\n{result['error']}", flush=True)
