@@ -174,6 +174,7 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
         "steps": pipe.t, "seed": pipe.config.seed, "schedule": pipe.plan.schedule,
         "plan": pipe.plan.to_json(), "world_size": pipe.world_size, "precision": pipe.config.precision,
         "scaler": next(iter(pipe.workers.values())).scaler_state(),
+        "skipped_steps": list(pipe.skipped_steps),  # nonfinite="skip": the run's history goes on
         "example": pytree.tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, pipe._example),
     }
     sd["fxpipe"] = _pack(meta)

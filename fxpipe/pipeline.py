@@ -1323,7 +1323,9 @@ class Pipeline:
         # what it saved past this step is another trajectory now; save(keep=) leaves it alone
         self._resumed_from = (os.path.dirname(os.path.abspath(resolved)), self.t)
         self._saved_steps = {root: {t for t in ts if t <= self.t} for root, ts in self._saved_steps.items()}
-        self.skipped_steps = [t for t in self.skipped_steps if t <= self.t]  # a rollback: the rest did not happen
+        # the saving run's skipped updates up to its step (an older checkpoint without them: this
+        # pipeline's own, up to that step; the rest did not happen)
+        self.skipped_steps = [t for t in meta.get("skipped_steps", self.skipped_steps) if t <= self.t]
         return extra
 
     def _resolve_agreed(self, path: str) -> str:

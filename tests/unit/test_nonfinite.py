@@ -122,6 +122,19 @@ def test_a_rollback_forgets_the_skips_of_the_steps_it_undid(poisoned_gradient, t
     assert pipe.skipped_steps == [BAD]
 
 
+def test_a_resumed_run_lists_the_skips_before_its_checkpoint(poisoned_gradient, tmp_path):
+    # skipped_steps was not in the checkpoint: a run resumed after a skip listed none of it
+    pipe = resume.compile("1f1b", 3, 4, dropout=0.0, nonfinite="skip")
+    with pytest.warns(RuntimeWarning, match=rf"step {BAD}: stage\(s\) \[1\]"):
+        for t in range(1, BAD + 2):
+            pipe.step(*resume.batch(t))
+    pipe.save(str(tmp_path))
+    pipe.wait_for_checkpoint()
+    resumed = resume.compile("1f1b", 3, 4, dropout=0.0, nonfinite="skip", lazy=True)
+    resumed.load(str(tmp_path))
+    assert resumed.skipped_steps == pipe.skipped_steps == [BAD]
+
+
 def test_an_infinite_loss_with_finite_gradients_is_caught_too():
     # inf + loss: the gradient is that of the loss alone (finite); only the loss shows it.
     from fxpipe.demo import lm_loss
