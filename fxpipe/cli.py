@@ -46,13 +46,17 @@ def _load_factory(spec: str, cmd: str = "inspect"):
         raise SystemExit(
             f"fxpipe {cmd}: {spec}() must return (model, example_inputs), found {type(result).__name__}"
         )
+    from collections.abc import Mapping
+
+    import torch
     from torch import nn
 
     model, example = result
-    if not isinstance(model, nn.Module) or not isinstance(example, (tuple, dict)):
+    if not isinstance(model, nn.Module) or not isinstance(example, (tuple, list, Mapping, torch.Tensor)):
         found = f"({type(model).__name__}, {type(example).__name__})"
         raise SystemExit(f"fxpipe {cmd}: {spec}() must return (model, example_inputs): an nn.Module and one "
-                         f"micro-batch as a tuple (positional) or dict (keyword inputs), found {found}")
+                         f"micro-batch as a tuple or list (positional inputs), a dict (keyword inputs) or a "
+                         f"tensor, found {found}")
     return result
 
 
@@ -186,8 +190,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not any(a in ("-m", "--module", "--no-python", "--no_python") for a in extra) and not os.path.isfile(args.script):
         raise SystemExit(f"fxpipe run: script {args.script!r} not found (from {os.getcwd()}); expected a Python file")
     nodes = _torchrun_option(extra, "--nnodes")
-    rendezvous = _torchrun_option(extra, "--rdzv-endpoint", "--master-addr")
-    if nodes is not None and nodes not in ("1", "1:1") and not rendezvous:
+    nodes = None if nodes in ("1", "1:1") else nodes
+    rendezvous = _torchrun_option(extra, "--rdzv-endpoint", "--master-addr", "--master-port")
+    if nodes is not None and not rendezvous:
         raise SystemExit(f"fxpipe run: --nnodes={nodes} needs a rendezvous point every node reaches: add "
                          f"--torchrun-arg=--rdzv-backend=c10d --torchrun-arg=--rdzv-endpoint=HOST:PORT (HOST: one of "
                          f"the nodes) and the same --torchrun-arg=--rdzv-id=NAME on every node")

@@ -131,11 +131,15 @@ class InputSignature:
         sizes: list[tuple[InputSpec, int]] = []  # (spec, dim 0) of every batched input
         for s, x in zip(self.inputs, leaves):
             if s.shape is None:
-                if isinstance(x, torch.Tensor) or _same_constant(x, s.value) is False:
+                same = _same_constant(x, s.value)
+                if isinstance(x, torch.Tensor) or not same and x is not s.value:
+                    # an object that cannot tell equal values (no __eq__, or one that holds tensors)
+                    # must be the very object traced
+                    which = " (the same object: its class compares by identity)" if same is None else ""
                     problems.append(
-                        f"{s.where}: expected the constant {s.value!r} the model was traced with (non-tensor "
-                        f"inputs are baked into the graph), got {_show(x)}; pass {s.value!r}, or compile "
-                        f"with an example that has the new value"
+                        f"{s.where}: expected the constant {s.value!r}{which} the model was traced with "
+                        f"(non-tensor inputs are baked into the graph), got {_show(x)}; pass {s.value!r}, or "
+                        f"compile with an example that has the new value"
                     )
                 continue
             if not isinstance(x, torch.Tensor):
@@ -412,7 +416,8 @@ def _same_constant(given, traced) -> bool | None:
     """Whether a non-tensor input equals the constant the graph was traced with: values of
     another type differ; values of one type are compared with ``==`` where the type defines
     value equality (numbers, strings, enums, dataclasses); None where it cannot
-    tell (an object compared by identity, or an ``==`` that gives no bool)."""
+    tell (an object compared by identity, or an ``==`` that gives no bool): the caller then
+    accepts only the traced object itself."""
     if type(given) is not type(traced):
         return False
     if type(given).__eq__ is object.__eq__ and not isinstance(given, enum.Enum):

@@ -1448,7 +1448,9 @@ class Pipeline:
     def dump(self, out_dir: str) -> list[str]:
         """Write the plan, the node table and graph (with stages), the stage code, the schedule
         (simulated from the plan's costs) and, when recorded, the measured timeline into
-        ``out_dir``. Under torchrun call it on every rank; rank 0 writes."""
+        ``out_dir``, deleting the dumps an earlier run left there that this one does not write
+        (``fxpipe.inspect._DUMP_FILES``: a deeper plan's ``stage_2.py``, an old ``timeline.svg``).
+        Under torchrun call it on every rank; rank 0 writes."""
         from .inspect import write_pipeline_dumps
 
         self._require_setup("dump")

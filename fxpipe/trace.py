@@ -213,8 +213,11 @@ def trace(
     if prefer == "export" and not leaf_modules:
         try:
             with _no_kv_cache(model), _quiet_fake_tensors(), \
-                    _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs):
+                    _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs, real):
                 gm = _export_meta(model, e_args, e_kwargs) if on_meta else _export(model, e_args, e_kwargs)
+            for node in gm.graph.nodes:  # the graph's input check compares with the real value
+                if node.op == "placeholder" and isinstance(node.meta.get("val"), str) and node.meta["val"] in real:
+                    node.meta["val"] = real[node.meta["val"]]
             path = "export"
         except Exception as e:  # noqa: BLE001 - any failure sends us to the fallback
             export_exc = e
@@ -290,8 +293,9 @@ _EXPORT_CONSTANTS = (type(None), bool, int, float, str)
 
 @contextlib.contextmanager
 def _constants_as_strings(model: nn.Module, args: tuple, kwargs: dict):
-    """(args, kwargs) for export, each other non-tensor input (an enum member, say) replaced by a
-    string that names it, with ``model.forward`` meanwhile swapping the real value back in. Before
+    """(args, kwargs, stand-ins) for export: each other non-tensor input (an enum member, say)
+    replaced by a string that names it (``stand-ins`` maps each to its value), with
+    ``model.forward`` meanwhile swapping the real value back in. Before
     torch 2.12 export refuses such an input; from 2.12 it takes enum members as constants. Either
     way the graph bakes the value in and keeps a placeholder that no node reads, as it does for a
     string, and every later batch must give the same value (``fxpipe.inputs.InputSignature``)."""
@@ -302,7 +306,7 @@ def _constants_as_strings(model: nn.Module, args: tuple, kwargs: dict):
             leaves[i] = f"<fxpipe: example input {i}, {x!r}>"
             real[leaves[i]] = x
     if not real:
-        yield args, kwargs
+        yield args, kwargs, real
         return
     own = model.__dict__.get("forward")  # an instance's own forward, if it was given one
     forward = model.forward
@@ -314,7 +318,7 @@ def _constants_as_strings(model: nn.Module, args: tuple, kwargs: dict):
 
     model.forward = with_real_values
     try:
-        yield pytree.tree_unflatten(leaves, spec)
+        yield (*pytree.tree_unflatten(leaves, spec), real)
     finally:
         if own is None:
             del model.forward

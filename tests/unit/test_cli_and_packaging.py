@@ -283,15 +283,15 @@ def swapped():
 def needs_size(size):
     return torch.nn.Linear(size, 2), (torch.randn(2, size),)
 
-def bare_inputs():
-    return torch.nn.Linear(8, 2), torch.randn(2, 8)
+def bare_number():
+    return torch.nn.Linear(8, 2), 3
 '''
 
 
 @pytest.mark.parametrize("factory, words", [
-    ("swapped", "() must return (model, example_inputs): an nn.Module and one micro-batch as a tuple "
-                "(positional) or dict (keyword inputs), found (tuple, Linear)"),
-    ("bare_inputs", "found (Linear, Tensor)"),
+    ("swapped", "() must return (model, example_inputs): an nn.Module and one micro-batch as a tuple or list "
+                "(positional inputs), a dict (keyword inputs) or a tensor, found (tuple, Linear)"),
+    ("bare_number", "found (Linear, int)"),
     ("needs_size", " must be callable with no arguments, found needs_size(size); give its parameters defaults, or "
                    "name a function that takes none"),
 ])
@@ -354,7 +354,8 @@ def test_a_model_that_fails_on_the_example_is_one_line_without_torchs_log(tmp_pa
     (["--max-restarts=3"], True),
     (["--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29400", "--rdzv-id=job"], False),
     (["--nnodes", "2", "--master-addr=node0", "--node-rank=1"], False),
-    (["--nnodes=1"], False),
+    (["--nnodes=1"], True),
+    (["--master-port=29600"], False),
 ])
 def test_run_adds_standalone_only_for_one_node_without_a_rendezvous(tmp_path, monkeypatch, extra, standalone):
     # --standalone overrode the documented --nnodes=2: the rendezvous went to localhost and no node could join

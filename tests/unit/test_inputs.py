@@ -256,6 +256,41 @@ def test_a_constant_object_input_is_exported_baked_in_and_must_equal_the_traced_
     assert got == pytest.approx(expected, rel=1e-6)
 
 
+class _Plain:
+    """A config object compared by identity (no ``__eq__``)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def __repr__(self):
+        return f"_Plain({self.scale})"
+
+
+def test_a_constant_compared_by_identity_must_be_the_traced_object_and_the_graph_takes_it():
+    # another _Plain(10.0) was accepted and the step computed with the traced 1.0 (loss 1.99 where
+    # eager gave 11.4); and the graph's input check compared a stand-in string with the real value
+    # (fxpipe.trace(model, ex)(**ex) and cost_mode="calibrated" raised)
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 8), nn.Linear(8, 4)
+
+        def forward(self, x, cfg, act=Act.RELU):
+            h = self.a(x) * cfg.scale
+            return self.b(torch.relu(h) if act is Act.RELU else torch.tanh(h))
+
+    cfg = _Plain(1.0)
+    example = {"x": torch.randn(B, 16), "cfg": cfg, "act": Act.RELU}
+    model = Scaled()
+    assert fxpipe.trace(model, example)(**example).shape == (B, 4)
+    p = _compile(model, example, cost_mode="calibrated")
+    x, y = _batch()
+    with pytest.raises(InputError, match=re.escape("input 'cfg': expected the constant _Plain(1.0) (the same object: "
+                                                   "its class compares by identity) the model was traced with")):
+        p.eval_step({"x": x, "cfg": _Plain(10.0), "act": Act.RELU}, y)
+    assert isinstance(p.step({"x": x, "cfg": cfg, "act": Act.RELU}, y), float)
+
+
 # ------------------------------------------------------------------------- batch sizes
 
 
