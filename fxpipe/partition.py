@@ -1639,35 +1639,42 @@ def plan(
     return plan
 
 
-#: How many of the fitting configurations (the best by the closed form) the simulator re-prices
-#: where the closed form does not hold (:func:`_simulated`).
-_SIMULATED = 32
+#: How many of the fitting configurations (the best by the closed form, within a factor
+#: :data:`_SIMULATED_WITHIN` of the best's throughput) the simulator re-prices where the closed
+#: form does not hold (:func:`_simulated`), and over how many steps (the median step of a few is
+#: the steady state's).
+_SIMULATED, _SIMULATED_WITHIN, _SIMULATED_STEPS = 4, 1.5, 4
 
 
 def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster | None, *, schedule: str,
                precision: str):
-    """``found`` with the step of each of its :data:`_SIMULATED` best fitting candidates
-    simulated at the solver's cuts (:class:`fxpipe.simulate.Costs` of their stage plans, as
+    """``found`` with the step of its best fitting candidates (at most :data:`_SIMULATED`, within
+    a factor :data:`_SIMULATED_WITHIN` of the best's throughput by the closed form) simulated at
+    the solver's cuts (:class:`fxpipe.simulate.Costs` of their stage plans, as
     :func:`_simulated_cuts` prices them), best first: where ranks share a host's cores or zb's
     split costs more than a backward, the plan, its runner-up and its configuration rows are
-    then ranked by one measure. Candidates that do not fit keep the closed form's figures."""
+    then ranked by one measure. The other fitting candidates are left out (their closed-form
+    figures would not compare); those that do not fit keep the closed form's."""
     from .schedule import generate
     from .simulate import Costs, simulate
 
     fitting = [c for c in found.candidates if c.fits]
-    priced = {}
-    for c in fitting[:_SIMULATED]:
+    chosen = [c for c in fitting[:_SIMULATED] if c.throughput * _SIMULATED_WITHIN >= fitting[0].throughput]
+    schedules: dict[tuple, list] = {}
+    simulated = []
+    for c in chosen:
         tied = set() if c.grad_buffers == 2 else _stages_with_shared_tensors(c.chain, c.part.bounds)
         sps = [_stage_plan(gm, c.chain, c.model, s, l, r, extra_grads=s in tied) for s, (l, r) in enumerate(c.part.bounds)]
         links = stage_links(cluster, c.d, c.w, c.layout) if cluster is not None else None
-        lists = generate(schedule, c.d, c.m, 8, width=c.w, recompute=list(c.model.recompute))
-        pipe = simulate(lists, Costs.of_stages(sps, device, schedule=schedule, precision=precision, width=c.w,
-                                               links=links)).step_time
+        key = (c.d, c.m, c.w, tuple(c.model.recompute))
+        if key not in schedules:
+            schedules[key] = generate(schedule, c.d, c.m, _SIMULATED_STEPS, width=c.w, recompute=list(key[3]))
+        pipe = simulate(schedules[key], Costs.of_stages(sps, device, schedule=schedule, precision=precision,
+                                                        width=c.w, links=links)).step_time
         step = step_time(schedule, pipe, c.allreduce)
-        priced[id(c)] = dataclasses.replace(c, throughput=c.b * c.m * c.w / step, step_time=step, pipe=pipe)
-    simulated = sorted((priced[id(c)] for c in fitting[:_SIMULATED]), key=_Candidate.key)
-    return dataclasses.replace(found, candidates=simulated + fitting[_SIMULATED:] + [c for c in found.candidates
-                                                                                   if not c.fits])
+        simulated.append(dataclasses.replace(c, throughput=c.b * c.m * c.w / step, step_time=step, pipe=pipe))
+    simulated.sort(key=_Candidate.key)
+    return dataclasses.replace(found, candidates=simulated + [c for c in found.candidates if not c.fits])
 
 
 def _graph_of(model_or_gm, example_inputs, leaf_modules=()) -> fx.GraphModule:
