@@ -1663,8 +1663,7 @@ def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster 
     schedules: dict[tuple, list] = {}
     simulated = []
     for c in chosen:
-        tied = set() if c.grad_buffers == 2 else _stages_with_shared_tensors(c.chain, c.part.bounds)
-        sps = [_stage_plan(gm, c.chain, c.model, s, l, r, extra_grads=s in tied) for s, (l, r) in enumerate(c.part.bounds)]
+        sps = _stage_plans(gm, c)
         links = stage_links(cluster, c.d, c.w, c.layout) if cluster is not None else None
         key = (c.d, c.m, c.w, tuple(c.model.recompute))
         if key not in schedules:
@@ -1740,11 +1739,7 @@ def _plan_of(best: _Candidate, fits: list, found, gm: fx.GraphModule, model_or_g
     """The :class:`Plan` of the search's best candidate on ``cluster`` (``given_cluster``: the
     caller's, which the plan records, rather than this machine's)."""
     runner = next((c for c in fits[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
-    chain = best.chain
-    # with one buffer counted per stage, the stages of a tied weight still keep a second one
-    tied = set() if best.grad_buffers == 2 else _stages_with_shared_tensors(chain, best.part.bounds)
-    sps = tuple(_stage_plan(gm, chain, best.model, s, l, r, extra_grads=s in tied)
-                for s, (l, r) in enumerate(best.part.bounds))
+    sps = _stage_plans(gm, best)
     plan = Plan(
         schedule=schedule,
         stages=best.d,
@@ -1852,6 +1847,14 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
     return dataclasses.replace(plan, stage_plans=sps, allreduce_time=ar,
                                assignment_pairs=_assignment(gm, bounds_of(cuts)), bottleneck=max(sp.time for sp in sps),
                                step_time=step, throughput=plan.global_batch / step, configurations=rows)
+
+
+def _stage_plans(gm: fx.GraphModule, c: _Candidate) -> tuple[StagePlan, ...]:
+    """The stage plans of candidate ``c`` at its solver cuts; with one gradient buffer counted
+    per stage, the stages of a tied weight still keep a second one."""
+    tied = set() if c.grad_buffers == 2 else _stages_with_shared_tensors(c.chain, c.part.bounds)
+    return tuple(_stage_plan(gm, c.chain, c.model, s, l, r, extra_grads=s in tied)
+                 for s, (l, r) in enumerate(c.part.bounds))
 
 
 def _on_meta(gm: fx.GraphModule) -> bool:
