@@ -49,7 +49,9 @@ BATCH = M * MB
 
 FXPIPE = ("2bw", "1f1b", "gpipe", "zb")
 PIPPY = ("pippy gpipe", "pippy 1f1b", "pippy interleaved zb")
-SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + PIPPY
+#: 2bw in 1F1B's own order beside the planner's (which runs one forward ahead: docs/design.md,
+#: "Lookahead"), measured side by side
+SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + ("fxpipe 2bw lookahead=0",) + PIPPY
 
 
 def _model():
@@ -144,7 +146,7 @@ def _gpt2():
 
 
 def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model: str = "gpt",
-            device_model=None) -> dict:
+            device_model=None, lookahead: int | None = None) -> dict:
     """Train with fxpipe on every rank as one pipeline (d = world size). Without ``device_model``
     the plan is ``cost_mode="calibrated"`` (this model timed on every rank at once, then on rank 0 alone); with one,
     the plan prices this configuration with it (a check of a calibration made elsewhere)."""
@@ -163,7 +165,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
         example, net, loss = (batches[0][0][:mb],), _model(), lm_loss
     mode = dict(cost_mode="calibrated") if device_model is None else dict(device_model=device_model)
     pipe = fxpipe.compile(net, example, loss_fn=loss, microbatches=m, stages=dist.get_world_size(),
-                          schedule=schedule, optimizer=_optimizer, verbose=False, **mode)
+                          schedule=schedule, optimizer=_optimizer, verbose=False, lookahead=lookahead, **mode)
     profile, cpu = Profile(), {}
     seconds, samples = _timed(pipe.step, batches, warmup, start=lambda: setattr(pipe, "profile", profile),
                               batch=m * mb, cpu=cpu)
@@ -171,9 +173,10 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     pipe.flush()
     plan = pipe.plan
     costs = Costs.of_plan(plan)
-    predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8), costs).step_time
+    predicted = simulate(generate(schedule, plan.stages, plan.microbatches, 8, lookahead=plan.lookahead),
+                         costs).step_time
     return {"seconds": seconds, "samples": samples, "profile": profile.summary(), "cpu": cpu,
-            "predicted": predicted, "cores": costs.cores, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
+            "predicted": predicted, "lookahead": plan.lookahead, "cores": costs.cores, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
                                                 1e3 * costs.per_stage("backward", i), 1e3 * costs.per_stage("update", i))
                                                for i, sp in enumerate(plan.stage_plans)]}
 
@@ -240,8 +243,10 @@ def _worker(rank: int, world: int, name: str, store: str, out: str, steps: int, 
             _, schedule, model, m = name.split()
             result = _fxpipe(rank, schedule, batches, warmup, m=int(m[2:]), model=model,
                              device_model=_calibrated_on_pinned(batches))
-        elif name.startswith("fxpipe"):
-            result = _fxpipe(rank, name.split()[1], batches, warmup)
+        elif name.startswith("fxpipe"):  # "fxpipe <schedule>[ lookahead=<n>]"
+            _, schedule, *ahead = name.split()
+            result = _fxpipe(rank, schedule, batches, warmup,
+                             lookahead=int(ahead[0].split("=")[1]) if ahead else None)
         else:
             result = _pippy(rank, name, batches, warmup)
         dist.barrier()
@@ -450,7 +455,7 @@ def report(results: dict[str, list[list[dict]]]) -> None:
         middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
         print(f"\n{name}: where each rank's step went (ms per step, median round)")
         cores = f"{middle[0]['cores']:.2f}" if middle[0]["cores"] is not None else "-"
-        print(f"simulator's costs (the ranks' cores, as calibrated: {cores}): " + "; ".join(f"stage {i} from {first}: F {f:.1f}, B {b:.1f}, UPDATE {u:.1f} ms"
+        print(f"lookahead {middle[0]['lookahead']}; simulator's costs (the ranks' cores, as calibrated: {cores}): " + "; ".join(f"stage {i} from {first}: F {f:.1f}, B {b:.1f}, UPDATE {u:.1f} ms"
                                                 for i, (first, f, b, u) in enumerate(middle[0]["stages"])))
         keys = list(middle[0]["profile"])
         print(tabulate([[f"rank {r}"] + [middle[r]["profile"][k] for k in keys] for r in range(len(middle))],
@@ -463,6 +468,7 @@ _LABELS = {
     "pippy 1f1b": "PiPPy Schedule1F1B (baseline)",
     "pippy interleaved zb": "PiPPy ScheduleInterleavedZeroBubble (4 stages on 2 ranks)",
     "fxpipe zb": "fxpipe zb (ZB-H1)",
+    "fxpipe 2bw lookahead=0": "fxpipe 2bw, lookahead=0 (1F1B's order)",
 }
 
 

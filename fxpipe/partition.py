@@ -91,12 +91,12 @@ from torch import nn
 
 from .cluster import Cluster, crossing_stages, placement, stage_links
 from .cost import DeviceModel, GraphCosts, annotate, fit_two_sizes, is_view
-from .errors import PlanError
+from .errors import PlanError, ScheduleError
 from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint, megabytes
 from .trace import alias_base, as_leaf_modules, written_values
-from .schedule import SCHEDULES, min_microbatches, rank_of, zb_bounds
+from .schedule import SCHEDULES, check_lookahead, min_microbatches, rank_of, warmup, zb_bounds
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
            "reduction_time", "BlockCosting", "Capacity", "capacity"]
@@ -189,7 +189,7 @@ class Held:
 
 
 def _moments(schedule: str, stages: int, microbatches: int, s: int, recompute: bool,
-             split: bool = True) -> tuple[Held, ...]:
+             split: bool = True, lookahead: int = 0) -> tuple[Held, ...]:
     """The moments of stage ``s`` whose maximum bounds what its rank holds over a step (of the
     runtime's lists, :func:`fxpipe.schedule.generate`). Each moment is the largest of each
     cut-sized count (inputs, sent, grads, model inputs) over the points of the list that hold
@@ -204,18 +204,21 @@ def _moments(schedule: str, stages: int, microbatches: int, s: int, recompute: b
     the next micro-batch posted early while more follow, ``n`` gradient receives posted at once
     in the drain, the step's ``m`` model inputs. 2bw (``n = d - s``) posts at most two gradient
     receives ahead while ``n`` are whole and carries the previous batch's ``n - 1`` model
-    inputs over; gpipe holds all ``m``."""
+    inputs over; gpipe holds all ``m``. A ``lookahead`` (2bw, 1f1b) adds its forwards to ``d - s``
+    on every stage but the last (:func:`fxpipe.schedule.warmup`)."""
     d, m = stages, microbatches
     if schedule == "gpipe":
         return (Held(1, 0, m, m, 1, m, m),) if recompute else (Held(m, 0, 0, m, 0, m, m),)
-    n = min(d - s, m)
-    nxt = 1 if m > n else 0  # the next micro-batch's receive, posted before this one's backward
+    n = min(warmup(schedule, s, d, lookahead), m)
+    # inputs received or posted: as many as the previous stage runs ahead of this one's backward
+    inputs = d - s + 1 + lookahead
     if schedule == "2bw":
-        n, x = d - s, m + d - s - 1
+        n = warmup(schedule, s, d, lookahead)
+        x = m + n - 1
         if recompute:
-            return (Held(1, 0, n, n + 1, 1, min(n, max(2, n - 1)), x),)
-        steady = Held(n, 0, 0, n + 1, 1, min(n, 2), x)
-        return (steady, Held(n - 1, 0, 0, n, 1, n - 1, x)) if n >= 4 else (steady,)
+            return (Held(1, 0, n, inputs, 1, min(n, max(2 + lookahead, n - 1)), x),)
+        steady = Held(n, 0, 0, inputs, 1, min(n, 2 + lookahead), x)
+        return (steady, Held(n - 1, 0, 0, inputs - 1, 1, n - 1, x)) if n >= 4 else (steady,)
     if schedule == "zb" and s > 0:
         top = min(d, m)  # ZB-H1: at most min(d, m) micro-batches between F and W
         if recompute:  # R k, I k, W k together: one recomputed, between I and W none whole
@@ -228,9 +231,10 @@ def _moments(schedule: str, stages: int, microbatches: int, s: int, recompute: b
         return (Held(n, e, 0, top + min(1, m - top), 1, n, m),
                 Held(n - 1, e + 1, 0, top + min(2, m - top), 1, n - 1, m))
     # 1f1b, and zb's first stage (its I is empty: 1f1b's numbers)
+    inputs = min(inputs, m)
     if recompute:
-        return (Held(1, 0, n, n + nxt, 1, n, m),)
-    return (Held(n, 0, 0, n + nxt, 1, n, m),)
+        return (Held(1, 0, n, inputs, 1, n, m),)
+    return (Held(n, 0, 0, inputs, 1, n, m),)
 
 
 @dataclass(frozen=True)
@@ -261,6 +265,9 @@ class StageModel:
     #: zb: the moments of a stage whose input carries no gradient (its ``W`` keeps the whole
     #: activations); empty: ``moments``
     unsplit: tuple[tuple[Held, ...], ...] = ()
+    #: 2bw, 1f1b: forwards every stage but the last runs ahead of 1F1B's order
+    #: (:func:`fxpipe.schedule.warmup`), counted in ``inflight`` and ``moments``
+    lookahead: int = 0
 
     def held(self, s: int) -> tuple[int, int, int]:
         """``(k, j, e)`` of stage ``s``: micro-batches holding whole activations, inputs kept for
@@ -290,11 +297,13 @@ class StageModel:
     @classmethod
     def for_schedule(cls, schedule: str, stages: int, microbatches: int, recompute: bool | Sequence[bool],
                      device: DeviceModel, memory_limit: float | None = None,
-                     links: Sequence[tuple[float, float]] = (), overlap: bool = False) -> "StageModel":
+                     links: Sequence[tuple[float, float]] = (), overlap: bool = False,
+                     lookahead: int = 0) -> "StageModel":
         d, m, zb = stages, microbatches, schedule == "zb"
         # ZB-H1 holds min(d, m) micro-batches between F and W on every stage, min(d - s, m) of
         # them before their I (1f1b's count, whole activations), the rest deferred past it
-        alive = [zb_bounds(s, d, m)[0] if zb else m if schedule == "gpipe" else d - s for s in range(d)]
+        alive = [zb_bounds(s, d, m)[0] if zb else m if schedule == "gpipe" else warmup(schedule, s, d, lookahead)
+                 for s in range(d)]
         if isinstance(recompute, bool):
             # With one micro-batch alive (the last stage under 1f1b/2bw) recomputation saves
             # nothing and costs a forward: it stays off there.
@@ -302,11 +311,11 @@ class StageModel:
         recompute = tuple(bool(x) for x in recompute)
         held = [zb_bounds(s, d, m, recompute[s]) if zb else (alive[s], 0) for s in range(d)]  # (alive, deferred)
         inflight, deferred = tuple(n - e for n, e in held), tuple(e for _, e in held)
-        moments = tuple(_moments(schedule, d, m, s, recompute[s]) for s in range(d))
+        moments = tuple(_moments(schedule, d, m, s, recompute[s], lookahead=lookahead) for s in range(d))
         unsplit = tuple(_moments(schedule, d, m, s, recompute[s], split=False) for s in range(d)) if zb else ()
         return cls(d, inflight, recompute, device.p2p_latency, device.p2p_bandwidth,
                    device.memory_bytes if memory_limit is None else float(memory_limit),
-                   tuple((float(a), float(b)) for a, b in links), bool(overlap), deferred, moments, unsplit)
+                   tuple((float(a), float(b)) for a, b in links), bool(overlap), deferred, moments, unsplit, lookahead)
 
 
 @dataclass(frozen=True)
@@ -1212,12 +1221,12 @@ class _NoFit(Exception):
 
 
 def _configs(world: int, depths: Sequence[int], global_batch: int | None, microbatches: int | None, traced_b: int,
-             schedule: str = "gpipe", nodes: int | None = None,
-             cuts: int | None = None) -> tuple[list[tuple[int, int, int, int]], dict[int, str]]:
+             schedule: str = "gpipe", nodes: int | None = None, cuts: int | None = None,
+             lookahead: int = 0) -> tuple[list[tuple[int, int, int, int]], dict[int, str]]:
     """(d, w, b, m) for every depth of ``depths`` on ``world`` devices, and for each depth that
     gives none, why: its width does not divide the global batch (or w·m does not), it has more
     stages than the graph has compute nodes or allowed cuts, or (not gpipe) fewer micro-batches
-    than stages."""
+    than stages (2bw with a ``lookahead``: than d + lookahead)."""
     out, why = [], {}
     for d in depths:
         w = world // d
@@ -1243,12 +1252,13 @@ def _configs(world: int, depths: Sequence[int], global_batch: int | None, microb
         else:
             per = global_batch // w
             got = [(d, w, bb, per // bb) for bb in _divisors(per)]
-        if min_microbatches(schedule, d) > 1:
+        if (least := min_microbatches(schedule, d, lookahead)) > 1:
             most = max(c[3] for c in got)
-            got = [c for c in got if c[3] >= min_microbatches(schedule, d)]
+            got = [c for c in got if c[3] >= least]
             if not got:
-                why[d] = (f"d={d}: {schedule!r} needs at least d micro-batches, found at most m={most}; use "
-                          f"microbatches >= {d}" + ("" if global_batch is None else f" (global_batch >= {d * w})"))
+                need = "d" if not lookahead else f"d + lookahead = {least}"
+                why[d] = (f"d={d}: {schedule!r} needs at least {need} micro-batches, found at most m={most}; use "
+                          f"microbatches >= {least}" + ("" if global_batch is None else f" (global_batch >= {least * w})"))
                 continue
         out += got
     return out, why
@@ -1256,14 +1266,15 @@ def _configs(world: int, depths: Sequence[int], global_batch: int | None, microb
 
 def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, world: int,
            d: int, w: int, b: int, m: int, rc: bool, device: DeviceModel, fit: bool = True,
-           layout: str = "replica") -> _Candidate:
+           layout: str = "replica", lookahead: int = 0) -> _Candidate:
     """One configuration, partitioned under the memory limit (``fit``) or without one (to report
     what a configuration that does not fit would need and give). Raises :class:`_NoFit` when
     ``fit`` and nothing fits."""
     grad_buffers = 2 if (w > 1 or clip) else 1
     chain = source.chain(b, grad_buffers)
     links = stage_links(cluster, d, w, layout)
-    sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links, cluster.overlap_p2p)
+    sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links, cluster.overlap_p2p,
+                                 lookahead)
     _check_depth(chain, d)
     part = _Solver(chain, sm).solve()
     if part is None:
@@ -1295,7 +1306,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
 
 def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, limit: float, worlds: Sequence[int],
             stages: int | None, microbatches: int | None, global_batch: int | None, recompute: bool | None,
-            clip: bool) -> _Search:
+            clip: bool, lookahead: int = 0) -> _Search:
     """The paper's Algorithm 1 over every world size N of ``worlds``: every depth d dividing N
     (width w = N / d), every micro-batch size b filling the global batch, with and without
     recomputation; what fits ``limit`` competes on predicted throughput.
@@ -1314,7 +1325,7 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
     configs, why = [], {}
     for world in sorted(set(worlds), reverse=True):
         depths = [stages] if stages is not None else _divisors(world)
-        got, out = _configs(world, depths, global_batch, microbatches, source.batch_size, schedule, n, cuts)
+        got, out = _configs(world, depths, global_batch, microbatches, source.batch_size, schedule, n, cuts, lookahead)
         configs += [(world, *c) for c in got]
         why.update({(world, d): reason for d, reason in out.items()})
     if not configs:
@@ -1334,8 +1345,8 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
             if rc and recompute is None and not any(StageModel.for_schedule(schedule, d, m, True, device).recompute):
                 continue  # d == 1 under 1f1b/2bw: recomputation is off everywhere, same as rc=False
             try:
-                c = max((_price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, layout=lay)
-                         for lay in _layouts(cluster, d, w)), key=lambda x: x.throughput)
+                c = max((_price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, layout=lay,
+                                lookahead=lookahead) for lay in _layouts(cluster, d, w)), key=lambda x: x.throughput)
             except _NoFit:
                 missed.append((world, d, w, bb, m, rc))
                 continue
@@ -1349,16 +1360,18 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
     for world, d, w, bb, m, rc in missed:
         if (world, d, rc) not in fitting and (world, d, rc) not in shown:
             c = max((_price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, fit=False,
-                            layout=lay) for lay in _layouts(cluster, d, w)), key=lambda x: x.throughput)
+                            layout=lay, lookahead=lookahead) for lay in _layouts(cluster, d, w)),
+                    key=lambda x: x.throughput)
             shown[world, d, rc] = dataclasses.replace(c, fits=False)
     return _Search(found + sorted(shown.values(), key=_Candidate.key), sorted({c[1] for c in configs}), missed)
 
 
 def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Search, *, schedule: str, clip: bool,
-                    limit: float, where: str, recompute: bool | None, global_batch: int | None) -> str:
+                    limit: float, where: str, recompute: bool | None, global_batch: int | None,
+                    lookahead: int = 0) -> str:
     """plan's error when nothing fits: the least memory that does (a number the search accepts
     when given as device_memory), with its configuration, and what else would help."""
-    need, cfg = _smallest_fit(source, cluster, device, schedule, clip, found.missed)
+    need, cfg = _smallest_fit(source, cluster, device, schedule, clip, found.missed, lookahead)
     head = (f"no configuration fits in {megabytes(limit)} per device{where} (searched d in {found.depths}, "
             f"recompute {'on/off' if recompute is None else recompute})")
     if cfg is None:
@@ -1368,6 +1381,8 @@ def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Searc
               f"it fits d={d}, w={w}, b={b}, m={m} {'with' if rc else 'without'} recomputation)", "more devices"]
     if recompute is False:
         advice.append("recompute=None (recomputation holds one micro-batch's activations, not all in flight)")
+    if lookahead:
+        advice.append("lookahead=0 (each forward of lookahead holds one more micro-batch's activations)")
     if global_batch is None:
         advice.append("a smaller micro-batch (an example of fewer samples)")
     elif schedule == "gpipe":  # every b was searched; gpipe holds all m = global_batch / (w·b) micro-batches
@@ -1376,7 +1391,7 @@ def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Searc
 
 
 def _smallest_fit(source, cluster: Cluster, device: DeviceModel, schedule: str, clip: bool,
-                  missed: Sequence[tuple[int, int, int, int, int, bool]]) -> tuple[int, tuple | None]:
+                  missed: Sequence[tuple[int, int, int, int, int, bool]], lookahead: int = 0) -> tuple[int, tuple | None]:
     """The least whole number of bytes per device under which the search fits one of the
     ``missed`` configurations, and that configuration. Each has a lower bound, the least limit
     under which a partition of its chain fits (:func:`min_memory`); from the lowest up, the
@@ -1387,13 +1402,15 @@ def _smallest_fit(source, cluster: Cluster, device: DeviceModel, schedule: str, 
     accepts)."""
 
     def model(world, d, w, m, rc, limit):
-        return StageModel.for_schedule(schedule, d, m, rc, device, limit, stage_links(cluster, d, w), cluster.overlap_p2p)
+        return StageModel.for_schedule(schedule, d, m, rc, device, limit, stage_links(cluster, d, w), cluster.overlap_p2p,
+                                       lookahead)
 
     def fits(cfg, limit: int) -> bool:
         world, d, w, b, m, rc = cfg
         for lay in _layouts(cluster, d, w):
             try:
-                if _price(source, cluster, schedule, float(limit), clip, world, d, w, b, m, rc, device, layout=lay).fits:
+                if _price(source, cluster, schedule, float(limit), clip, world, d, w, b, m, rc, device, layout=lay,
+                          lookahead=lookahead).fits:
                     return True
             except _NoFit:
                 pass
@@ -1530,6 +1547,7 @@ def plan(
     cluster: Cluster | str | None = None,
     top: int = 8,
     leaf_modules=(),
+    lookahead: int | None = None,
 ) -> Plan:
     """Trace (if needed), cost and partition a model; return the best :class:`Plan`.
 
@@ -1559,9 +1577,18 @@ def plan(
     ``top``: how many configurations ``plan.configurations`` keeps (the best of each (N, d)).
     ``leaf_modules``: as ``fxpipe.compile``'s (:func:`fxpipe.trace`'s), for a model traced here;
     a GraphModule from :func:`fxpipe.trace` was captured with its own.
+    ``lookahead`` (2bw, 1f1b): forwards every stage but the last runs ahead of 1F1B's order, each
+    holding one more micro-batch's activations there (:func:`fxpipe.schedule.warmup`); None: 1
+    under 2bw where the chosen configuration still fits with it at the same cuts and m >= d + 1
+    (:func:`_with_lookahead`), else 0.
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, found {schedule!r}")
+    if lookahead is not None:
+        try:
+            check_lookahead(schedule, lookahead)
+        except ScheduleError as e:
+            raise PlanError(str(e)) from None
     if accumulation is None:
         accumulation = "autograd" if cluster is None else "fused"
     if accumulation not in ("autograd", "fused", "optimizer"):
@@ -1614,29 +1641,67 @@ def plan(
                           accumulation=accumulation, precision=precision)
     if stages is not None:
         _check_depth(source.chain(source.batch_size, 1), stages)
-        if microbatches is not None and microbatches < min_microbatches(schedule, stages):
+        if microbatches is not None and microbatches < (least := min_microbatches(schedule, stages, lookahead or 0)):
+            if lookahead:
+                raise PlanError(
+                    f"schedule {schedule!r} with lookahead={lookahead} needs at least stages + lookahead micro-batches: "
+                    f"found microbatches={microbatches} < {least}; use microbatches >= {least} or "
+                    f"lookahead={max(microbatches - stages, 0)}"
+                )
             raise PlanError(
                 f"schedule {schedule!r} needs at least as many micro-batches as stages: found microbatches="
                 f"{microbatches} < stages={stages}; use microbatches >= {stages}"
             )
     found = _search(source, cluster, device, schedule=schedule, limit=limit, worlds=worlds, stages=stages,
-                    microbatches=microbatches, global_batch=global_batch, recompute=recompute, clip=clip)
+                    microbatches=microbatches, global_batch=global_batch, recompute=recompute, clip=clip,
+                    lookahead=lookahead or 0)
     fits = [c for c in found.candidates if c.fits]
     if not fits:
         raise PlanError(_no_fit_message(source, cluster, device, found, schedule=schedule, clip=clip, limit=limit,
                                         where=f" of {cluster.name}" if given_cluster else "", recompute=recompute,
-                                        global_batch=global_batch))
+                                        global_batch=global_batch, lookahead=lookahead or 0))
     shared = device.host_cores is not None and device.host_cores < fits[0].d * fits[0].w
     split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
     if shared or split:  # the closed form does not hold: choose by the simulator
         found = _simulated(found, gm, device, cluster if given_cluster else None, schedule=schedule, precision=precision)
         fits = [c for c in found.candidates if c.fits]
     best = fits[0]
+    if lookahead is None:
+        best = _with_lookahead(best, source, cluster, device, schedule=schedule, limit=limit, clip=clip)
     plan = _plan_of(best, fits, found, gm, model_or_gm, example_inputs, costs, device, cluster, given_cluster,
                     schedule=schedule, precision=precision, limit=limit, top=top)
     if shared or split:
         plan = _simulated_cuts(plan, gm, best, cluster, limit, move=split)
     return plan
+
+
+#: The lookahead the planner gives where it is free (:func:`_with_lookahead`), by schedule. 2bw
+#: never drains, so its ranks run in lock-step all run long and every hiccup of one idles the
+#: other; one forward ahead absorbs them (benchmarks/README.md, "Lookahead": on the pinned
+#: configuration the ranks' waiting on each other fell to about a third). Under 1f1b the drain's
+#: bubble dominates the waiting and the same measurement showed no gain, so it stays at 1F1B's
+#: order unless asked.
+AUTO_LOOKAHEAD = {"2bw": 1}
+
+
+def _with_lookahead(best: _Candidate, source, cluster: Cluster, device: DeviceModel, *, schedule: str, limit: float,
+                    clip: bool) -> _Candidate:
+    """``best`` with :data:`AUTO_LOOKAHEAD`'s lookahead where it is free: the schedule takes
+    one, m >= d + lookahead, and the configuration priced with it still fits ``limit`` at the
+    same cuts and gradient buffers (its extra activations change nothing else; a lookahead that
+    would move a cut to fit is not taken). Its time and cuts stay ``best``'s (the simulator may
+    have priced them); its stage model and memory are the lookahead's."""
+    ahead = AUTO_LOOKAHEAD.get(schedule, 0)
+    if not ahead or best.d == 1 or best.m < min_microbatches(schedule, best.d, ahead):
+        return best
+    try:
+        c = _price(source, cluster, schedule, limit, clip, best.accelerators, best.d, best.w, best.b, best.m,
+                   best.recompute, device, layout=best.layout, lookahead=ahead)
+    except _NoFit:
+        return best
+    if not c.fits or c.part.bounds != best.part.bounds or c.grad_buffers != best.grad_buffers:
+        return best
+    return dataclasses.replace(best, model=c.model, memory=c.memory)
 
 
 #: How many of the fitting configurations (the best by the closed form, within a factor
@@ -1665,9 +1730,10 @@ def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster 
     for c in chosen:
         sps = _stage_plans(gm, c)
         links = stage_links(cluster, c.d, c.w, c.layout) if cluster is not None else None
-        key = (c.d, c.m, c.w, tuple(c.model.recompute))
+        key = (c.d, c.m, c.w, tuple(c.model.recompute), c.model.lookahead)
         if key not in schedules:
-            schedules[key] = generate(schedule, c.d, c.m, _SIMULATED_STEPS, width=c.w, recompute=list(key[3]))
+            schedules[key] = generate(schedule, c.d, c.m, _SIMULATED_STEPS, width=c.w, recompute=list(key[3]),
+                                      lookahead=key[4])
         pipe = simulate(schedules[key], Costs.of_stages(sps, device, schedule=schedule, precision=precision,
                                                         width=c.w, links=links)).step_time
         step = step_time(schedule, pipe, c.allreduce)
@@ -1747,6 +1813,7 @@ def _plan_of(best: _Candidate, fits: list, found, gm: fx.GraphModule, model_or_g
         microbatch_size=best.b,
         microbatches=best.m,
         recompute=best.model.recompute,
+        lookahead=best.model.lookahead,
         assignment_pairs=_assignment(gm, best.part.bounds),
         stage_plans=sps,
         step_time=best.step_time,
@@ -1794,7 +1861,8 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
     from .simulate import Costs, simulate
 
     chain, model, d = best.chain, best.model, plan.stages
-    lists = generate(plan.schedule, d, plan.microbatches, 8, width=plan.width, recompute=list(plan.recompute))
+    lists = generate(plan.schedule, d, plan.microbatches, 8, width=plan.width, recompute=list(plan.recompute),
+                     lookahead=plan.lookahead)
     stage_plans: dict[tuple, StagePlan] = {}
 
     def bounds_of(cuts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

@@ -43,12 +43,14 @@ from .deps import interleave
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from . import errors as errors_module
-from .errors import CheckpointError, ConfigError, FxpipeError, NonFiniteError, PeerError, PlanError, RuntimeMismatchError
+from .errors import (CheckpointError, ConfigError, FxpipeError, NonFiniteError, PeerError, PlanError,
+                     RuntimeMismatchError, ScheduleError)
 from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss, check_operand_dtypes
 from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
-from .schedule import SCHEDULES, Action, Program, format_actions, min_microbatches, norm_every_step, rank_of, stage_and_replica
+from .schedule import (SCHEDULES, Action, Program, check_lookahead, format_actions, min_microbatches, norm_every_step,
+                       rank_of, stage_and_replica)
 from .trace import as_leaf_modules, leaf_module_calls, module_path, normalize_inputs, trace
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
@@ -151,6 +153,7 @@ def compile(
     accumulate: str = "gradients",
     weights=None,
     leaf_modules=(),
+    lookahead: int | None = None,
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
 
@@ -173,6 +176,10 @@ def compile(
     ``leaf_modules``: module classes or qualified names captured as opaque calls
     (:func:`fxpipe.trace`), each run whole inside one stage: a module whose Python control flow
     depends on tensor values.
+    ``lookahead`` (2bw, 1f1b): forwards every stage but the last runs ahead of 1F1B's order, each
+    holding one more micro-batch's activations there, so that a rank goes on through its peer's
+    hiccups (:func:`fxpipe.schedule.warmup`); None: the planner's choice (1 under 2bw where it
+    fits, else 0).
     """
     config = PipelineConfig(
         loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
@@ -180,7 +187,7 @@ def compile(
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
         device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite, precision=precision, scaler=scaler,
         accumulate=accumulate, weights=weights,
-        leaf_modules=as_leaf_modules(leaf_modules),
+        leaf_modules=as_leaf_modules(leaf_modules), lookahead=lookahead,
     )
     return Pipeline(model, example_inputs, config)
 
@@ -223,6 +230,8 @@ class PipelineConfig:
     # module classes (or qualified names) kept as opaque calls when the model is captured with
     # torch.fx.symbolic_trace (fxpipe.trace's leaf_modules): a module with data-dependent control flow
     leaf_modules: tuple = ()
+    # forwards every stage but the last runs ahead of 1F1B's order (2bw, 1f1b); None: the planner's
+    lookahead: int | None = None
 
     @property
     def policy(self) -> Precision:
@@ -249,11 +258,22 @@ class PipelineConfig:
                 bad(name, "an int >= 1 (or None)", v, {
                     "microbatches": f"pass e.g. microbatches=4, or None for the default ({DEFAULT_MICROBATCHES})",
                     "stages": "pass e.g. stages=2, or None for the planner's choice"}[name])
+        if self.lookahead is not None:
+            try:
+                check_lookahead(self.schedule, self.lookahead)
+            except ScheduleError as e:
+                raise ConfigError(f"fxpipe.compile: {e}") from None
         if self.plan is None and self.stages is not None and self.microbatches is not None and \
                 self.microbatches < min_microbatches(self.schedule, self.stages):  # a plan: check_plan
             bad("microbatches", f">= stages = {self.stages} for schedule={self.schedule!r}", self.microbatches,
                 f"2bw's weight-version rule needs a step of at least one micro-batch per stage: pass "
                 f"microbatches >= {self.stages}, fewer stages, or schedule='1f1b' or 'zb', which take fewer")
+        if self.plan is None and self.stages is not None and self.microbatches is not None and self.lookahead and \
+                self.microbatches < (least := min_microbatches(self.schedule, self.stages, self.lookahead)):
+            bad("microbatches", f">= stages + lookahead = {least} for schedule={self.schedule!r} with "
+                f"lookahead={self.lookahead}", self.microbatches,
+                f"each forward of lookahead moves 2bw's warm-up one micro-batch further: pass microbatches >= {least} "
+                f"or lookahead={max(self.microbatches - self.stages, 0)}")
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
             bad("max_grad_norm", "a number > 0 (or None for no clipping)", self.max_grad_norm,
                 "pass e.g. max_grad_norm=1.0, or None to train without clipping")
@@ -337,7 +357,7 @@ class PipelineConfig:
     # may be mounted elsewhere on another node (its kind must agree).
     AGREED = ("schedule", "stages", "microbatches", "plan", "optimizer", "lr_scheduler", "loss_fn", "max_grad_norm",
               "recompute", "seed", "check_batch", "cost_mode", "device_model", "kernels", "nonfinite", "precision",
-              "scaler", "accumulate", "weights", "leaf_modules")
+              "scaler", "accumulate", "weights", "leaf_modules", "lookahead")
 
     def agreed_settings(self) -> dict[str, str]:
         """:attr:`AGREED`'s settings as comparable text (:func:`_describe`: a function by name, code,
@@ -390,6 +410,12 @@ class PipelineConfig:
                 f"fxpipe.compile: recompute={self.recompute} contradicts the plan, which {has}; the plan's "
                 f"recomputation would run. Pass recompute=None to run the plan as it is, or make a plan with "
                 f"fxpipe.plan(..., recompute={self.recompute})."
+            )
+        if self.lookahead is not None and self.lookahead != p.lookahead:
+            raise ConfigError(
+                f"fxpipe.compile: lookahead={self.lookahead} contradicts the plan, which runs lookahead={p.lookahead}; "
+                f"the plan's would run. Pass lookahead=None to run the plan as it is, or make a plan with "
+                f"fxpipe.plan(..., lookahead={self.lookahead})."
             )
         if self.precision != p.precision:
             raise ConfigError(
@@ -624,6 +650,7 @@ class Pipeline:
                     cost_mode=cost_mode,
                     device=device_model,
                     recompute=o.recompute,
+                    lookahead=o.lookahead,
                     torch_device=self.device,
                     # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
                     clip=norm_every_step(o.accumulate),
@@ -1377,7 +1404,8 @@ class Pipeline:
         world = self.world_size if self.distributed else saved.stages * saved.width
         if (o.plan is None and o.stages is None and saved.schedule == o.schedule
                 and o.microbatches in (None, saved.microbatches) and saved.stages * saved.width == world
-                and saved.precision == o.precision and o.recompute in (None, any(saved.recompute))):
+                and saved.precision == o.precision and o.recompute in (None, any(saved.recompute))
+                and o.lookahead in (None, saved.lookahead)):
             self.config = replace(o, plan=saved)
         elif o.plan is not None:  # its micro-batch size, which its graph was traced with
             example = _resize_example(example, o.plan.microbatch_size)

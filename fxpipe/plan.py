@@ -37,8 +37,8 @@ from tabulate import tabulate
 
 from .cluster import Cluster, Link
 from .cost import DeviceModel
-from .errors import PlanError
-from .schedule import LAYOUTS, SCHEDULES
+from .errors import PlanError, ScheduleError
+from .schedule import LAYOUTS, SCHEDULES, check_lookahead, min_microbatches
 
 __all__ = ["Plan", "StagePlan", "RunnerUp", "Configuration", "graph_fingerprint"]
 
@@ -160,6 +160,9 @@ class Plan:
     #: which rank runs which (stage, replica), as the runtime places them (fxpipe.schedule.rank_of):
     #: "replica" (rank = replica * d + stage) or "stage" (rank = stage * w + replica)
     layout: str = "replica"
+    #: forwards every stage but the last runs ahead of 1F1B's order (2bw, 1f1b;
+    #: :func:`fxpipe.schedule.warmup`): one more micro-batch's activations held there per unit
+    lookahead: int = 0
 
     def __post_init__(self):
         # a plan read from JSON someone edited: the sizes and names every phase reads must be sound
@@ -172,6 +175,13 @@ class Plan:
                             f"{len(self.stage_plans)} stage plans; re-plan")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"the plan's schedule must be one of {SCHEDULES}, found {self.schedule!r}; re-plan")
+        try:
+            check_lookahead(self.schedule, self.lookahead)
+            if self.microbatches < (least := min_microbatches(self.schedule, self.stages, self.lookahead)):
+                raise PlanError(f"the plan's schedule {self.schedule!r} with lookahead={self.lookahead} needs "
+                                f"microbatches >= {least}, found {self.microbatches}; re-plan")
+        except ScheduleError as e:
+            raise PlanError(f"{e}; re-plan") from None
         if self.layout not in LAYOUTS:
             raise PlanError(f"the plan's layout must be one of {LAYOUTS} (replica-major: rank = replica x d + stage; "
                             f"stage-major: rank = stage x w + replica), found {self.layout!r}; re-plan")
@@ -286,8 +296,8 @@ class Plan:
 
     def __str__(self) -> str:
         head = (
-            f"Plan: {self.schedule}, d={self.stages} stages x w={self.width} replicas, "
-            f"b={self.microbatch_size}, m={self.microbatches} "
+            f"Plan: {self.schedule}" + (f" (lookahead {self.lookahead})" if self.lookahead else "")
+            + f", d={self.stages} stages x w={self.width} replicas, b={self.microbatch_size}, m={self.microbatches} "
             f"({self.cost_mode} costs on {self.device.name}, memory limit {megabytes(self.memory_limit)}, "
             f"graph {self.graph_hash[:12]})"
         )

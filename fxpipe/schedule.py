@@ -58,6 +58,11 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
 * gpipe: ``F1..Fm`` then ``B1..Bm`` in the same (increasing) order, then ``UPDATE``.
 * 1f1b (PipeDream-Flush): per batch, ``min(d-i, m)`` warm-up forwards, then alternate B, F
   until the forwards run out, then the remaining backwards, then ``UPDATE``.
+* A ``lookahead`` L (2bw and 1f1b) gives every stage but the last L warm-up forwards more
+  (:func:`warmup`), so each runs that far ahead of its successor; d=2, m=4, 1f1b, L=1::
+
+      stage 0: F1 F2 F3 B1 F4 B2 B3 B4 U1      (1F1B's order: F1 F2 B1 F3 B2 F4 B3 B4 U1)
+      stage 1: F1 B1 F2 B2 F3 B3 F4 B4 U1
 * zb (ZB-H1, Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3): 1f1b's
   order with each ``B k`` split into ``I k`` (input gradient, on the critical path: its
   ``SEND_GRAD k`` follows) and ``W k`` (weight gradient). After each ``I``, the oldest pending
@@ -157,10 +162,15 @@ __all__ = [
     "version_of",
     "waits_for",
     "zb_bounds",
+    "LOOKAHEAD_SCHEDULES",
+    "check_lookahead",
+    "warmup",
 ]
 
 #: Every schedule, the default first: the one list the API, the planner and the CLI accept.
 SCHEDULES = ("2bw", "1f1b", "gpipe", "zb")
+#: The schedules in 1F1B order, which take a ``lookahead`` (:func:`warmup`).
+LOOKAHEAD_SCHEDULES = ("2bw", "1f1b")
 
 
 class Kind(str, enum.Enum):
@@ -384,26 +394,59 @@ def compute_only(actions: Iterable[Action]) -> str:
 # Generators
 
 
-def _check_args(schedule: str, stages: int, microbatches: int, steps: int, width: int) -> None:
+def _check_args(schedule: str, stages: int, microbatches: int, steps: int, width: int, lookahead: int = 0) -> None:
     if schedule not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
     for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps), ("width", width)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be an int >= 1, found {value!r}")
-    if microbatches < (least := min_microbatches(schedule, stages)):
+    check_lookahead(schedule, lookahead)
+    if microbatches < (least := min_microbatches(schedule, stages, lookahead)):
+        if lookahead:
+            raise ScheduleError(f"2bw with lookahead={lookahead} needs m >= d + lookahead micro-batches, found "
+                                f"m={microbatches} with d={stages}: pass microbatches={least} or more, or "
+                                f"lookahead={max(microbatches - stages, 0)}")
         raise ScheduleError(f"{schedule} needs at least as many micro-batches as stages (m >= d), found "
                             f"m={microbatches} < d={stages}: pass microbatches={least} or more, or use "
                             f"schedule='1f1b'")
 
 
-def min_microbatches(schedule: str, stages: int) -> int:
+def min_microbatches(schedule: str, stages: int, lookahead: int = 0) -> int:
     """The fewest micro-batches a step of ``schedule`` may have on ``stages`` stages: ``stages``
-    under 2bw, 1 otherwise. 2bw needs m >= d for its version rule: with fewer, stage 0's warm-up
-    would run a forward of batch t+2 before batch t's last backward, so no UPDATE position could
-    give it W(t) (docs/design.md: a batch is m >= d). 1f1b and zb take any m (with m < d stage s
-    holds min(d - s, m) micro-batches, so the later stages hold fewer than gpipe's m). The
-    generator and the planner both read this rule."""
-    return stages if schedule == "2bw" else 1
+    under 2bw (``stages + lookahead`` with a lookahead), 1 otherwise. 2bw needs m >= d for its
+    version rule: with fewer, stage 0's warm-up would run a forward of batch t+2 before batch t's
+    last backward, so no UPDATE position could give it W(t) (docs/design.md: a batch is m >= d).
+    Each forward of lookahead moves that warm-up one further, and at m = d + lookahead - 1 the
+    stages would reach the cross-stage collectives of consecutive batches in different orders.
+    1f1b and zb take any m (with m < d stage s holds min(d - s, m) micro-batches, so the later
+    stages hold fewer than gpipe's m). The generator and the planner both read this rule."""
+    return stages + lookahead if schedule == "2bw" else 1
+
+
+def check_lookahead(schedule: str, lookahead: int) -> None:
+    """Raise :class:`ScheduleError` unless ``lookahead`` is an int >= 0 that ``schedule`` takes
+    (:func:`warmup`: only the 1F1B-ordered 2bw and 1f1b run forwards ahead)."""
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise ScheduleError(f"lookahead must be an int >= 0, found {lookahead!r}")
+    if lookahead and schedule not in LOOKAHEAD_SCHEDULES:
+        raise ScheduleError(f"lookahead={lookahead} runs forwards ahead of 1F1B's order, which only "
+                            f"{' and '.join(LOOKAHEAD_SCHEDULES)} follow; found schedule={schedule!r}: pass lookahead=0, "
+                            f"or schedule='2bw' or '1f1b'")
+
+
+def warmup(schedule: str, stage: int, stages: int, lookahead: int = 0) -> int:
+    """How many forwards stage ``stage`` of ``stages`` runs before its first backward, and so
+    how many micro-batches it holds at most (2bw, 1f1b; a flush also stops at m): 1F1B's
+    ``d - s``, and ``lookahead`` more on every stage but the last.
+
+    In 1F1B's steady state each neighbour's next action waits for the message the other has just
+    sent, with no time to spare, so any delay on either rank idles the other. A lookahead of one
+    runs each stage one forward further ahead: its successor finds the next activations already
+    there and goes on through a hiccup of its predecessor, at the price of one more micro-batch's
+    activations held (docs/design.md, "Lookahead"). The last stage runs each backward right after
+    its forward (the loss is there): it has nothing to run ahead. Numbers are unchanged: every
+    micro-batch keeps its weight version and each stage its order of backwards."""
+    return stages - stage + (lookahead if stage < stages - 1 else 0)
 
 
 def _one_f_one_b(first: int, last: int, warmup: int) -> list[tuple[Kind, int]]:
@@ -460,7 +503,7 @@ def zb_bounds(stage: int, stages: int, microbatches: int, recompute: bool = Fals
 
 
 def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int,
-                   recompute: bool = False) -> list[tuple[Kind, int]]:
+                   recompute: bool = False, lookahead: int = 0) -> list[tuple[Kind, int]]:
     if schedule == "zb":
         defer = zb_bounds(stage, d, m, recompute)[1]
         order: list[tuple[Kind, int]] = []
@@ -469,13 +512,13 @@ def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int,
         return order
     if schedule == "2bw":
         # PipeDream-2BW (arXiv 2006.09503, fig. 3): 1F1B with d - i micro-batches in flight on
-        # stage i, across step boundaries.
-        return _one_f_one_b(1, steps * m, d - stage)
+        # stage i (plus the lookahead on all but the last), across step boundaries.
+        return _one_f_one_b(1, steps * m, warmup(schedule, stage, d, lookahead))
     order: list[tuple[Kind, int]] = []
     for t in range(1, steps + 1):
         first, last = (t - 1) * m + 1, t * m
         if schedule == "1f1b":
-            order += _one_f_one_b(first, last, d - stage)
+            order += _one_f_one_b(first, last, warmup(schedule, stage, d, lookahead))
         else:  # gpipe: every forward, then every backward in the same order
             order += [(Kind.F, k) for k in range(first, last + 1)]
             order += [(Kind.B, k) for k in range(first, last + 1)]
@@ -492,8 +535,9 @@ def _tied_group(tied: bool | Sequence[int] | None, d: int) -> tuple[int, ...]:
     return group if len(group) >= 2 else ()  # a tied weight on one stage needs no cross-stage sum
 
 
-def _options(schedule, stages, microbatches, steps, width, recompute, tied) -> tuple[list[bool], tuple[int, ...]]:
-    _check_args(schedule, stages, microbatches, steps, width)
+def _options(schedule, stages, microbatches, steps, width, recompute, tied,
+             lookahead: int = 0) -> tuple[list[bool], tuple[int, ...]]:
+    _check_args(schedule, stages, microbatches, steps, width, lookahead)
     if recompute is None or isinstance(recompute, bool):
         recompute = [bool(recompute)] * stages
     recompute = list(recompute)
@@ -512,6 +556,7 @@ def generate(
     recompute: bool | Sequence[bool] | None = None,
     tied: bool | Sequence[int] | None = None,
     clip: bool = False,
+    lookahead: int = 0,
 ) -> dict[int, list[Action]]:
     """Action lists ``{stage: [Action, ...]}`` of one pipeline replica for ``steps`` optimizer
     steps followed by a flush: exactly what the runtime executes for ``steps`` calls of
@@ -522,30 +567,31 @@ def generate(
     same lists, see :func:`actions_by_rank`). ``recompute``: one bool, or one per stage (adds
     ``R k`` before ``B k``). ``tied``: True for a tied weight on the first and last stage, or the
     stages holding copies (adds TIED_START/TIED_WAIT there). ``clip``: global gradient-norm
-    clipping (adds NORM_START/NORM_WAIT on every stage). ``END_STEP t`` marks where step t's
+    clipping (adds NORM_START/NORM_WAIT on every stage). ``lookahead``: 2bw and 1f1b only, the
+    forwards every stage but the last runs ahead of 1F1B's order (:func:`warmup`). ``END_STEP t`` marks where step t's
     segment ends. The orders are drawn in the module docstring; ``validate`` accepts every list
     this returns.
 
     >>> [str(a) for a in generate("2bw", 2, 2, 2)[1] if a.kind in COMPUTE | {Kind.UPDATE}]
     ['1F1v0', '1B1v0', '1F2v0', '1B2v0', '1UPDATE1', '1F3v0', '1B3v0', '1F4v0', '1B4v0', '1UPDATE2']
     """
-    recompute, group = _options(schedule, stages, microbatches, steps, width, recompute, tied)
-    return _build(schedule, stages, microbatches, steps, recompute, width > 1, group, clip)
+    recompute, group = _options(schedule, stages, microbatches, steps, width, recompute, tied, lookahead)
+    return _build(schedule, stages, microbatches, steps, recompute, width > 1, group, clip, lookahead)
 
 
-def _raw(schedule, d, m, steps, recompute, dp, group, clip) -> dict[int, list[Action]]:
+def _raw(schedule, d, m, steps, recompute, dp, group, clip, lookahead) -> dict[int, list[Action]]:
     """Lists of a run of exactly ``steps`` batches with END_STEP 1..steps-1 and p2p inserted."""
-    cores = {s: _core_list(schedule, s, d, m, steps, recompute[s], dp, group, clip) for s in range(d)}
+    cores = {s: _core_list(schedule, s, d, m, steps, recompute[s], dp, group, clip, lookahead) for s in range(d)}
     return _with_p2p(cores, d)
 
 
-def _build(schedule, d, m, steps, recompute, dp, group, clip) -> dict[int, list[Action]]:
+def _build(schedule, d, m, steps, recompute, dp, group, clip, lookahead) -> dict[int, list[Action]]:
     """Steps 1..``steps`` as a longer run executes them (its lists through ``END_STEP steps``),
     then the drain: what a run of exactly ``steps`` batches still has to do, in its order. The
     two parts agree on every channel at the boundary (validate checks it), so stopping there and
     draining never reorders a rank pair's posts."""
-    longer = _raw(schedule, d, m, steps + 1, recompute, dp, group, clip)
-    exact = _raw(schedule, d, m, steps, recompute, dp, group, clip)
+    longer = _raw(schedule, d, m, steps + 1, recompute, dp, group, clip, lookahead)
+    exact = _raw(schedule, d, m, steps, recompute, dp, group, clip, lookahead)
     out = {}
     for s in range(d):
         cut = longer[s].index(Action(s, Kind.END_STEP, steps)) + 1
@@ -579,17 +625,17 @@ class Program:
 
     def __init__(self, schedule: str, stages: int, microbatches: int, *, width: int = 1,
                  recompute: bool | Sequence[bool] | None = None, tied: bool | Sequence[int] | None = None,
-                 clip: bool = False):
-        self.schedule, self.stages, self.microbatches = schedule, stages, microbatches
-        recompute, group = _options(schedule, stages, microbatches, 1, width, recompute, tied)
-        self._args = (schedule, stages, microbatches, recompute, width > 1, group, clip)
+                 clip: bool = False, lookahead: int = 0):
+        self.schedule, self.stages, self.microbatches, self.lookahead = schedule, stages, microbatches, lookahead
+        recompute, group = _options(schedule, stages, microbatches, 1, width, recompute, tied, lookahead)
+        self._args = (schedule, stages, microbatches, recompute, width > 1, group, clip, lookahead)
         self._parts: dict[int, dict[int, tuple[list[Action], list[Action]]]] = {}
 
     def _local(self, j: int) -> dict[int, tuple[list[Action], list[Action]]]:
         """{stage: (segment j, drain after j)} of an epoch starting at batch 1 (j <= PERIOD_FROM)."""
         if j not in self._parts:
-            schedule, d, m, recompute, dp, group, clip = self._args
-            lists = _build(schedule, d, m, j, recompute, dp, group, clip)
+            schedule, d, m, *options = self._args
+            lists = _build(schedule, d, m, j, *options)
             parts = {}
             for s, lst in lists.items():
                 end = lst.index(Action(s, Kind.END_STEP, j)) + 1
@@ -621,7 +667,7 @@ class Program:
         and ``fxpipe inspect`` (a default compile) all build theirs here, so what they draw is
         what runs. NORM_START/NORM_WAIT run every step (:func:`norm_every_step`)."""
         return cls(plan.schedule, plan.stages, plan.microbatches, width=plan.width, recompute=list(plan.recompute),
-                   tied=list(tied) if tied else None, clip=norm_every_step(accumulate))
+                   tied=list(tied) if tied else None, clip=norm_every_step(accumulate), lookahead=plan.lookahead)
 
     def lists(self, steps: int) -> dict[int, list[Action]]:
         """``{stage: segments 1..steps, then the drain}``: a run of ``steps`` calls of
@@ -669,7 +715,8 @@ def eval_list(stage: int, stages: int, microbatches: int) -> list[Action]:
 
 
 def _core_list(
-    schedule: str, stage: int, d: int, m: int, steps: int, recompute: bool, dp: bool, group: tuple[int, ...], clip: bool
+    schedule: str, stage: int, d: int, m: int, steps: int, recompute: bool, dp: bool, group: tuple[int, ...], clip: bool,
+    lookahead: int = 0,
 ) -> tuple[list[Action], list[tuple[str, int]]]:
     """Compute, reductions, UPDATEs and END_STEP markers of one stage (no SEND/RECV), and its
     *cuts*: ``(label, i)``, the stage's list from index i on lies after the cut.
@@ -689,14 +736,17 @@ def _core_list(
       so stage 0 finds their parts posted. 1f1b/gpipe: both right after batch t's backwards.
 
     Neighbouring stages' positions differ by 0 or 1 forward, which in 1F1B order is exactly what
-    a consistent cut needs: a message sent before it is received before it or posted early.
+    a consistent cut needs: a message sent before it is received before it or posted early. With
+    a ``lookahead`` a stage reaches each position that many backwards sooner; its receives of the
+    gradients still due are then posted early, and :func:`validate` replays every such list.
     """
     out: list[Action] = []
     cuts: list[tuple[str, int]] = []
     tied = stage in group
     reduces = dp or tied or clip
     two_bw = schedule == "2bw"
-    order = _compute_order(schedule, stage, d, m, steps, recompute)
+    order = _compute_order(schedule, stage, d, m, steps, recompute, lookahead)
+    ahead = warmup(schedule, stage, d, lookahead)
     last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind in LAST_BACKWARD}
     pending: list[int] = []  # batches whose gradients are handed to reductions, UPDATE still due
     cut_due: list[int] = []  # 2bw: batches done here whose TIED/NORM cuts are still ahead
@@ -738,8 +788,9 @@ def _core_list(
 
     def reached(c: int) -> bool:
         """Whether the point right before F(c) is behind us: in 1F1B order B(c - w) directly
-        precedes F(c), so in the cool-down, where F(c) no longer exists, it is after B(c - w)."""
-        return b_done >= c - (d - stage)
+        precedes F(c) (w: :func:`warmup`), so in the cool-down, where F(c) no longer exists, it is
+        after B(c - w)."""
+        return b_done >= c - ahead
 
     for pos, (kind, k) in enumerate(order):
         t = batch_of(k, m)
@@ -756,7 +807,7 @@ def _core_list(
             cut("END", t - 1)
         if two_bw:
             for p in list(cut_due):
-                if reached(p * m + d - stage):
+                if b_done >= p * m:  # right after this stage's last backward of batch p
                     post_tied(p)
                 if ("TIED", p) in posted or not group:
                     if ("NORM", p) in posted or not clip:
@@ -938,6 +989,7 @@ def validate(
     recompute: bool | Sequence[bool] | None = None,
     tied: bool | Sequence[int] | None = None,
     clip: bool | None = None,
+    lookahead: int = 0,
 ) -> None:
     """Raise :class:`ScheduleError` unless the lists obey every invariant of ``schedule``.
 
@@ -947,7 +999,8 @@ def validate(
     on a recomputing stage W directly after its I; each F/R/B/I/W on the version of
     :func:`version_of`
     (so the same on every stage); SEND after the F/B that produced its tensor and each RECV
-    before its consumer; at most ``d - i`` micro-batches in flight on stage i (1f1b, 2bw) or
+    before its consumer; at most ``d - i`` micro-batches in flight on stage i (1f1b, 2bw; plus
+    ``lookahead`` on all but the last stage, :func:`warmup`) or
     ``m`` (gpipe), or ``min(d, m)`` between F and W (zb, of which at most ``min(d - i, m)``
     before their I; ``min(d - i, m)`` where the stage recomputes, see :func:`zb_bounds`); at
     most 2 weight versions alive (2bw) or 1 (flush); one UPDATE per batch in its window (after
@@ -961,7 +1014,7 @@ def validate(
     docstring) and reports mismatched p2p orders and deadlocks. ``steps`` defaults to what the
     lists hold. The message names the action, its stage and ranks, and shows the grid around it.
     """
-    _check_args(schedule, stages, microbatches, steps or 1, width)
+    _check_args(schedule, stages, microbatches, steps or 1, width, lookahead)
     if sorted(actions_by_stage) != list(range(stages)):
         raise ScheduleError(
             f"expected one action list per stage 0..{stages - 1}, found keys {sorted(actions_by_stage)}: "
@@ -977,7 +1030,7 @@ def validate(
     group = _tied_group(tied, d) if tied is not None else None
     segments = any(a.kind is Kind.END_STEP for lst in actions_by_stage.values() for a in lst)
     for s in range(d):
-        _StageCheck(ck, s, schedule, d, m, steps, recompute, group, clip, width).run()
+        _StageCheck(ck, s, schedule, d, m, steps, recompute, group, clip, width, lookahead).run()
         if segments:
             _check_steps(ck, s, m, steps)
     if segments:
@@ -991,14 +1044,15 @@ class _StageCheck:
     the whole list must hold (:meth:`complete`). A new kind adds its rules here."""
 
     def __init__(self, ck: _Checker, s: int, schedule: str, d: int, m: int, steps: int,
-                 recompute: Sequence[bool] | None, group, clip: bool, width: int) -> None:
+                 recompute: Sequence[bool] | None, group, clip: bool, width: int, lookahead: int = 0) -> None:
         self.ck, self.s, self.schedule, self.d, self.m, self.steps = ck, s, schedule, d, m, steps
         self.recompute, self.group, self.clip, self.width = recompute, group, clip, width
         self.lst = ck.by_stage[s]
         self.zb = schedule == "zb"
         self.rc = recompute is not None and recompute[s]
         # micro-batches between F and W (B), and how many of them may have run their I (zb's deferred W)
-        self.limit, deferred = zb_bounds(s, d, m, self.rc) if self.zb else (m if schedule == "gpipe" else d - s, 0)
+        self.limit, deferred = (zb_bounds(s, d, m, self.rc) if self.zb else
+                                (m if schedule == "gpipe" else warmup(schedule, s, d, lookahead), 0))
         self.whole = self.limit - deferred  # between F and I: whole activations
         self.backward = (Kind.I, Kind.W) if self.zb else (Kind.B,)  # what each micro-batch's backward is here
         self.reduced = {a.index for a in self.lst if a.kind in STARTS}  # batches whose gradient is reduced

@@ -45,6 +45,9 @@ class Case:
     # With dropout no single-device reference draws the same masks: such a case is compared with
     # the same pipeline run in ONE process (fxpipe seeds per (seed, micro-batch, stage)).
     dropout: float = 0.0
+    # forwards every stage but the last runs ahead of 1F1B's order (None: the planner's: 1 under
+    # 2bw with m > d, else 0); the numbers must not change
+    lookahead: int | None = None
 
 
 def _groups_factory(named, lr=2e-2):
@@ -120,7 +123,7 @@ def single_process(case: Case, **extra):
     pipe = fxpipe.compile(
         model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches, schedule=case.schedule,
         stages=case.stages, max_grad_norm=case.max_grad_norm, recompute=case.recompute or None, verbose=False,
-        **extra,
+        lookahead=case.lookahead, **extra,
     )
     return [pipe.step(x, y) for x, y in batches], pipe.state_dict()
 
@@ -207,6 +210,12 @@ CASES = {
              max_grad_norm=1.0),
         Case("d4_m3_gpt2_zb", model="gpt2", schedule="zb", stages=4, microbatches=3, optimizer="adamw",
              dtype=torch.float64),
+        # lookahead (2bw's default is 1 here): 1F1B's own order, one forward ahead under 1f1b,
+        # two ahead on three stages with recomputation
+        Case("2bw_adamw_lookahead0", schedule="2bw", optimizer="adamw", max_grad_norm=0.5, lookahead=0),
+        Case("1f1b_adamw_lookahead1", schedule="1f1b", optimizer="adamw", max_grad_norm=0.5, lookahead=1),
+        Case("d3_m6_gpt2_2bw_lookahead2", model="gpt2", schedule="2bw", stages=3, microbatches=6, optimizer="sgd",
+             max_grad_norm=1.0, recompute=True, lookahead=2),
         # three stages
         Case("d3_2bw_sgd", schedule="2bw", stages=3, optimizer="sgd", max_grad_norm=0.5),
         Case("d3_2bw_adamw", schedule="2bw", stages=3, optimizer="groups"),

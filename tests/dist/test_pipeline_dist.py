@@ -62,7 +62,9 @@ def check_cases(world, names, timeout, backend="gloo"):
 
 def test_two_ranks():
     # one of each kind: clipping, another schedule, tied weights, a mask input, dropout
-    check_cases(2, ["2bw_adamw_clip", "1f1b_adamw", "gpt2_2bw_adamw", "bert_2bw", "dropout_2bw"], 300)
+    # (2bw's with m > d run one forward ahead: the planner's lookahead; 1f1b's on request)
+    check_cases(2, ["2bw_adamw_clip", "1f1b_adamw", "gpt2_2bw_adamw", "bert_2bw", "dropout_2bw",
+                    "1f1b_adamw_lookahead1"], 300)
 
 
 def test_two_ranks_zb():
@@ -77,12 +79,14 @@ def test_four_ranks_zb():
 
 @pytest.mark.slow  # the default suite's time budget: these cases run by default in one process
 def test_two_ranks_more_cases():
-    check_cases(2, ["2bw_sgd", "2bw_groups", "2bw_recompute", "gpipe_sgd", "gpt2_2bw", "llama_2bw_adamw"], 300)
+    check_cases(2, ["2bw_sgd", "2bw_groups", "2bw_recompute", "gpipe_sgd", "gpt2_2bw", "llama_2bw_adamw",
+                    "2bw_adamw_lookahead0"], 300)
 
 
 @pytest.mark.slow  # time budget: d = 3 runs by default in one process (tests/unit/test_pipeline.py)
 def test_three_ranks():
-    check_cases(3, ["d3_2bw_sgd", "d3_2bw_adamw", "d3_gpt2_2bw", "d3_gpt2_2bw_adamw", "d3_llama_2bw_adamw", "d3_dropout_1f1b"], 300)
+    check_cases(3, ["d3_2bw_sgd", "d3_2bw_adamw", "d3_gpt2_2bw", "d3_gpt2_2bw_adamw", "d3_llama_2bw_adamw", "d3_dropout_1f1b",
+                    "d3_m6_gpt2_2bw_lookahead2"], 300)
 
 
 @pytest.mark.slow  # the default suite's time budget holds 2-rank worlds

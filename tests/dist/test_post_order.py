@@ -25,15 +25,18 @@ from tests.dist.harness import run_function
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-# (model, schedule, stages, clip, recompute); the width is world / stages
+# (model, schedule, stages, clip, recompute[, lookahead]); the width is world / stages, and a step
+# has stages + lookahead micro-batches (so 2bw's planner gives lookahead 0 where none is given)
 # "branch": a leaf module whose backward reaches data-dependent weights (the reached flags in
 # each gradient message; with w = 2 the reached counts summed with the gradients)
 CONFIGS = {
     2: [("gpt2", s, 2, True, r) for s in ("2bw", "1f1b", "gpipe") for r in (False, True)]
-    + [("rms", "2bw", 2, False, False), ("gpt2", "zb", 2, True, False), ("branch", "2bw", 2, True, False)],
-    3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")] + [("rms", "2bw", 3, True, False)],
+    + [("rms", "2bw", 2, False, False), ("gpt2", "zb", 2, True, False), ("branch", "2bw", 2, True, False)]
+    + [("gpt2", "2bw", 2, True, False, 1), ("gpt2", "1f1b", 2, True, True, 1), ("rms", "2bw", 2, False, False, 2)],
+    3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")] + [("rms", "2bw", 3, True, False)]
+    + [("gpt2", "2bw", 3, True, True, 1)],
     4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe") for d in (2, 4)] + [("rms", "2bw", 2, True, False)]
-    + [("branch", s, 2, True, False) for s in ("2bw", "1f1b", "zb")],
+    + [("branch", s, 2, True, False) for s in ("2bw", "1f1b", "zb")] + [("gpt2", "2bw", 2, True, True, 1)],
     6: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")],
 }
 
@@ -78,8 +81,9 @@ def record(rank: int, world: int) -> list:
     from tests.models import BranchNet, TwoBranches, gpt2_tiny, rmsnorm_residual
 
     out = []
-    for model_name, schedule, d, clip, recompute in CONFIGS[world]:
-        w = world // d
+    for model_name, schedule, d, clip, recompute, *ahead in CONFIGS[world]:
+        w, lookahead = world // d, (ahead or [0])[0]
+        m = d + lookahead
         leaves = ()
         if model_name == "branch":  # the first half of the batch takes b.down, the second b.up: with w = 2
             # replica 0 reaches only b.down, replica 1 only b.up
@@ -88,19 +92,21 @@ def record(rank: int, world: int) -> list:
             with torch.no_grad():
                 model.a.weight.copy_(torch.eye(8))
                 model.a.bias.zero_()
-            batch = torch.stack([torch.full((8,), 1.0 if 2 * k >= d * w else -1.0) for k in range(d * w)])
-            target, example = torch.zeros(d * w, 1), (batch[:1],)
+            batch = torch.stack([torch.full((8,), 1.0 if 2 * k >= m * w else -1.0) for k in range(m * w)])
+            target, example = torch.zeros(m * w, 1), (batch[:1],)
         elif model_name == "gpt2":
             model, example = gpt2_tiny(batch=1, seq=4, labels=True)
-            ids = torch.randint(0, 100, (d * w, 4), generator=torch.Generator().manual_seed(0))
+            ids = torch.randint(0, 100, (m * w, 4), generator=torch.Generator().manual_seed(0))
             batch, target, loss_fn = {"input_ids": ids, "labels": ids}, None, None
         else:
             model, example = rmsnorm_residual(batch=1)
-            x = torch.randint(0, 50, (d * w, 8), generator=torch.Generator().manual_seed(0))
+            x = torch.randint(0, 50, (m * w, 8), generator=torch.Generator().manual_seed(0))
             batch, target, loss_fn = x, x, lm_loss
-        pipe = fxpipe.compile(model, example, loss_fn=loss_fn, microbatches=d, schedule=schedule, stages=d,
+        pipe = fxpipe.compile(model, example, loss_fn=loss_fn, microbatches=m, schedule=schedule, stages=d,
                               max_grad_norm=1.0 if clip else None, recompute=recompute or None, verbose=False,
-                              optimizer=functools.partial(torch.optim.SGD, lr=1e-3), leaf_modules=leaves)
+                              optimizer=functools.partial(torch.optim.SGD, lr=1e-3), leaf_modules=leaves,
+                              lookahead=lookahead)
+        assert pipe.plan.lookahead == lookahead
         log: list = []
         saved = {name: getattr(dist, name) for name in ("isend", "irecv") + _COLLECTIVES}
         _record_posts(log)
@@ -114,7 +120,7 @@ def record(rank: int, world: int) -> list:
         finally:
             for name, fn in saved.items():
                 setattr(dist, name, fn)
-        out.append(((model_name, schedule, d, w, clip, recompute), log))
+        out.append(((model_name, schedule, d, w, clip, recompute, lookahead), log))
         dist.barrier()
     return out
 

@@ -597,6 +597,14 @@ def test_rejected_step_leaves_no_state():
     (dict(stages=4, microbatches=2), "fxpipe.compile: microbatches must be >= stages = 4 for schedule='2bw', found 2; "
                                      "2bw's weight-version rule needs a step of at least one micro-batch per stage: "
                                      "pass microbatches >= 4, fewer stages, or schedule='1f1b' or 'zb', which take fewer"),
+    (dict(schedule="zb", lookahead=1), "fxpipe.compile: lookahead=1 runs forwards ahead of 1F1B's order, which only "
+                                       "2bw and 1f1b follow; found schedule='zb': pass lookahead=0, or schedule='2bw' "
+                                       "or '1f1b'"),
+    (dict(lookahead=True), "fxpipe.compile: lookahead must be an int >= 0, found True"),
+    (dict(stages=2, microbatches=3, lookahead=2), "fxpipe.compile: microbatches must be >= stages + lookahead = 4 for "
+                                                 "schedule='2bw' with lookahead=2, found 3; each forward of lookahead "
+                                                 "moves 2bw's warm-up one micro-batch further: pass microbatches >= 4 "
+                                                 "or lookahead=1"),
     (dict(plan={"stages": 2}), "fxpipe.compile: plan must be a fxpipe.Plan or its JSON (Plan.to_json()), or None, found a "
                                "dict; pass fxpipe.plan(model, example_inputs, ...)'s result or the text of `fxpipe plan "
                                "--json PATH` (to ask for a depth alone, pass stages= instead)"),
@@ -686,7 +694,11 @@ def test_arguments_that_contradict_the_plan_are_refused():
             f"{B}*{M}*1); the plan's would run. Pass microbatches=None (or {M}) to run the plan, or make a plan for "
             f"{2 * M} (fxpipe.plan(..., microbatches={2 * M})).")):
         _compile(model, example, plan=plan, microbatches=2 * M)
-    assert _compile(model, example, plan=plan, stages=2, recompute=False).plan == plan
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: lookahead=1 contradicts the plan, which runs lookahead=0; the plan's would run. Pass "
+            "lookahead=None to run the plan as it is, or make a plan with fxpipe.plan(..., lookahead=1).")):
+        _compile(model, example, plan=plan, lookahead=1)
+    assert _compile(model, example, plan=plan, stages=2, recompute=False, lookahead=0).plan == plan
 
 
 def test_a_lazy_pipeline_cuts_its_first_micro_batch_by_the_plans_width():

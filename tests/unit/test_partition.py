@@ -216,6 +216,15 @@ def test_gpt2_plan_json_print_and_hash():
         Plan.from_json(json.dumps({**edited, "schedule": "pipedream"}))
     with pytest.raises(PlanError, match=r"the plan's stages must be an int >= 1, found 'x'; re-plan"):
         Plan.from_json(json.dumps({**edited, "stages": "x"}))
+    # 2bw runs one forward ahead where it fits (fxpipe.partition.AUTO_LOOKAHEAD); a plan written
+    # before lookahead existed reads as 1F1B's order, and a lookahead the schedule cannot run is refused
+    assert p.lookahead == 1
+    assert Plan.from_json(json.dumps({k: v for k, v in edited.items() if k != "lookahead"})).lookahead == 0
+    with pytest.raises(PlanError, match=r"lookahead must be an int >= 0, found -1; re-plan"):
+        Plan.from_json(json.dumps({**edited, "lookahead": -1}))
+    with pytest.raises(PlanError, match=r"the plan's schedule '2bw' with lookahead=3 needs microbatches >= 5, found 4; "
+                                        r"re-plan"):
+        Plan.from_json(json.dumps({**edited, "lookahead": 3}))
     with pytest.raises(PlanError, match=r"not a plan's JSON \(Plan\.to_json\(\)\): KeyError: 'recompute'; make the "
                                         r"plan again"):
         Plan.from_json("{}")
@@ -555,14 +564,50 @@ def _peaks(pipe, batch: set, steps) -> dict[int, int]:
     return peak
 
 
-@pytest.mark.parametrize("schedule, recompute", [("1f1b", False), ("2bw", False), ("gpipe", False), ("zb", False),
-                                                 ("2bw", True), ("1f1b", True), ("gpipe", True), ("zb", True)])
-def test_the_plan_prices_at_least_what_each_worker_holds(schedule, recompute):
+def test_2bw_runs_one_forward_ahead_only_where_that_changes_nothing_but_memory():
+    """The planner gives 2bw a lookahead of 1 (every stage but the last one forward ahead of
+    1F1B's order: one more micro-batch's activations there) where the plan still fits with it at
+    the same cuts; 1f1b keeps 1F1B's order unless asked; an explicit lookahead is priced."""
+    model, inputs = small_gpt2(4)
+    gm = fxpipe.trace(model, inputs)
+    ahead = plan(gm, inputs, stages=2, microbatches=4)
+    plain = plan(gm, inputs, stages=2, microbatches=4, lookahead=0)
+    assert (ahead.lookahead, plain.lookahead) == (1, 0)
+    assert ahead.assignment_pairs == plain.assignment_pairs and ahead.step_time == plain.step_time
+    first, last = (a.memory_activations / p.memory_activations for a, p in zip(ahead.stage_plans, plain.stage_plans))
+    assert first == pytest.approx(3 / 2, rel=0.1) and last == 1.0  # stage 0 holds 3 micro-batches, not 2
+    # memory for the plain plan but not for one more micro-batch on stage 0: 1F1B's order, same cuts
+    tight = plan(gm, inputs, stages=2, microbatches=4, device_memory=plain.stage_plans[0].memory)
+    assert tight.lookahead == 0 and tight.assignment_pairs == plain.assignment_pairs
+    forced = plan(gm, inputs, stages=2, microbatches=4, device_memory=plain.stage_plans[0].memory, lookahead=1)
+    assert forced.lookahead == 1 and max(sp.memory for sp in forced.stage_plans) <= plain.stage_plans[0].memory
+    assert forced.assignment_pairs != plain.assignment_pairs or any(forced.recompute)  # it had to give something up
+    with pytest.raises(PlanError, match=r"no configuration fits .* more devices, lookahead=0 \(each forward of "
+                                        r"lookahead holds one more micro-batch's activations\) or a smaller"):
+        plan(gm, inputs, stages=2, microbatches=4, device_memory=1e3, lookahead=1)
+    assert plan(gm, inputs, stages=2, microbatches=2).lookahead == 0  # m = d: 2bw has no micro-batch to run ahead
+    assert plan(gm, inputs, stages=2, microbatches=4, schedule="1f1b").lookahead == 0
+    asked = plan(gm, inputs, stages=2, microbatches=4, schedule="1f1b", lookahead=1)
+    assert asked.lookahead == 1 and asked.stage_plans[0].memory > plain.stage_plans[0].memory
+    with pytest.raises(PlanError, match=r"lookahead=1 runs forwards ahead of 1F1B's order, which only 2bw and 1f1b "
+                                        r"follow; found schedule='zb'"):
+        plan(gm, inputs, stages=2, microbatches=4, schedule="zb", lookahead=1)
+    with pytest.raises(PlanError, match=r"schedule '2bw' with lookahead=3 needs at least stages \+ lookahead "
+                                        r"micro-batches: found microbatches=4 < 5; use microbatches >= 5 or lookahead=2"):
+        plan(gm, inputs, stages=2, microbatches=4, lookahead=3)
+
+
+@pytest.mark.parametrize("schedule, recompute, lookahead", [
+    ("1f1b", False, None), ("2bw", False, None), ("gpipe", False, None), ("zb", False, None), ("2bw", True, None),
+    ("1f1b", True, None), ("gpipe", True, None), ("zb", True, None),
+    ("2bw", False, 0), ("2bw", False, 2), ("1f1b", False, 1), ("1f1b", True, 2)])
+def test_the_plan_prices_at_least_what_each_worker_holds(schedule, recompute, lookahead):
     """Between any two actions, the distinct storages a worker holds for its micro-batches
     (activations autograd saved, received inputs of those in flight and the receives posted
     early, posted gradient receives, model inputs handed over for the step, gradients being
     sent) are at most what the plan prices for its stage: activations plus buffers. The plan
-    used to price one received input per stage and no gradient receive or model input."""
+    used to price one received input per stage and no gradient receive or model input. With
+    every lookahead (None: 2bw's planner runs one forward ahead here)."""
     import functools
 
     class Regression(nn.Module):  # the loss in the graph: the planner sees all the model computes
@@ -576,8 +621,9 @@ def test_the_plan_prices_at_least_what_each_worker_holds(schedule, recompute):
     torch.manual_seed(0)
     d, m, width = 3, 6, 64
     pipe = fxpipe.compile(Regression(width), (torch.randn(8, width), torch.randn(8, width)), microbatches=m,
-                          stages=d, schedule=schedule, recompute=recompute, verbose=False,
+                          stages=d, schedule=schedule, recompute=recompute, verbose=False, lookahead=lookahead,
                           optimizer=functools.partial(torch.optim.SGD, lr=1e-3))
+    assert pipe.plan.lookahead == (lookahead if lookahead is not None else 1 if schedule == "2bw" else 0)
     X, Y = torch.randn(8 * m, width), torch.randn(8 * m, width)
     batch = {X.untyped_storage().data_ptr(), Y.untyped_storage().data_ptr()}
     peak = _peaks(pipe, batch, lambda: [pipe.step((X, Y)) for _ in range(3)])
@@ -611,13 +657,13 @@ def test_a_recomputing_last_stage_holds_no_model_output_and_zb_its_anchor_gradie
         assert peak[sp.index] <= sp.memory_activations + sp.memory_buffers + 4, (sp.index, peak[sp.index])
 
 
-def _replayed(schedule: str, d: int, m: int, recompute: list, split: bool = True) -> dict[int, set]:
+def _replayed(schedule: str, d: int, m: int, recompute: list, split: bool = True, lookahead: int = 0) -> dict[int, set]:
     """Per stage, what the runtime holds after each action of its generated lists (3 steps and
     a flush), as counts (whole, deferred, outputs, inputs, sent, grads, model inputs): the
     runtime's rules (fxpipe/runtime.py, Pipeline._give) replayed on the lists alone."""
     from fxpipe.schedule import Kind, generate
 
-    lists = generate(schedule, d, m, 3, recompute=recompute)
+    lists = generate(schedule, d, m, 3, recompute=recompute, lookahead=lookahead)
     out = {}
     for s, actions in lists.items():
         redo = {a.index for a in actions if a.kind is Kind.R}
@@ -667,13 +713,15 @@ def _replayed(schedule: str, d: int, m: int, recompute: list, split: bool = True
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "2bw", "zb"])
-def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule):
+@pytest.mark.parametrize("schedule,lookahead", [("gpipe", 0), ("1f1b", 0), ("2bw", 0), ("zb", 0),
+                                                ("1f1b", 1), ("2bw", 1), ("1f1b", 2), ("2bw", 2)])
+def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule, lookahead):
     """Every point of every stage's list holds at most one of its moments (fxpipe.partition._moments)
     of each kind; a gradient being sent may take the place of a received input it is no larger
-    than. And each count of each moment is reached somewhere: the bound is the lists' own."""
+    than. And each count of each moment is reached somewhere: the bound is the lists' own. With
+    a lookahead too (stages run forwards ahead of 1F1B's order)."""
     from fxpipe.partition import Held, _moments
-    from fxpipe.schedule import min_microbatches, zb_bounds
+    from fxpipe.schedule import min_microbatches, warmup, zb_bounds
 
     def covered(v, h: Held) -> bool:
         c = [a - b for a, b in zip((h.whole, h.deferred, h.outputs, h.inputs, h.sent, h.grads, h.model_inputs), v)]
@@ -681,17 +729,19 @@ def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule):
 
     for d in range(1, 7):
         for m in range(1, 13):
-            if m < min_microbatches(schedule, d):
+            if m < min_microbatches(schedule, d, lookahead):
                 continue
-            alive = [zb_bounds(s, d, m)[0] if schedule == "zb" else m if schedule == "gpipe" else d - s for s in range(d)]
+            alive = [zb_bounds(s, d, m)[0] if schedule == "zb" else m if schedule == "gpipe" else
+                     warmup(schedule, s, d, lookahead) for s in range(d)]
             for on in (False, True):
                 recompute = [on and n > 1 for n in alive]
                 for split in ((True, False) if schedule == "zb" else (True,)):
-                    points = _replayed(schedule, d, m, recompute, split)
+                    points = _replayed(schedule, d, m, recompute, split, lookahead)
                     for s, seen in points.items():
-                        moments = _moments(schedule, d, m, s, recompute[s], split)
+                        moments = _moments(schedule, d, m, s, recompute[s], split, lookahead)
                         for v in seen:
-                            assert any(covered(v, h) for h in moments), (schedule, d, m, s, recompute[s], split, v, moments)
+                            assert any(covered(v, h) for h in moments), (schedule, lookahead, d, m, s, recompute[s], split, v,
+                                                                         moments)
                         for h in moments:
                             counts = (h.whole, h.deferred, h.outputs, h.inputs, h.sent, h.grads, h.model_inputs)
                             for i, c in enumerate(counts):

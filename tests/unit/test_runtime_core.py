@@ -27,15 +27,24 @@ OPTIONS = [{}, {"width": 2}, {"tied": True}, {"clip": True}, {"recompute": True}
            {"width": 2, "tied": True, "clip": True, "recompute": True}, {"tied": [1, 2], "clip": True}]
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_segments_repeat_and_concatenate_to_the_validated_lists(schedule):
+#: every schedule, and the 1F1B-ordered ones with stages running forwards ahead (schedule.warmup)
+WITH_LOOKAHEAD = [(s, 0) for s in SCHEDULES] + [("2bw", 1), ("1f1b", 1), ("2bw", 2)]
+
+
+def _skip(schedule: str, d: int, m: int, opts: dict, lookahead: int = 0) -> bool:
+    return schedule == "2bw" and m < d + lookahead or (opts.get("tied") == [1, 2] and d < 3)
+
+
+@pytest.mark.parametrize("schedule,lookahead", WITH_LOOKAHEAD)
+def test_segments_repeat_and_concatenate_to_the_validated_lists(schedule, lookahead):
     # What the runtime executes for 9 steps and a flush -- Program's segments, the later ones
     # moved copies of the PERIOD_FROM-th -- is exactly generate()'s 9-step list, which the
     # validator proves deadlock-free under NCCL's rules.
     n = 9
-    for (d, m), opts in itertools.product(CONFIGS, OPTIONS):
-        if schedule == "2bw" and m < d or (opts.get("tied") == [1, 2] and d < 3):
+    for (d, m), opts in itertools.product(CONFIGS + [(2, 4), (3, 6)], OPTIONS):
+        if _skip(schedule, d, m, opts, lookahead):
             continue
+        opts = {**opts, "lookahead": lookahead} if lookahead else opts
         program = Program(schedule, d, m, **opts)
         full = generate(schedule, d, m, n, **opts)
         validate(full, schedule, d, m, n, **opts)
@@ -55,14 +64,15 @@ def test_an_epoch_after_a_flush_is_the_first_epoch_moved():
     assert {a.version for a in seg if a.kind in (Kind.F, Kind.B)} == {2}
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_step_boundaries_match_on_every_channel(schedule):
+@pytest.mark.parametrize("schedule,lookahead", WITH_LOOKAHEAD)
+def test_step_boundaries_match_on_every_channel(schedule, lookahead):
     # At END_STEP t both ranks of each pair have posted the same operations, so a caller that
     # stops stepping (or flushes, evaluates, checkpoints) leaves no receive without its send:
     # a script that ends without flush() waits for its posted receives at exit (runtime.drain).
-    for (d, m), opts in itertools.product(CONFIGS, OPTIONS):
-        if d < 2 or schedule == "2bw" and m < d or (opts.get("tied") == [1, 2] and d < 3):
+    for (d, m), opts in itertools.product(CONFIGS + [(2, 4), (3, 6)], OPTIONS):
+        if d < 2 or _skip(schedule, d, m, opts, lookahead):
             continue
+        opts = {**opts, "lookahead": lookahead} if lookahead else opts
         lists = generate(schedule, d, m, 4, **opts)
         for s in range(d - 1):
             for t in range(1, 5):

@@ -271,6 +271,48 @@ def test_generated_lists_validate(schedule):
         validate(lists, schedule, d, m, steps, **opts)
 
 
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b"])
+def test_lookahead_lists_validate_and_hold_one_more_micro_batch_per_unit(schedule):
+    # Every stage but the last runs `lookahead` forwards ahead of 1F1B's order; the validator
+    # (NCCL's matching rules replayed, both weight-version rules) accepts every such list, and
+    # counts the extra micro-batches: told lookahead=0, it rejects them.
+    for (d, m, steps), opts, lookahead in itertools.product(CASES + [(2, 6, 3), (3, 7, 2)], OPTIONS, (1, 2)):
+        if schedule == "2bw" and m < d + lookahead:
+            continue
+        lists = generate(schedule, d, m, steps, lookahead=lookahead, **opts)
+        validate(lists, schedule, d, m, steps, lookahead=lookahead, **opts)
+        for s in range(d):
+            peak = held = 0
+            for a in lists[s]:
+                held += (a.kind is Kind.F) - (a.kind is Kind.B)
+                peak = max(peak, held)
+            ahead = d - s + (lookahead if s < d - 1 else 0)
+            assert peak == (ahead if schedule == "2bw" else min(ahead, m)), (d, m, opts, lookahead, s)
+        if d > 1 and m > d:
+            with pytest.raises(ScheduleError, match="micro-batches of activations in flight, expected at most"):
+                validate(lists, schedule, d, m, steps, **opts)
+
+
+def test_lookahead_order_and_errors():
+    # stage 0 runs one forward more before its first backward; the last stage is 1F1B's; the
+    # numbers' order (each stage's backwards, every weight version) is unchanged
+    lists = generate("2bw", 2, 4, 2, lookahead=1)
+    assert compute_only(lists[0]).startswith("0F1v0 0F2v0 0F3v0 0B1v0 0F4v0 0B2v0 0F5v0 0B3v0 0F6v0 0B4v0 0UPDATE1")
+    assert compute_only(lists[1]) == compute_only(generate("2bw", 2, 4, 2)[1])
+    plain = generate("2bw", 2, 4, 2)
+    for s in range(2):
+        for kind in (Kind.B, Kind.UPDATE):
+            assert [a for a in lists[s] if a.kind is kind] == [a for a in plain[s] if a.kind is kind]
+    with pytest.raises(ScheduleError, match=r"lookahead=1 runs forwards ahead of 1F1B's order, which only 2bw and "
+                                            r"1f1b follow; found schedule='zb': pass lookahead=0"):
+        generate("zb", 2, 4, lookahead=1)
+    with pytest.raises(ScheduleError, match=r"lookahead must be an int >= 0, found -1"):
+        generate("2bw", 2, 4, lookahead=-1)
+    with pytest.raises(ScheduleError, match=r"2bw with lookahead=2 needs m >= d \+ lookahead micro-batches, found "
+                                            r"m=3 with d=2: pass microbatches=4 or more, or lookahead=1"):
+        generate("2bw", 2, 3, lookahead=2)
+
+
 def test_1f1b_with_fewer_microbatches_than_stages():
     lists = generate("1f1b", 4, 2, 2)
     validate(lists, "1f1b", 4, 2, 2)
