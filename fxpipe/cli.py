@@ -64,14 +64,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from .errors import FxpipeError
     from .inspect import inspect
 
-    if args.stages == 0 and (args.schedule is not None or args.microbatches is not None):
-        given = " and ".join(f"--{n}" for n in ("schedule", "microbatches") if getattr(args, n) is not None)
+    if args.stages == 0 and (args.schedule is not None or args.microbatches is not None or args.lookahead is not None):
+        given = " and ".join(f"--{n}" for n in ("schedule", "microbatches", "lookahead") if getattr(args, n) is not None)
         raise SystemExit(f"fxpipe inspect: {given} shape the schedule, which --stages 0 does not make (it writes "
                          f"the trace's dumps alone); leave {given} out, or pass --stages N")
     model, example_inputs = _load_factory(args.factory)
     try:
         paths = inspect(model, example_inputs, args.out, stages=args.stages or None,
-                        microbatches=args.microbatches, schedule=args.schedule or "2bw")
+                        microbatches=args.microbatches, schedule=args.schedule or "2bw", lookahead=args.lookahead)
     except FxpipeError as e:  # what the user can fix (--stages, the model): its message, no traceback
         raise SystemExit(f"fxpipe inspect: {e}") from None
     except OSError as e:  # --out not writable: one line, no traceback
@@ -98,7 +98,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         p = plan(model, example_inputs, cluster=cluster, global_batch=args.global_batch, schedule=args.schedule,
                  precision=args.precision, world_size=args.world_size, stages=args.stages, top=args.top,
-                 device_memory=args.device_memory)
+                 device_memory=args.device_memory, lookahead=args.lookahead)
     except FxpipeError as e:  # a PlanError, or a TraceError: its message, no traceback
         raise SystemExit(f"fxpipe plan: {e}") from None
     print(p)
@@ -277,6 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--schedule", default=None, choices=SCHEDULES, help="schedule to draw (default: 2bw)")
     i.add_argument("--microbatches", type=_microbatches, default=None,
                    help="micro-batches per step (default: max(2 x stages, 4))")
+    i.add_argument("--lookahead", type=_non_negative_int, default=None,
+                   help="2bw, 1f1b: forwards each stage but the last runs ahead (default: the planner's)")
     i.set_defaults(fn=_cmd_inspect)
 
     from .cluster import PRESETS
@@ -296,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=_positive_int, default=8, help="configurations to list (the best of each number of accelerators and depth)")
     pl.add_argument("--device-memory", type=_positive_bytes, default=None, metavar="BYTES",
                     help="bytes each accelerator may fill, e.g. 30e9 (default: the cluster's memory less its reserve)")
+    pl.add_argument("--lookahead", type=_non_negative_int, default=None,
+                    help="2bw, 1f1b: forwards each stage but the last runs ahead (default: the planner's)")
     pl.add_argument("--json", default=None, metavar="PATH", help="write the plan as JSON (Plan.to_json) to PATH")
     pl.set_defaults(fn=_cmd_plan)
 

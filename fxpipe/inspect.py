@@ -124,13 +124,13 @@ def write_dot(gm: fx.GraphModule, out_dir: str, assignment: Mapping[str, int] | 
 
 
 def inspect(model, example_inputs, out_dir: str, *, stages: int | None = None, microbatches: int | None = None,
-            schedule: str = "2bw", leaf_modules=()) -> list[str]:
+            schedule: str = "2bw", leaf_modules=(), lookahead: int | None = None) -> list[str]:
     """Trace ``model`` and write the node table (text + JSON) and the DOT graph into
     ``out_dir``; with ``stages`` also plan, split and schedule it (see :func:`inspect_pipeline`).
     Returns the paths written."""
     if stages is not None:
         return inspect_pipeline(model, example_inputs, out_dir, stages=stages, microbatches=microbatches,
-                                schedule=schedule, leaf_modules=leaf_modules)
+                                schedule=schedule, leaf_modules=leaf_modules, lookahead=lookahead)
     os.makedirs(out_dir, exist_ok=True)
     gm = model if isinstance(model, fx.GraphModule) and "fxpipe" in model.meta else trace(
         model, example_inputs, leaf_modules=leaf_modules
@@ -175,8 +175,9 @@ def _count(n: int, one: str, many: str) -> str:
 
 
 def _plan_words(plan) -> str:
-    """``2bw, 2 stages x 1 replica, 4 micro-batches of 8 per step``: a picture's title."""
-    return (f"{plan.schedule}, {_count(plan.stages, 'stage', 'stages')} x "
+    """``2bw (lookahead 1), 2 stages x 1 replica, 4 micro-batches of 8 per step``: a picture's title."""
+    ahead = f" (lookahead {plan.lookahead})" if plan.lookahead else ""
+    return (f"{plan.schedule}{ahead}, {_count(plan.stages, 'stage', 'stages')} x "
             f"{_count(plan.width, 'replica', 'replicas')}, "
             f"{_count(plan.microbatches, 'micro-batch', 'micro-batches')} of {plan.microbatch_size} per step")
 
@@ -216,10 +217,11 @@ def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
 
 
 def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, microbatches: int | None = None,
-                     schedule: str = "2bw", leaf_modules=()) -> list[str]:
+                     schedule: str = "2bw", leaf_modules=(), lookahead: int | None = None) -> list[str]:
     """Trace, plan (analytic costs), split and schedule ``model`` without training it, and write
     every dump: node table and DOT graph with stage columns/clusters, the plan, one Python file
-    per stage, and the schedule's grid, Chrome-trace JSON and SVG picture."""
+    per stage, and the schedule's grid, Chrome-trace JSON and SVG picture. ``lookahead``: as
+    ``fxpipe.compile``'s (None: the planner's)."""
     from .codegen import from_plan, write_stage_code
     from .errors import ConfigError
     from .partition import plan as make_plan
@@ -235,7 +237,7 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     m = microbatches if microbatches is not None else max(2 * stages, 4)
     # What a default fxpipe.compile plans and runs: its per-step norm all-reduce (second gradient buffer).
     p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=stages,
-                  clip=norm_every_step())
+                  clip=norm_every_step(), lookahead=lookahead)
     staged = from_plan(gm, p)
     tied = sorted({s for tp in staged.tied if len(tp.stages) > 1 for s in tp.stages})
     assignment = p.assignment

@@ -31,7 +31,8 @@ bytes (and gradient bytes) crossing its input cut, ``G(r)``/``O(r)`` the gradien
 bytes) crossing its output cut, and ``X(l, r)`` a micro-batch of the model inputs its nodes read.
 The moments (:class:`Held`, :func:`_moments`) count what the runtime's action lists hold at once
 (PipeDream-2BW §3; docs/design.md, "The memory model"): with ``n_s = min(d - s, m)``
-micro-batches in flight under 1f1b and zb (``d - s`` under 2bw, ``m`` under gpipe), ``n_s``
+micro-batches in flight under 1f1b and zb (``d - s`` under 2bw, ``m`` under gpipe; 1f1b and 2bw
+add a ``lookahead`` on all but the last stage, :func:`fxpipe.schedule.warmup`), ``n_s``
 micro-batches' activations (under recomputation one, and the others' forward outputs), each
 with its received input, and the receive posted early for the next; the gradient receives
 posted (all ``n_s`` at once in 1f1b's drain, all ``m`` under gpipe, at most two ahead under
@@ -81,7 +82,7 @@ import math
 import numbers
 import operator
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -242,8 +243,8 @@ class StageModel:
     """How a schedule turns a run of nodes into a stage's time and memory."""
 
     stages: int
-    #: micro-batches whose whole activations a stage holds at once (d - s under 1f1b/2bw, m under
-    #: gpipe, min(d - s, m) under zb)
+    #: micro-batches whose whole activations a stage holds at once (d - s under 1f1b/2bw, plus the
+    #: lookahead on all but the last stage; m under gpipe, min(d - s, m) under zb)
     inflight: tuple[int, ...]
     recompute: tuple[bool, ...]
     p2p_latency: float = 0.0
@@ -1662,12 +1663,15 @@ def plan(
                                         global_batch=global_batch, lookahead=lookahead or 0))
     shared = device.host_cores is not None and device.host_cores < fits[0].d * fits[0].w
     split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
+    def ahead(c: _Candidate) -> _Candidate:  # the planner's lookahead, where the caller gave none
+        return c if lookahead is not None else _with_lookahead(c, source, cluster, device, schedule=schedule,
+                                                                 limit=limit, clip=clip)
+
     if shared or split:  # the closed form does not hold: choose by the simulator
-        found = _simulated(found, gm, device, cluster if given_cluster else None, schedule=schedule, precision=precision)
+        found = _simulated(found, gm, device, cluster if given_cluster else None, schedule=schedule,
+                           precision=precision, ahead=ahead)
         fits = [c for c in found.candidates if c.fits]
-    best = fits[0]
-    if lookahead is None:
-        best = _with_lookahead(best, source, cluster, device, schedule=schedule, limit=limit, clip=clip)
+    best = ahead(fits[0])
     plan = _plan_of(best, fits, found, gm, model_or_gm, example_inputs, costs, device, cluster, given_cluster,
                     schedule=schedule, precision=precision, limit=limit, top=top)
     if shared or split:
@@ -1687,12 +1691,14 @@ AUTO_LOOKAHEAD = {"2bw": 1}
 def _with_lookahead(best: _Candidate, source, cluster: Cluster, device: DeviceModel, *, schedule: str, limit: float,
                     clip: bool) -> _Candidate:
     """``best`` with :data:`AUTO_LOOKAHEAD`'s lookahead where it is free: the schedule takes
-    one, m >= d + lookahead, and the configuration priced with it still fits ``limit`` at the
-    same cuts and gradient buffers (its extra activations change nothing else; a lookahead that
-    would move a cut to fit is not taken). Its time and cuts stay ``best``'s (the simulator may
-    have priced them); its stage model and memory are the lookahead's."""
+    one, m >= d + lookahead, and the configuration priced with it still fits ``limit``, with the
+    solver (given the lookahead's memory) returning the same cuts and gradient buffers (its extra
+    activations change nothing else; a lookahead that would move a cut to fit is not taken). Its
+    cuts and closed-form time stay ``best``'s; its stage model and memory are the lookahead's
+    (where the planner simulates, it simulates the lists with the lookahead,
+    :func:`_simulated`)."""
     ahead = AUTO_LOOKAHEAD.get(schedule, 0)
-    if not ahead or best.d == 1 or best.m < min_microbatches(schedule, best.d, ahead):
+    if not ahead or best.d == 1 or best.model.lookahead == ahead or best.m < min_microbatches(schedule, best.d, ahead):
         return best
     try:
         c = _price(source, cluster, schedule, limit, clip, best.accelerators, best.d, best.w, best.b, best.m,
@@ -1712,14 +1718,16 @@ _SIMULATED, _SIMULATED_WITHIN, _SIMULATED_STEPS = 4, 1.5, 4
 
 
 def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster | None, *, schedule: str,
-               precision: str):
+               precision: str, ahead: Callable[[_Candidate], _Candidate] = lambda c: c):
     """``found`` with the step of its best fitting candidates (at most :data:`_SIMULATED`, within
     a factor :data:`_SIMULATED_WITHIN` of the best's throughput by the closed form) simulated at
     the solver's cuts (:class:`fxpipe.simulate.Costs` of their stage plans, as
     :func:`_simulated_cuts` prices them), best first: where ranks share a host's cores or zb's
     split costs more than a backward, the plan, its runner-up and its configuration rows are
     then ranked by one measure. The other fitting candidates are left out (their closed-form
-    figures would not compare); those that do not fit keep the closed form's."""
+    figures would not compare); those that do not fit keep the closed form's. ``ahead`` gives a
+    candidate the lookahead it would run with (the planner's choice, :func:`_with_lookahead`),
+    whose lists are simulated."""
     from .schedule import generate
     from .simulate import Costs, simulate
 
@@ -1727,7 +1735,7 @@ def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster 
     chosen = [c for c in fitting[:_SIMULATED] if c.throughput * _SIMULATED_WITHIN >= fitting[0].throughput]
     schedules: dict[tuple, list] = {}
     simulated = []
-    for c in chosen:
+    for c in map(ahead, chosen):
         sps = _stage_plans(gm, c)
         links = stage_links(cluster, c.d, c.w, c.layout) if cluster is not None else None
         key = (c.d, c.m, c.w, tuple(c.model.recompute), c.model.lookahead)

@@ -264,16 +264,16 @@ class PipelineConfig:
             except ScheduleError as e:
                 raise ConfigError(f"fxpipe.compile: {e}") from None
         if self.plan is None and self.stages is not None and self.microbatches is not None and \
-                self.microbatches < min_microbatches(self.schedule, self.stages):  # a plan: check_plan
+                self.microbatches < (least := min_microbatches(self.schedule, self.stages, self.lookahead or 0)):
+            if least > self.stages:  # a lookahead asks for more
+                fewer = f" or lookahead={self.microbatches - self.stages}" if self.microbatches >= self.stages else ""
+                bad("microbatches", f">= stages + lookahead = {least} for schedule={self.schedule!r} with "
+                    f"lookahead={self.lookahead}", self.microbatches,
+                    f"each forward of lookahead moves 2bw's warm-up one micro-batch further: pass microbatches >= "
+                    f"{least}{fewer}")
             bad("microbatches", f">= stages = {self.stages} for schedule={self.schedule!r}", self.microbatches,
                 f"2bw's weight-version rule needs a step of at least one micro-batch per stage: pass "
                 f"microbatches >= {self.stages}, fewer stages, or schedule='1f1b' or 'zb', which take fewer")
-        if self.plan is None and self.stages is not None and self.microbatches is not None and self.lookahead and \
-                self.microbatches < (least := min_microbatches(self.schedule, self.stages, self.lookahead)):
-            bad("microbatches", f">= stages + lookahead = {least} for schedule={self.schedule!r} with "
-                f"lookahead={self.lookahead}", self.microbatches,
-                f"each forward of lookahead moves 2bw's warm-up one micro-batch further: pass microbatches >= {least} "
-                f"or lookahead={max(self.microbatches - self.stages, 0)}")
         if self.max_grad_norm is not None and not (isinstance(self.max_grad_norm, (int, float)) and self.max_grad_norm > 0):
             bad("max_grad_norm", "a number > 0 (or None for no clipping)", self.max_grad_norm,
                 "pass e.g. max_grad_norm=1.0, or None to train without clipping")
@@ -910,12 +910,15 @@ class Pipeline:
             return self.config.plan.width
         if self.config.stages is None:
             d, m = (self.world_size if self.distributed else 1), self.config.microbatches
-            if m is not None and m < min_microbatches(self.config.schedule, d):
+            ahead = self.config.lookahead or 0
+            if m is not None and m < (least := min_microbatches(self.config.schedule, d, ahead)):
+                more = f" plus lookahead={ahead}" if least > d else ""
                 raise ConfigError(
-                    f"fxpipe.compile: microbatches={m} is fewer than the {d} stages a lazily compiled pipeline runs "
-                    f"on {d} ranks (stages=None: one stage per rank), and schedule={self.config.schedule!r} needs at "
-                    f"least one micro-batch per stage. Pass microbatches >= {d}, or stages= with a data-parallel "
-                    f"width (world = stages x width), or schedule='1f1b' or 'zb', which take fewer")
+                    f"fxpipe.compile: microbatches={m} is fewer than the {d} stages{more} a lazily compiled pipeline "
+                    f"runs on {d} ranks (stages=None: one stage per rank), and schedule={self.config.schedule!r} "
+                    f"needs at least one micro-batch per stage{more and ' and one per forward of lookahead'}. Pass "
+                    f"microbatches >= {least}, or stages= with a data-parallel width (world = stages x width), or "
+                    f"schedule='1f1b' or 'zb', which take fewer")
             self.config = replace(self.config, stages=d)
         return max(1, self.world_size // self.config.stages) if self.distributed else 1
 
@@ -1411,11 +1414,13 @@ class Pipeline:
             example = _resize_example(example, o.plan.microbatch_size)
         else:
             if o.microbatches is None:
-                if o.stages is not None and saved.microbatches < min_microbatches(o.schedule, o.stages):
+                if o.stages is not None and saved.microbatches < (
+                        least := min_microbatches(o.schedule, o.stages, o.lookahead or 0)):
+                    more = f" with lookahead={o.lookahead}" if least > o.stages else ""
                     raise CheckpointError(
                         f"load: {path} was trained with {saved.microbatches} micro-batches per step, which this "
                         f"pipeline would take (microbatches=None), but its {o.stages} stages under "
-                        f"schedule={o.schedule!r} need at least {o.stages}. Pass microbatches >= {o.stages} to "
+                        f"schedule={o.schedule!r}{more} need at least {least}. Pass microbatches >= {least} to "
                         f"compile (the saved global batch is re-cut), fewer stages, or schedule='1f1b' or 'zb'")
                 self.config = o = replace(o, microbatches=saved.microbatches)
             m, w = o.microbatches, self._width_hint()

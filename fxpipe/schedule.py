@@ -92,8 +92,9 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
 
 Reductions: ``DP_START t`` right after the stage's last backward of batch ``t`` (zb: its last W). The cross-stage
 collectives sit at *cuts* that every stage marks in the same order (:func:`_core_list` gives the
-positions): 2bw ``TIED_START t`` right after stage 0's last backward of batch ``t`` (on stage
-``s``: before ``F(tm+d-s)``), 2bw ``NORM_START t`` before ``F((t+1)m+1-s)`` (with a tied weight
+positions): 2bw ``TIED_START t`` right after each stage's last backward of batch ``t`` (on stage
+``s``: before ``F(tm+d-s)``, with a lookahead ``F(tm+``:func:`warmup```)``), 2bw ``NORM_START t``
+before ``F((t+1)m+1-s)`` (with a tied weight
 not before ``F(tm+d)``), after ``DP_WAIT t``/``TIED_WAIT t`` (the norm is of the reduced
 gradient); 1f1b/gpipe after each batch's last backward. Joins (``*_WAIT t``, ``UPDATE t``) sit
 as late as the version rule allows: before the first forward of batch ``t+2`` (2bw; flush:
@@ -403,9 +404,9 @@ def _check_args(schedule: str, stages: int, microbatches: int, steps: int, width
     check_lookahead(schedule, lookahead)
     if microbatches < (least := min_microbatches(schedule, stages, lookahead)):
         if lookahead:
+            fewer = f", or lookahead={microbatches - stages}" if microbatches >= stages else ""
             raise ScheduleError(f"2bw with lookahead={lookahead} needs m >= d + lookahead micro-batches, found "
-                                f"m={microbatches} with d={stages}: pass microbatches={least} or more, or "
-                                f"lookahead={max(microbatches - stages, 0)}")
+                                f"m={microbatches} with d={stages}: pass microbatches={least} or more{fewer}")
         raise ScheduleError(f"{schedule} needs at least as many micro-batches as stages (m >= d), found "
                             f"m={microbatches} < d={stages}: pass microbatches={least} or more, or use "
                             f"schedule='1f1b'")
@@ -417,10 +418,13 @@ def min_microbatches(schedule: str, stages: int, lookahead: int = 0) -> int:
     version rule: with fewer, stage 0's warm-up would run a forward of batch t+2 before batch t's
     last backward, so no UPDATE position could give it W(t) (docs/design.md: a batch is m >= d).
     Each forward of lookahead moves that warm-up one further, and at m = d + lookahead - 1 the
-    stages would reach the cross-stage collectives of consecutive batches in different orders.
-    1f1b and zb take any m (with m < d stage s holds min(d - s, m) micro-batches, so the later
-    stages hold fewer than gpipe's m). The generator and the planner both read this rule."""
-    return stages + lookahead if schedule == "2bw" else 1
+    stages would reach the cross-stage collectives of consecutive batches in different orders
+    (one stage is the last and runs none ahead). 1f1b and zb take any m (with m < d stage s holds
+    min(d - s, m) micro-batches, so the later stages hold fewer than gpipe's m). The generator
+    and the planner both read this rule."""
+    if schedule != "2bw":
+        return 1
+    return stages + (lookahead if stages > 1 else 0)
 
 
 def check_lookahead(schedule: str, lookahead: int) -> None:
@@ -730,15 +734,17 @@ def _core_list(
     Positions, as "right before the stage's forward of micro-batch c" (for stage s of d):
 
     * END_STEP t: c = tm + 1 on every stage: the first forward that needs batch t+1's data.
-    * 2bw TIED_START t: c = tm + d - s, right after stage 0's last backward of batch t.
+    * 2bw TIED_START t: right after the stage's last backward of batch t (c = tm + w, w the
+      stage's :func:`warmup`: on stage 0 without lookahead tm + d).
     * 2bw NORM_START t: c = (t+1)m + 1 - s, not before tm + d with a tied weight: on stage 0 this
       is where it must have the norm (before batch t+2's first forward); later stages post sooner,
       so stage 0 finds their parts posted. 1f1b/gpipe: both right after batch t's backwards.
 
     Neighbouring stages' positions differ by 0 or 1 forward, which in 1F1B order is exactly what
     a consistent cut needs: a message sent before it is received before it or posted early. With
-    a ``lookahead`` a stage reaches each position that many backwards sooner; its receives of the
-    gradients still due are then posted early, and :func:`validate` replays every such list.
+    a ``lookahead`` a stage reaches each position given as a forward (END_STEP, NORM_START) that
+    many backwards sooner; its receives of the gradients still due are then posted early, and
+    :func:`validate` replays every such list.
     """
     out: list[Action] = []
     cuts: list[tuple[str, int]] = []

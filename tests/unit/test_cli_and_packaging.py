@@ -319,6 +319,25 @@ def test_inspect_with_stages_0_refuses_the_options_it_would_ignore(tmp_path):
                                  "(it writes the trace's dumps alone); leave --microbatches out, or pass --stages N")
 
 
+def test_inspect_draws_the_planners_lookahead_or_the_one_asked_for(tmp_path, capsys):
+    from fxpipe.cli import main
+
+    for given, title in ((None, "2bw (lookahead 1), 2 stages"), ("0", "2bw, 2 stages")):
+        out = tmp_path / str(given)
+        main(["inspect", "fxpipe.demo:demo_factory", "--out", str(out)] + (["--lookahead", given] if given else []))
+        assert title in (out / "schedule.svg").read_text() and f"Plan: {title.split(', ')[0]}," in (out / "plan.txt").read_text()
+    # one forward ahead on stage 0: F3 before its first backward
+    assert "0F3" in (tmp_path / "None" / "schedule.txt").read_text().split("0B1")[0]
+    assert "0F3" not in (tmp_path / "0" / "schedule.txt").read_text().split("0B1")[0]
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "fxpipe.demo:demo_factory", "--stages", "0", "--lookahead", "1", "--out", str(tmp_path)])
+    assert str(e.value.code).startswith("fxpipe inspect: --lookahead shape the schedule, which --stages 0 does not make")
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "fxpipe.demo:demo_factory", "--schedule", "zb", "--lookahead", "1", "--out", str(tmp_path)])
+    assert str(e.value.code).startswith("fxpipe inspect: lookahead=1 runs forwards ahead of 1F1B's order, which only "
+                                        "2bw and 1f1b follow; found schedule='zb'")
+
+
 def test_inspect_into_a_used_folder_leaves_only_this_runs_dumps(tmp_path):
     # a 3-stage run's stage_2.py stayed beside a 2-stage plan; a trace-only run kept the old plan
     from fxpipe.cli import main

@@ -370,7 +370,7 @@ def test_a_plan_reports_and_simulates_the_times_it_priced(overlap):
     costs = Costs.of_plan(p)
     assert costs.p2p == pytest.approx([c.inter.time(s0.send_bytes)])  # the inter-node link, one way
     fast = Costs.of_plan(dataclasses.replace(p, cluster=dataclasses.replace(c, inter=c.intra)))
-    lists = generate(p.schedule, 2, p.microbatches, 3)
+    lists = generate(p.schedule, 2, p.microbatches, 3, lookahead=p.lookahead)
     assert simulate(lists, costs).step_time > simulate(lists, fast).step_time
 
 

@@ -301,4 +301,7 @@ def test_a_simulated_plan_ranks_its_runner_up_and_rows_by_the_simulator_too(sche
     (chosen,) = [c for c in p.configurations if c.reason == "chosen"]
     assert (chosen.step_time, chosen.throughput) == (p.step_time, p.throughput)
     assert p.runner_up is not None and p.runner_up.throughput <= p.throughput
+    # 2bw's lookahead is chosen before the simulator ranks the candidates: each is simulated
+    # with the lists it would run, the chosen one included
+    assert p.lookahead == (1 if schedule == "2bw" and p.microbatches > p.stages else 0)
     assert all(c.throughput <= p.throughput for c in p.configurations if c.fits)
