@@ -115,7 +115,7 @@ def test_inspect_schedule_picture_is_a_prediction_in_ms(tmp_path):
     inspect_pipeline(model, (torch.randn(2, 8),), str(tmp_path), stages=2, microbatches=4)
     texts = _texts((tmp_path / "schedule.svg").read_text())
     assert texts[0] == ("schedule simulated with the plan's analytic costs (a prediction): "
-                        "2bw, 2 stages x 1 replica, 4 micro-batches of 2 per step")
+                        "2bw (lookahead 1), 2 stages x 1 replica, 4 micro-batches of 2 per step")
     assert texts[1].startswith("steps 1-3, then the flush; makespan ") and " ms; bubble " in texts[1]
     assert "time in ms since the window's start" in texts
     assert any(t.startswith("key: F1v0 = forward of micro-batch 1 (of 4) of its step") for t in texts)
