@@ -1643,11 +1643,11 @@ def plan(
     if stages is not None:
         _check_depth(source.chain(source.batch_size, 1), stages)
         if microbatches is not None and microbatches < (least := min_microbatches(schedule, stages, lookahead or 0)):
-            if lookahead:
+            if least > stages:  # a lookahead asks for more
+                fewer = f" or lookahead={microbatches - stages}" if microbatches >= stages else ""
                 raise PlanError(
                     f"schedule {schedule!r} with lookahead={lookahead} needs at least stages + lookahead micro-batches: "
-                    f"found microbatches={microbatches} < {least}; use microbatches >= {least} or "
-                    f"lookahead={max(microbatches - stages, 0)}"
+                    f"found microbatches={microbatches} < {least}; use microbatches >= {least}{fewer}"
                 )
             raise PlanError(
                 f"schedule {schedule!r} needs at least as many micro-batches as stages: found microbatches="

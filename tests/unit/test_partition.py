@@ -595,6 +595,9 @@ def test_2bw_runs_one_forward_ahead_only_where_that_changes_nothing_but_memory()
     with pytest.raises(PlanError, match=r"schedule '2bw' with lookahead=3 needs at least stages \+ lookahead "
                                         r"micro-batches: found microbatches=4 < 5; use microbatches >= 5 or lookahead=2"):
         plan(gm, inputs, stages=2, microbatches=4, lookahead=3)
+    with pytest.raises(PlanError, match=r"needs at least stages \+ lookahead micro-batches: found microbatches=1 < 3; "
+                                        r"use microbatches >= 3$"):  # no lookahead makes m=1 enough for d=2
+        plan(gm, inputs, stages=2, microbatches=1, lookahead=1)
 
 
 @pytest.mark.parametrize("schedule, recompute, lookahead", [
