@@ -977,7 +977,7 @@ class Pipeline:
             raise RuntimeError(f"rank {r} failed running action {a}{posted}: {type(e).__name__}: {why}\n{grid}") from e
         blocked = wk.comm.waited - waited  # an action waits before it works (its receive, a reduction)
         if self.profile is not None:
-            self.profile.action(a.kind, time.perf_counter() - start, blocked)
+            self.profile.action(a.kind, time.perf_counter() - start, blocked, a.stage)
         if self.record:  # drawn from the end of its wait: the wait is the rank's idle time
             self.timeline.append((r, str(a), start + blocked - self._t0, time.perf_counter() - self._t0))
 

@@ -15,6 +15,12 @@ process, in five parts that add up to the step's wall time:
   the batch into micro-batches, fetching the step's segment, the driver loop).
 
 ``summary()`` gives milliseconds per step. ``benchmarks/limit.py`` prints it per rank.
+
+``action_times()`` gives, per stage and kind of compute action (and ``UPDATE``), the mean time
+one such action worked (its wait left out): the run's own costs, which
+:meth:`fxpipe.simulate.Costs.measured` puts in place of a plan's predicted ones. The simulator
+replaying a schedule at its run's own action times checks the schedule model (order, waits,
+transfers) apart from the cost model's prediction of those times.
 """
 
 from __future__ import annotations
@@ -37,14 +43,21 @@ class Profile:
         self.steps = 0
         self._in_actions = 0.0  # this step: wall time inside actions
         self._waited_in_actions = 0.0  # this step: blocked time inside actions
+        # (stage, kind) -> [seconds worked, actions]: compute kinds and UPDATE (a sum and a
+        # count, so a profile left on for days stays this size)
+        self._worked: dict[tuple[int, Kind], list[float]] = {}
 
-    def action(self, kind: Kind, seconds: float, waited: float) -> None:
-        """One executed action: its wall time and how much of it was blocked in a wait."""
+    def action(self, kind: Kind, seconds: float, waited: float, stage: int | None = None) -> None:
+        """One executed action of ``stage``: its wall time and how much of it was blocked in a wait."""
         self._in_actions += seconds
         self._waited_in_actions += waited
         self.seconds["waiting on a peer"] += waited
         part = "compute" if kind in _COMPUTE else "optimizer" if kind is Kind.UPDATE else "communication not hidden"
         self.seconds[part] += seconds - waited
+        if stage is not None and part != "communication not hidden":
+            worked = self._worked.setdefault((stage, kind), [0.0, 0])
+            worked[0] += seconds - waited
+            worked[1] += 1
 
     def step(self, seconds: float, waited: float) -> None:
         """One ``step`` call: its wall time and the blocked time in it (in actions or not)."""
@@ -60,3 +73,8 @@ class Profile:
         out = {c: 1e3 * self.seconds[c] / n for c in CATEGORIES}
         out["step"] = sum(out.values())
         return out
+
+    def action_times(self) -> dict[tuple[int, Kind], float]:
+        """Seconds one action of each (stage, kind) worked, on average: compute kinds and
+        ``UPDATE``, the time blocked in a wait left out (see the module docstring)."""
+        return {key: total / n for key, (total, n) in sorted(self._worked.items())}

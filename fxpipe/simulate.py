@@ -21,6 +21,7 @@ Renderings, all from a :class:`Timeline` (simulated, or recorded from a real run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -128,6 +129,29 @@ class Costs:
             # replicas run the same timeline on the same host: each one's stages get 1/width of it
             cores=dev.host_cores / width if dev.host_cores is not None else None,
         )
+
+    def measured(self, times: Mapping[tuple[int, Kind], float]) -> "Costs":
+        """These costs with a run's own compute times in place of the predicted ones: ``times``
+        is seconds per action by (stage, kind), as :meth:`fxpipe.profile.Profile.action_times`
+        gives them (merged over the ranks). Each field a stage has no timed action for keeps its
+        value here. ``cores`` becomes None: a time measured while other ranks computed already
+        holds the slowdown sharing the cores caused. Transfers and reductions keep their
+        predicted times. Simulating a schedule at its run's own costs checks the schedule model
+        apart from the cost model (``benchmarks/limit.py`` prints both)."""
+        stages = max([1 + s for s, _ in times] + [len(v) for v in (self.forward, self.backward)
+                                                  if not isinstance(v, (int, float))])
+        # a whole backward is B's, or zb's two halves (the first stage's W is its whole one; a
+        # stage zb cannot split runs B)
+        timed = {"forward": (Kind.F,), "recompute": (Kind.R,), "backward_input": (Kind.I,),
+                 "backward_weight": (Kind.W,), "update": (Kind.UPDATE,), "backward": (Kind.B,)}
+        fields: dict[str, list[float]] = {}
+        for name, kinds in timed.items():
+            ways = [kinds, (Kind.I, Kind.W)] if name == "backward" else [kinds]
+            per = [next((sum(times[s, k] for k in way) for way in ways if all((s, k) in times for k in way)), None)
+                   for s in range(stages)]
+            if any(t is not None for t in per):
+                fields[name] = [self.per_stage(name, s) if t is None else t for s, t in enumerate(per)]
+        return dataclasses.replace(self, **fields, cores=None)
 
     def per_stage(self, name: str, stage: int) -> float:
         value = getattr(self, name)

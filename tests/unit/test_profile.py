@@ -42,3 +42,28 @@ def test_blocked_time_counts_as_waiting_wherever_it_happens():
     s = p.summary()
     assert s == pytest.approx({"compute": 6.0, "waiting on a peer": 9.0, "communication not hidden": 1.0,
                                "optimizer": 2.0, "runtime overhead": 2.0, "step": 20.0})
+
+
+def test_action_times_are_per_stage_and_kind_without_the_waits():
+    p = Profile()
+    p.action(Kind.F, 0.010, 0.004, 0)
+    p.action(Kind.F, 0.008, 0.0, 0)
+    p.action(Kind.B, 0.020, 0.0, 1)
+    p.action(Kind.UPDATE, 0.002, 0.0, 1)
+    p.action(Kind.SEND_ACT, 0.001, 0.0, 0)  # communication: not a compute time
+    p.action(Kind.F, 0.5, 0.0)  # no stage given: counted in the summary only
+    assert p.action_times() == pytest.approx({(0, Kind.F): 0.007, (1, Kind.B): 0.020, (1, Kind.UPDATE): 0.002})
+
+
+def test_a_pipelines_profile_times_each_stages_actions():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(4)])
+    pipe = fxpipe.compile(model, (torch.randn(8, 64),), loss_fn=lambda out, y: (out - y).pow(2).mean(), stages=2,
+                          microbatches=4, schedule="zb", verbose=False)
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    pipe.step(x, y)
+    pipe.profile = Profile()
+    pipe.step(x, y)
+    times = pipe.profile.action_times()
+    assert set(times) == {(s, k) for s in (0, 1) for k in (Kind.F, Kind.I, Kind.W, Kind.UPDATE)}
+    assert all(t > 0 for t in times.values())
