@@ -178,7 +178,11 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     actions = generate(schedule, plan.stages, plan.microbatches, 8, lookahead=plan.lookahead)
     times: list = [None] * dist.get_world_size()  # every rank's own stages' action times
     dist.all_gather_object(times, profile.action_times())
-    replayed = simulate(actions, costs.measured({k: v for t in times for k, v in t.items()})).step_time
+    by_stage: dict = {}  # one rank per stage here (width 1); replicas' times would be averaged
+    for t in times:
+        for key, seconds in t.items():
+            by_stage.setdefault(key, []).append(seconds)
+    replayed = simulate(actions, costs.measured({k: statistics.mean(v) for k, v in by_stage.items()})).step_time
     return {"seconds": seconds, "samples": samples, "profile": profile.summary(), "cpu": cpu,
             "predicted": simulate(actions, costs).step_time, "replayed": replayed,
             "lookahead": plan.lookahead, "cores": costs.cores, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),

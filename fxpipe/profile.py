@@ -16,7 +16,7 @@ process, in five parts that add up to the step's wall time:
 
 ``summary()`` gives milliseconds per step. ``benchmarks/limit.py`` prints it per rank.
 
-``action_times()`` gives, per stage and kind of compute action (and ``UPDATE``), the mean time
+``action_times()`` gives, per stage and kind of training's compute action (and ``UPDATE``), the mean time
 one such action worked (its wait left out): the run's own costs, which
 :meth:`fxpipe.simulate.Costs.measured` puts in place of a plan's predicted ones. The simulator
 replaying a schedule at its run's own action times checks the schedule model (order, waits,
@@ -43,7 +43,7 @@ class Profile:
         self.steps = 0
         self._in_actions = 0.0  # this step: wall time inside actions
         self._waited_in_actions = 0.0  # this step: blocked time inside actions
-        # (stage, kind) -> [seconds worked, actions]: compute kinds and UPDATE (a sum and a
+        # (stage, kind) -> [seconds worked, actions]: F, R, B, I, W and UPDATE (a sum and a
         # count, so a profile left on for days stays this size)
         self._worked: dict[tuple[int, Kind], list[float]] = {}
 
@@ -54,7 +54,7 @@ class Profile:
         self.seconds["waiting on a peer"] += waited
         part = "compute" if kind in _COMPUTE else "optimizer" if kind is Kind.UPDATE else "communication not hidden"
         self.seconds[part] += seconds - waited
-        if stage is not None and part != "communication not hidden":
+        if stage is not None and part != "communication not hidden" and kind is not Kind.EVAL:
             worked = self._worked.setdefault((stage, kind), [0.0, 0])
             worked[0] += seconds - waited
             worked[1] += 1
@@ -75,6 +75,7 @@ class Profile:
         return out
 
     def action_times(self) -> dict[tuple[int, Kind], float]:
-        """Seconds one action of each (stage, kind) worked, on average: compute kinds and
-        ``UPDATE``, the time blocked in a wait left out (see the module docstring)."""
+        """Seconds one action of each (stage, kind) worked, on average: training's compute kinds
+        (F, R, B, I, W) and ``UPDATE``, the time blocked in a wait left out (see the module
+        docstring)."""
         return {key: total / n for key, (total, n) in sorted(self._worked.items())}

@@ -133,24 +133,40 @@ class Costs:
     def measured(self, times: Mapping[tuple[int, Kind], float]) -> "Costs":
         """These costs with a run's own compute times in place of the predicted ones: ``times``
         is seconds per action by (stage, kind), as :meth:`fxpipe.profile.Profile.action_times`
-        gives them (merged over the ranks). Each field a stage has no timed action for keeps its
-        value here. ``cores`` becomes None: a time measured while other ranks computed already
-        holds the slowdown sharing the cores caused. Transfers and reductions keep their
-        predicted times. Simulating a schedule at its run's own costs checks the schedule model
-        apart from the cost model (``benchmarks/limit.py`` prints both)."""
-        stages = max([1 + s for s, _ in times] + [len(v) for v in (self.forward, self.backward)
-                                                  if not isinstance(v, (int, float))])
-        # a whole backward is B's, or zb's two halves (the first stage's W is its whole one; a
-        # stage zb cannot split runs B)
-        timed = {"forward": (Kind.F,), "recompute": (Kind.R,), "backward_input": (Kind.I,),
-                 "backward_weight": (Kind.W,), "update": (Kind.UPDATE,), "backward": (Kind.B,)}
+        gives them (one per stage: average replicas' times first). A stage's whole backward is
+        its ``B``, or its ``I`` plus its ``W`` under zb (the first stage's ``W`` is its whole
+        backward; a stage zb cannot split runs it whole in ``I``); where only a whole backward
+        was timed, its ``I`` and ``W`` keep these costs' predicted split of it. What a stage has
+        no timed action for keeps its value here. ``cores`` becomes None: a time measured while
+        other ranks computed already holds the slowdown sharing the cores caused. Transfers and
+        reductions keep their predicted times. Simulating a schedule at its run's own costs
+        checks the schedule model apart from the cost model (``benchmarks/limit.py`` prints both)."""
+        lengths = [len(v) for v in (getattr(self, f.name) for f in dataclasses.fields(self))
+                   if isinstance(v, Sequence)]
+        stages = max([1 + s for s, _ in times] + lengths, default=1)
+
+        def timed(s: int, *kinds: Kind) -> float | None:
+            return sum(times[s, k] for k in kinds) if all((s, k) in times for k in kinds) else None
+
         fields: dict[str, list[float]] = {}
-        for name, kinds in timed.items():
-            ways = [kinds, (Kind.I, Kind.W)] if name == "backward" else [kinds]
-            per = [next((sum(times[s, k] for k in way) for way in ways if all((s, k) in times for k in way)), None)
-                   for s in range(stages)]
+        for name, kind in (("forward", Kind.F), ("recompute", Kind.R), ("update", Kind.UPDATE)):
+            per = [timed(s, kind) for s in range(stages)]
             if any(t is not None for t in per):
                 fields[name] = [self.per_stage(name, s) if t is None else t for s, t in enumerate(per)]
+        if any(timed(s, k) is not None for s in range(stages) for k in (Kind.B, Kind.I, Kind.W)):
+            whole, first, second = [], [], []
+            for s in range(stages):
+                i, w = timed(s, Kind.I), timed(s, Kind.W)
+                b = timed(s, Kind.B)
+                b = b if b is not None else i + w if i is not None and w is not None else self.per_stage("backward", s)
+                if i is None or w is None:  # the halves untimed: the predicted split of this backward
+                    predicted = self.per_stage("backward", s)
+                    i = b * (self.per_stage("backward_input", s) / predicted if predicted > 0 else 0.5)
+                    w = b - i
+                whole.append(b)
+                first.append(i)
+                second.append(w)
+            fields.update(backward=whole, backward_input=first, backward_weight=second)
         return dataclasses.replace(self, **fields, cores=None)
 
     def per_stage(self, name: str, stage: int) -> float:

@@ -52,6 +52,7 @@ def test_action_times_are_per_stage_and_kind_without_the_waits():
     p.action(Kind.UPDATE, 0.002, 0.0, 1)
     p.action(Kind.SEND_ACT, 0.001, 0.0, 0)  # communication: not a compute time
     p.action(Kind.F, 0.5, 0.0)  # no stage given: counted in the summary only
+    p.action(Kind.EVAL, 0.3, 0.0, 0)  # eval_step's forward: not a cost of training's schedule
     assert p.action_times() == pytest.approx({(0, Kind.F): 0.007, (1, Kind.B): 0.020, (1, Kind.UPDATE): 0.002})
 
 
