@@ -155,7 +155,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     import fxpipe
     from fxpipe.demo import lm_loss
     from fxpipe.profile import Profile
-    from fxpipe.schedule import generate
+    from fxpipe.schedule import Action, generate
     from fxpipe.simulate import Costs, simulate
 
     mb = BATCH // M  # micro-batches of the pinned size; m of them per step (m a multiple of M)
@@ -182,9 +182,18 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     for t in times:
         for key, seconds in t.items():
             by_stage.setdefault(key, []).append(seconds)
-    replayed = simulate(actions, costs.measured({k: statistics.mean(v) for k, v in by_stage.items()})).step_time
+    measured = {k: statistics.mean(v) for k, v in by_stage.items()}
+    replayed = simulate(actions, costs.measured(measured)).step_time
+    predicted = simulate(actions, costs)
+    simulated: dict = {}  # the simulator's mean time per (stage, kind), the cores' sharing included
+    for e in predicted.events:
+        a = Action.parse(e.action)
+        if (a.stage, a.kind) in measured:
+            simulated.setdefault((a.stage, a.kind), []).append(e.end - e.start)
+    per_action = [(s, k.value, 1e3 * statistics.mean(simulated[s, k]), 1e3 * measured[s, k])
+                  for s, k in sorted(measured) if (s, k) in simulated]
     return {"seconds": seconds, "samples": samples, "profile": profile.summary(), "cpu": cpu,
-            "predicted": simulate(actions, costs).step_time, "replayed": replayed,
+            "predicted": predicted.step_time, "replayed": replayed, "per_action": per_action,
             "lookahead": plan.lookahead, "cores": costs.cores, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
                                                 1e3 * costs.per_stage("backward", i), 1e3 * costs.per_stage("update", i))
                                                for i, sp in enumerate(plan.stage_plans)]}
@@ -477,6 +486,10 @@ def report(results: dict[str, list[list[dict]]]) -> None:
         keys = list(middle[0]["profile"])
         print(tabulate([[f"rank {r}"] + [middle[r]["profile"][k] for k in keys] for r in range(len(middle))],
                        headers=[""] + keys, floatfmt=".1f"))
+        print("one action's time (ms): the simulator's mean, the ranks' sharing of the cores included, "
+              "against the run's own (fxpipe.profile's), per stage: " + "; ".join(
+                  f"{s}{k} {sim:.1f} / {got:.1f}" + (f" ({100 * (sim / got - 1):+.0f}%)" if got >= 1.0 else "")
+                  for s, k, sim, got in middle[0]["per_action"]))
 
 
 _LABELS = {
