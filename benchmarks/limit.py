@@ -180,8 +180,8 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     dist.all_gather_object(times, profile.action_times())
     by_stage: dict = {}  # one rank per stage here (width 1); replicas' times would be averaged
     for t in times:
-        for key, seconds in t.items():
-            by_stage.setdefault(key, []).append(seconds)
+        for key, took in t.items():
+            by_stage.setdefault(key, []).append(took)
     measured = {k: statistics.mean(v) for k, v in by_stage.items()}
     replayed = simulate(actions, costs.measured(measured)).step_time
     predicted = simulate(actions, costs)
