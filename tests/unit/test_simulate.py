@@ -271,3 +271,13 @@ def test_measured_costs_keep_the_predicted_ones_where_a_stage_has_no_timed_actio
     assert got.update == 0.5 and got.cores is None
     assert Costs(forward=[1.0, 2.0]).measured({}) == Costs(forward=[1.0, 2.0])  # nothing timed: only cores go
     assert Costs().measured({}).cores is None
+
+
+def test_a_zb_stage_that_runs_its_backward_unsplit_is_priced_whole_in_i():
+    """A stage zb cannot split runs its whole backward in I and an empty W: the measured I is
+    the stage's backward (I + W), and the simulator times its I and W as they ran."""
+    costs = Costs(forward=[1.0, 1.0], backward=[2.0, 2.0], backward_input=[1.0, 1.0])
+    got = costs.measured({(1, Kind.I): 3.0, (1, Kind.W): 0.0})
+    assert got.backward == [2.0, 3.0] and got.backward_input == [1.0, 3.0] and got.backward_weight == [1.0, 0.0]
+    lists = generate("zb", 2, 4, 2)
+    assert simulate(lists, got).makespan > simulate(lists, costs).makespan  # stage 1 takes longer in all
