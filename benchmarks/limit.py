@@ -155,7 +155,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     import fxpipe
     from fxpipe.demo import lm_loss
     from fxpipe.profile import Profile
-    from fxpipe.schedule import Action, generate
+    from fxpipe.schedule import generate
     from fxpipe.simulate import Costs, simulate
 
     mb = BATCH // M  # micro-batches of the pinned size; m of them per step (m a multiple of M)
@@ -185,12 +185,8 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     measured = {k: statistics.mean(v) for k, v in by_stage.items()}
     replayed = simulate(actions, costs.measured(measured)).step_time
     predicted = simulate(actions, costs)
-    simulated: dict = {}  # the simulator's mean time per (stage, kind), the cores' sharing included
-    for e in predicted.events:
-        a = Action.parse(e.action)
-        if (a.stage, a.kind) in measured:
-            simulated.setdefault((a.stage, a.kind), []).append(e.end - e.start)
-    per_action = [(s, k.value, 1e3 * statistics.mean(simulated[s, k]), 1e3 * measured[s, k])
+    simulated = predicted.action_times()  # the simulator's, the cores' sharing included
+    per_action = [(s, k.value, 1e3 * simulated[s, k], 1e3 * measured[s, k])
                   for s, k in sorted(measured) if (s, k) in simulated]
     return {"seconds": seconds, "samples": samples, "profile": profile.summary(), "cpu": cpu,
             "predicted": predicted.step_time, "replayed": replayed, "per_action": per_action,

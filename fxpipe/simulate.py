@@ -225,6 +225,17 @@ class Timeline:
         t0 = min((e.start for e in self.events), default=0.0)
         return self.starts.get(rank, t0), t0 + self.makespan
 
+    def action_times(self) -> dict[tuple[int, Kind], float]:
+        """The mean time of one action per (stage, kind) of training's compute kinds (F, R, B, I,
+        W) and ``UPDATE``: what :meth:`fxpipe.profile.Profile.action_times` measures in a run,
+        here as this timeline ran them (a simulation's with the cores' sharing included)."""
+        by: dict[tuple[int, Kind], list[float]] = {}
+        for e in self.events:
+            a = Action.parse(e.action)
+            if a.kind in COMPUTE or a.kind is Kind.UPDATE:
+                by.setdefault((a.stage, a.kind), []).append(e.end - e.start)
+        return {key: sum(v) / len(v) for key, v in sorted(by.items())}
+
 
 # The work a rank is busy with: the bubble is the rest (eval passes are forward work too).
 _BUSY = COMPUTE | {Kind.UPDATE, Kind.EVAL}

@@ -218,16 +218,6 @@ def test_picture_without_idle_time_has_no_idle_legend_or_key():
     assert not any(p.get("stroke") == "#bdbdbd" for p in root.iter("{http://www.w3.org/2000/svg}path"))  # hatching
 
 
-def _mean_action_times(tl) -> dict:
-    """Per (stage, kind) of F, R, B, I, W and UPDATE, the mean time of a timeline's actions."""
-    by: dict = {}
-    for e in tl.events:
-        a = Action.parse(e.action)
-        if a.kind in (Kind.F, Kind.R, Kind.B, Kind.I, Kind.W, Kind.UPDATE):
-            by.setdefault((a.stage, a.kind), []).append(e.end - e.start)
-    return {key: sum(v) / len(v) for key, v in by.items()}
-
-
 @pytest.mark.parametrize("schedule,recompute", [("2bw", False), ("1f1b", True), ("gpipe", False), ("zb", False)])
 def test_replaying_a_timelines_own_action_times_gives_its_step_time(schedule, recompute):
     """``Costs.measured`` maps every compute kind back to the field that times it (zb's first
@@ -238,7 +228,7 @@ def test_replaying_a_timelines_own_action_times_gives_its_step_time(schedule, re
                   recompute=[0.7, 1.1, 0.8], update=[0.3, 0.2, 0.4], p2p=0.05)
     tl = simulate(lists, costs)
     wrong = Costs(forward=9.0, backward=9.0, backward_input=4.0, recompute=9.0, update=9.0, p2p=0.05, cores=1.0)
-    replay = wrong.measured(_mean_action_times(tl))
+    replay = wrong.measured(tl.action_times())
     assert replay.cores is None
     if schedule == "zb":
         assert replay.per_stage("backward", 0) == pytest.approx(2.0)  # stage 0's W (I costs 0 there)
@@ -253,7 +243,7 @@ def test_a_replay_takes_the_slowdown_of_shared_cores_from_the_measured_times(sch
     lists = generate(schedule, 3, 6, 4)
     costs = Costs(forward=[1.0, 1.5, 1.2], backward=[2.0, 3.5, 2.5], update=[0.3, 0.2, 0.4], p2p=0.05, cores=2.0)
     tl = simulate(lists, costs)
-    times = _mean_action_times(tl)
+    times = tl.action_times()
     assert times[0, Kind.F] > 1.0
     replayed = simulate(lists, costs.measured(times)).step_time
     assert replayed == pytest.approx(tl.step_time, rel=0.04)
