@@ -150,7 +150,7 @@ def _gpt2():
 def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model: str = "gpt",
             device_model=None, lookahead: int | None = None) -> dict:
     """Train with fxpipe on every rank as one pipeline (d = world size). Without ``device_model``
-    the plan is ``cost_mode="calibrated"`` (this model timed on every rank at once, then on rank 0 alone); with one,
+    the plan is ``cost_mode="calibrated"`` (this model timed on every rank at once, each run followed by one on rank 0 alone); with one,
     the plan prices this configuration with it (a check of a calibration made elsewhere)."""
     import fxpipe
     from fxpipe.demo import lm_loss
@@ -196,7 +196,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
 
 
 def _calibrated_on_pinned(batches):
-    """The cost model calibrated on the pinned GPT (every rank at once, then rank 0 alone), for the checks."""
+    """The cost model calibrated on the pinned GPT (every rank at once, each run followed by one on rank 0 alone), for the checks."""
     import fxpipe
     from fxpipe.cost import DeviceModel
 
@@ -290,7 +290,7 @@ def run(name: str, steps: int, warmup: int, world: int = 2) -> list[dict]:
 
 
 #: The simulator's checks on configurations the calibration never ran: the cost model is
-#: calibrated on the pinned GPT (whole model, every rank at once, then rank 0 alone) and prices these with it.
+#: calibrated on the pinned GPT (whole model, every rank at once, each run followed by one on rank 0 alone) and prices these with it.
 CHECKS = (("pinned GPT, m = 8", "gpt", 8, 2), ("pinned GPT, d = 4 on 4 ranks", "gpt", 4, 4),
           ("HF GPT-2 8x256 (tied, its own loss)", "gpt2", 4, 2))
 

@@ -53,12 +53,13 @@ def calibrate(model: DeviceModel, gm: fx.GraphModule, example_inputs=None, *, op
     Ranks that calibrate together call it at once with the same ``barrier`` (e.g.
     ``torch.distributed.barrier``), which lines up every timed run, so each is timed while
     the others compute too. Where ``host_ranks`` > 1 of them share this host's cores (CPU
-    processes), the rank with ``alone=True`` then times the model again while the others
-    wait in ``barrier``, and only it times the update, the random numbers, the roofs and the
-    split (the others' models keep this model's figures for those): its model holds the
+    processes), the rank with ``alone=True`` also times the model alone after each lined-up
+    run, while the others wait in ``barrier``, and only it times the update, the random
+    numbers, the roofs and the split (the others' models keep this model's figures for
+    those): its model holds the
     speed alone and ``host_cores``, the number of ranks the host runs at full speed at once
-    (``host_ranks`` times alone over the together runs' span, barrier to barrier, which ends
-    when the slowest rank is done),
+    (the median over those pairs of ``host_ranks`` times alone over the lined-up run's span,
+    barrier to barrier, which ends when the slowest rank is done),
     which the simulator uses to slow ranks that compute at the same time. ``split`` (the zb
     schedule) also times zb's input- and weight-gradient passes against a whole backward of
     the second half of the graph (``backward_input_share``, ``backward_weight_share``).
@@ -111,24 +112,36 @@ def calibrate(model: DeviceModel, gm: fx.GraphModule, example_inputs=None, *, op
     buffers = [(b, b.detach().clone()) for b in gm.buffers()]
     with torch.random.fork_rng(devices=rng_devices(dev)), _restored(buffers), _accumulating(params):
         once(barrier), once(barrier)  # warm-up: the allocator's pools, lazily built kernels
-        runs = [once(barrier) for _ in range(repeats)]
-        fwd, bwd = medians(runs)
         if not shared:
+            runs = [once(barrier) for _ in range(repeats)]
+            fwd, bwd = medians(runs)
             update, per_random, roofs, shares = rest()
         else:
-            barrier()  # every rank has finished its last run
-            ends = [t0 for t0, _, _ in runs[1:]] + [time.perf_counter()]
+            # Each lined-up run is followed by one run of the rank timing alone, while the others
+            # wait in the barrier, so that each pair sees the host at one moment: a shared host's
+            # pace drifts by a fifth from one minute to the next, and timing all the lined-up runs
+            # first and then all the lone ones read that drift as the cores' sharing.
+            runs, lone, ratios = [], [], []
+            for _ in range(repeats):
+                run = once(barrier)
+                barrier()  # every rank is done
+                # the lined-up run lasts, barrier to barrier, until the slowest rank is done: the
+                # host's pace with every rank computing, however its scheduler shared the cores
+                span = time.perf_counter() - run[0]
+                runs.append(run)
+                if alone:
+                    lone.append(once(None))
+                    ratios.append(host_ranks * (lone[-1][1] + lone[-1][2]) / span)
+                barrier()  # the others wait here while this rank runs alone
+            fwd, bwd = medians(runs)
             # The rest is timed by the rank timing alone, below, while the others wait: their
             # models keep this one's figures for it (compile plans with the alone rank's).
             update, per_random, roofs, shares = kept
             if alone:
-                # A lined-up run lasts, barrier to barrier, until the slowest rank is done: the
-                # host's pace with every rank computing, however its scheduler shared the cores.
-                together = statistics.median(end - t0 for end, (t0, _, _) in zip(ends, runs))
-                fwd, bwd = medians([once(None) for _ in range(repeats)])
-                cores = min(max(host_ranks * (fwd + bwd) / together, 1.0), float(host_ranks))
+                fwd, bwd = medians(lone)
+                cores = min(max(statistics.median(ratios), 1.0), float(host_ranks))
                 update, per_random, roofs, shares = rest()
-            barrier()  # the others wait here while this rank runs alone
+            barrier()  # the others wait here while this rank times the rest
 
     # The random numbers the graph draws go at the generator's measured pace; the roofline,
     # its roofs set apart by their measured ratio, is fitted to the rest of the forward.

@@ -312,11 +312,12 @@ def test_the_simulator_prices_the_copy_where_the_runtime_makes_one():
 
 def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypatch):
     """Two ranks on one host: a lined-up run takes this rank 8 s (3 + 5) but lasts 10 s barrier
-    to barrier (the slower rank's time), the rank timing alone takes 6 s (2 + 4), so the host runs
-    2 * 6 / 10 = 1.2 ranks at full speed at once, and the model holds the speed alone. The other
-    ranks wait in the barrier meanwhile, and only the rank timing alone times the rest (here the
-    random numbers' pace and the roofs); a rank not timing alone, or a host of one rank, measures
-    no sharing."""
+    to barrier (the slower rank's time), and the run alone right after it 6 s (2 + 4), so the host
+    runs 2 * 6 / 10 = 1.2 ranks at full speed at once, and the model holds the speed alone. The
+    host's pace drifts (the third pair runs at half speed, both runs alike): the ratio of each
+    pair is the same, so the drift is not read as sharing. The other ranks wait in the barrier
+    meanwhile, and only the rank timing alone times the rest (here the random numbers' pace and
+    the roofs); a rank not timing alone, or a host of one rank, measures no sharing."""
     import fxpipe.calibrate as cost  # the timing of fxpipe.cost's DeviceModel
 
     gm, _ = linear_gm(64)
@@ -326,25 +327,28 @@ def test_calibrate_alone_measures_how_many_ranks_the_host_runs_at_once(monkeypat
     monkeypatch.setattr(cost, "_time_random", lambda *a: timed_random.append(1) or 0.0)  # the graph draws none
     monkeypatch.setattr(cost, "_roofs", lambda *a: timed_random.append(2) or (1.0, 1.0))
 
-    def clock(alone_runs):
-        together = [x + 10.0 * i for i in range(5) for x in (0.0, 3.0, 8.0)]  # two warm-ups, three repeats
-        closed = [50.0]  # the barrier after the last repeat: every rank done
-        return iter(together + closed + [x for _ in range(alone_runs) for x in (0.0, 2.0, 6.0)])
+    def clock(alone: bool):
+        ticks = [x + 10.0 * i for i in range(2) for x in (0.0, 3.0, 8.0)]  # two warm-ups
+        for i, pace in enumerate((1.0, 1.0, 2.0)):  # three repeats: lined up, its closing barrier, alone
+            start = 100.0 * (i + 1)
+            ticks += [start + pace * x for x in (0.0, 3.0, 8.0, 10.0)]
+            ticks += [start + 50.0 + pace * x for x in (0.0, 2.0, 6.0)] if alone else []
+        return iter(ticks)
 
-    monkeypatch.setattr(cost.time, "perf_counter", clock(3).__next__)
+    monkeypatch.setattr(cost.time, "perf_counter", clock(True).__next__)
     cal = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=True)
-    assert cal.host_cores == pytest.approx(1.2) and len(calls) == 5 + 2
+    assert cal.host_cores == pytest.approx(1.2) and len(calls) == 2 + 3 * 3 + 1
     assert sorted(timed_random) == [1, 2] and cal.random_time_per_element == 0.0
     nodes = [c for c in annotate(gm, device=cal).nodes.values() if c.fwd_time(64) > 0]
     assert math.isclose(sum(c.fwd_time(64) for c in nodes), 2.0, rel_tol=1e-9)
 
-    monkeypatch.setattr(cost.time, "perf_counter", clock(0).__next__)
+    monkeypatch.setattr(cost.time, "perf_counter", clock(False).__next__)
     calls.clear()
     timed_random.clear()
     other = dev.calibrate(gm, repeats=3, barrier=lambda: calls.append(1), host_ranks=2, alone=False)
-    assert other.host_cores is None and len(calls) == 5 + 2
+    assert other.host_cores is None and len(calls) == 2 + 3 * 3 + 1
     assert timed_random == [] and other.random_time_per_element == 7e-9
-    monkeypatch.setattr(cost.time, "perf_counter", clock(0).__next__)
+    monkeypatch.setattr(cost.time, "perf_counter", clock(False).__next__)
     assert dev.calibrate(gm, repeats=3, barrier=lambda: None).host_cores is None
 
 
