@@ -162,20 +162,35 @@ class PendingWeights:
     calls: list[tuple[list[GradientEdge], list[torch.Tensor], list[tuple[str, torch.Tensor]]]]
     saved: SavedTensors | None = None
 
-    def run(self) -> dict[str, torch.Tensor]:
+    def run(self, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The weight gradients of the micro-batch (name -> gradient; unreached weights absent).
-        Frees the graph as it goes: each group's nodes run once, and what a group's call read
-        (its recorded gradients, the tensors its nodes saved) is freed when the call returns."""
+        With ``into`` (name -> a buffer of the weight's shape and dtype, for every weight) each
+        gradient is added into its buffer instead, as a plain backward adds into ``.grad``: right
+        where autograd computes it, while it is still in the cache, and no group's gradients
+        wait for the others'; the dict returned is then empty. Frees the graph as it goes: each
+        group's nodes run once, and what a group's call read (its recorded gradients, the
+        tensors its nodes saved) is freed when the call returns."""
         out: dict[str, torch.Tensor] = {}
         calls, self.calls = deque(self.calls), []
         while calls:
             edges, grads, weights = calls.popleft()
             if not edges:
                 continue
+            leaves = [w for _, w in weights]
             with self.saved.freeing_reads() if self.saved is not None else contextlib.nullcontext():
-                got = torch.autograd.grad(edges, [w for _, w in weights], grads, allow_unused=True)
+                if into is None:
+                    got = torch.autograd.grad(edges, leaves, grads, allow_unused=True)
+                    out.update((name, g) for (name, _), g in zip(weights, got) if g is not None)
+                else:
+                    held = [w.grad for w in leaves]
+                    for name, w in weights:
+                        w.grad = into[name]
+                    try:
+                        torch.autograd.backward(edges, grads, inputs=leaves)
+                    finally:
+                        for w, g in zip(leaves, held):
+                            w.grad = g
             del edges, grads
-            out.update((name, g) for (name, _), g in zip(weights, got) if g is not None)
         return out
 
 

@@ -298,7 +298,7 @@ class WeightStore:
         """zb's ``W``: add the weight gradients ``pending`` yields into batch t's accumulator, or
         run the whole backward ``I`` left to it (nothing when ``I`` ran the whole backward)."""
         if isinstance(pending, PendingWeights):
-            self.strategy.accumulate(t, pending.run())
+            self.strategy.backward_weight(t, pending)
         elif pending is not None:
             pending()
 
@@ -486,9 +486,17 @@ class _TorchOptim:
         for leaf in leaves.values():
             leaf.grad = None
 
+    def backward_weight(self, t, pending: PendingWeights) -> None:
+        """zb's ``W``: autograd adds into the flat gradient buffer directly, as in
+        :meth:`backward` (16-bit gradients are added into the fp32 accumulator)."""
+        if self.store.master is None:
+            pending.run(into=self.store.grad_views_of(t))
+        else:
+            self.accumulate(t, pending.run())
+
     def accumulate(self, t, grads: dict[str, torch.Tensor]) -> None:
         """Add one micro-batch's weight gradients (name -> tensor, 16-bit under mixed precision)
-        into batch t's accumulator: zb's ``W``."""
+        into batch t's fp32 accumulator."""
         views = self.store.grad_views_of(t)
         with torch.no_grad():
             for n, g in grads.items():
@@ -632,6 +640,10 @@ class _Fused:
         self.accumulate(t, dict(zip(self.names, grads)))
         for x, g in zip([x for x in boundary if x.requires_grad], grads[len(params):]):
             x.grad = g
+
+    def backward_weight(self, t, pending: PendingWeights) -> None:
+        """zb's ``W``: its gradients go through the scratch buffer, as :meth:`backward`'s do."""
+        self.accumulate(t, pending.run())
 
     def accumulate(self, t, grads: dict[str, torch.Tensor | None]) -> None:
         """Fold one micro-batch's weight gradients (name -> tensor; absent or None: zero) into

@@ -82,6 +82,28 @@ def test_input_then_weight_pass_equals_one_backward_and_w_skips_the_input_chain(
         assert torch.allclose(grads[name], r), name
 
 
+def test_w_adds_into_given_buffers_as_a_plain_backward_adds_into_grad():
+    """``run(into=...)``: each gradient is added into its buffer (which holds an earlier
+    micro-batch's sum), a weight the outputs do not reach keeps its buffer as it was, nothing is
+    returned, and the leaves' ``.grad`` is put back as the caller had it."""
+    w = _weights()
+    x = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True)]
+    outs = _graph(x, w)
+    seeds = [torch.randn_like(o) for o in outs]
+    ref = torch.autograd.grad(outs, list(w.values()), seeds)
+    w["unused"] = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    w["a"].grad = marker = torch.zeros_like(w["a"])
+    into = {n: torch.full_like(p, 0.5) for n, p in w.items()}
+    buffers = dict(into)
+    _, pending = backward_input(_graph(x, w), seeds, x, w)
+    assert pending.run(into=into) == {}
+    for (name, buf), r in zip(buffers.items(), ref):
+        assert into[name] is buf and torch.allclose(buf, r + 0.5), name
+    assert torch.equal(buffers["unused"], torch.full((2,), 0.5, dtype=torch.float64))
+    assert w["a"].grad is marker and torch.equal(marker, torch.zeros_like(marker))
+    assert all(p.grad is None for n, p in w.items() if n != "a")
+
+
 def test_i_frees_what_only_the_input_chain_saved_and_outer_hooks_still_apply():
     """x -> Linear -> GELU -> Linear -> tanh: during I, each tensor only the input chain reads is
     freed once the next node has read (tanh's output before the first Linear runs); after I,
