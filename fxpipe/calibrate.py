@@ -56,11 +56,10 @@ def calibrate(model: DeviceModel, gm: fx.GraphModule, example_inputs=None, *, op
     processes), the rank with ``alone=True`` also times the model alone after each lined-up
     run, while the others wait in ``barrier``, and only it times the update, the random
     numbers, the roofs and the split (the others' models keep this model's figures for
-    those): its model holds the
-    speed alone and ``host_cores``, the number of ranks the host runs at full speed at once
-    (the median over those pairs of ``host_ranks`` times alone over the lined-up run's span,
-    barrier to barrier, which ends when the slowest rank is done),
-    which the simulator uses to slow ranks that compute at the same time. ``split`` (the zb
+    those): its model holds the speed alone and ``host_cores``, the number of ranks the host
+    runs at full speed at once (the median over those pairs of ``host_ranks`` times alone
+    over the lined-up run's span, barrier to barrier, which ends when the slowest rank is
+    done), which the simulator uses to slow ranks that compute at the same time. ``split`` (the zb
     schedule) also times zb's input- and weight-gradient passes against a whole backward of
     the second half of the graph (``backward_input_share``, ``backward_weight_share``).
     ``compile(cost_mode="calibrated")`` calls it on every rank, rank 0 timing alone."""
