@@ -56,7 +56,7 @@ from typing import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["PendingWeights", "SavedTensors", "SplitCache", "backward_input"]
+__all__ = ["PendingWeights", "SavedTensors", "SplitCache", "backward_input", "grads_into"]
 
 
 # the saved-tensor hooks in force (pack, unpack) or None; torch's own AOT autograd reads them so
@@ -64,6 +64,21 @@ _hooks_in_force = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks"
 # the autograd node running on this thread (None outside the engine); without it, what a call read
 # is freed when the call returns instead of node by node
 _running_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
+@contextlib.contextmanager
+def grads_into(leaves: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]):
+    """Within: each leaf's ``.grad`` is its buffer (same shape and dtype), so a backward adds its
+    gradient in where autograd computes it, as into any ``.grad``; after, even on an error, each
+    leaf's ``.grad`` is what it was before."""
+    held = [leaf.grad for leaf in leaves]
+    for leaf, buf in zip(leaves, buffers):
+        leaf.grad = buf
+    try:
+        yield
+    finally:
+        for leaf, g in zip(leaves, held):
+            leaf.grad = g
 
 
 class SavedTensors:
@@ -182,14 +197,8 @@ class PendingWeights:
                     got = torch.autograd.grad(edges, leaves, grads, allow_unused=True)
                     out.update((name, g) for (name, _), g in zip(weights, got) if g is not None)
                 else:
-                    held = [w.grad for w in leaves]
-                    for name, w in weights:
-                        w.grad = into[name]
-                    try:
+                    with grads_into(leaves, [into[name] for name, _ in weights]):
                         torch.autograd.backward(edges, grads, inputs=leaves)
-                    finally:
-                        for w, g in zip(leaves, held):
-                            w.grad = g
             del edges, grads
         return out
 

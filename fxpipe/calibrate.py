@@ -19,6 +19,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from .cost import DeviceModel, _bytes_moved, _dependence, _node_flops, _random_elements, annotate, is_view
+from .backward import SavedTensors, SplitCache, backward_input, grads_into
 from .device import moved_copy, release_heap, rng_devices
 from .errors import PlanError
 from .trace import get_attr, normalize_inputs
@@ -323,18 +324,10 @@ def _restored(buffers: list[tuple[torch.Tensor, torch.Tensor]]):
                 buf.copy_(saved)
 
 
-@contextlib.contextmanager
 def _accumulating(params: list[torch.Tensor]):
     """Point each parameter's ``.grad`` at a zeroed buffer of its own, so that timed backwards
     accumulate into it as the runtime's do; the gradients the parameters held come back after."""
-    held = [p.grad for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    try:
-        yield
-    finally:
-        for p, g in zip(params, held):
-            p.grad = g
+    return grads_into(params, [torch.zeros_like(p) for p in params])
 
 
 def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[float, float]:
@@ -346,8 +339,6 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
     micro-batch holds weighs on both as in training; the whole backward as 1f1b runs it, with
     nothing pending. (1, 0) where the graph cannot be split (the runtime then runs the whole
     backward in ``I``)."""
-    from .backward import SavedTensors, SplitCache, backward_input
-
     floats = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
               and n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 2]
     weights = {name: p for name, p in gm.named_parameters() if p.requires_grad}

@@ -34,7 +34,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from .errors import CheckpointError, ConfigError
-from .backward import PendingWeights, SplitCache, backward_input
+from .backward import PendingWeights, SplitCache, backward_input, grads_into
 from .precision import Precision, compute_dtype
 from .schedule import versions_of
 
@@ -479,12 +479,9 @@ class _TorchOptim:
                 x.grad = g
             return
         views = self.store.grad_views_of(t)
-        for name, leaf in leaves.items():
-            if leaf.requires_grad:
-                leaf.grad = views[name]
-        torch.autograd.backward(roots, seeds if seeds[0] is not None else None)
-        for leaf in leaves.values():
-            leaf.grad = None
+        names = [n for n, leaf in leaves.items() if leaf.requires_grad]
+        with grads_into([leaves[n] for n in names], [views[n] for n in names]):
+            torch.autograd.backward(roots, seeds if seeds[0] is not None else None)
 
     def backward_weight(self, t, pending: PendingWeights) -> None:
         """zb's ``W``: autograd adds into the flat gradient buffer directly, as in
