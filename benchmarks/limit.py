@@ -1,7 +1,7 @@
 """The physical limit, and how close each pipeline schedule gets to it, with every millisecond accounted for.
 
-    python benchmarks/limit.py                # 5.5-16 minutes on 2 CPU cores, by host
-    python benchmarks/limit.py --rounds 1     # one round, about 3 minutes
+    python benchmarks/limit.py                # 25-30 minutes on 2 CPU cores (the AMD EPYC host)
+    python benchmarks/limit.py --rounds 1     # one round, about 10 minutes
     python benchmarks/limit.py --check        # the simulator on configurations it was not calibrated on (about 6 minutes)
     python benchmarks/limit.py --saved        # per stage, the peak of autograd-saved tensors under 1f1b and zb
 
@@ -22,8 +22,12 @@ Every run is a fresh pair of processes (so each one's peak memory is its own, co
 first training step; each settles glibc's heap first, as fxpipe does on a CPU rank:
 :func:`fxpipe.device.settle_heap`), the systems
 alternate within each of ``--rounds`` rounds, and each reports the median over rounds of its
-throughput: samples in the measured steps over the slower rank's wall time for them (and, round by
-round, each system's samples/s and share of that round's limit). Beside each
+throughput: samples in the measured steps over the slower rank's wall time for them. The limit
+runs first and again right after every system, so each run of a system is bracketed by two
+limit runs about a minute apart: its share of the limit is its rate over their mean, and the
+table gives the median of those shares over the rounds (``--no-brackets``: one limit run per
+round, first, as before 2026-11-28), with the ratios of the medians printed beside them and,
+round by round, each system's samples/s, share and the two limit runs around it. Beside each
 fxpipe schedule it prints the simulator's prediction of the step time (the plan's costs through
 :func:`fxpipe.simulate.simulate`), the error of the same schedule replayed at the run's own mean
 action times (:meth:`fxpipe.simulate.Costs.measured`: the schedule model alone, apart from the
@@ -397,6 +401,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", nargs="*", choices=SYSTEMS, default=SYSTEMS, help="run just these systems")
+    ap.add_argument("--no-brackets", action="store_true",
+                    help="run the limit once per round, first (as before 2026-11-28), not also after every system")
     ap.add_argument("--check", action="store_true",
                     help="instead: the simulator on other configurations (m = 8, d = 4 on 4 ranks, HF GPT-2)")
     ap.add_argument("--saved", action="store_true",
@@ -409,18 +415,53 @@ def main() -> None:
         checks(args.steps, args.warmup)
         return
     results: dict[str, list[list[dict]]] = {n: [] for n in args.only}
+
+    def measure(name: str, r: int) -> float:
+        results[name].append(run(name, args.steps, args.warmup))
+        got = throughput(name, results[name][-1])
+        print(f"round {r + 1}: {name}: {got:.1f} samples/s", file=sys.stderr)
+        return got
+
+    if "limit" not in args.only or args.no_brackets:
+        for r in range(args.rounds):
+            for name in args.only:
+                measure(name, r)
+        report(results)
+        return
+    # Brackets: the limit runs first, then again right after every system, so that each
+    # system's share is of the limit measured just before and just after it (the host's pace
+    # drifts by a fifth from one minute to the next; one limit run per round is minutes away
+    # from most systems).
+    brackets: dict[str, list[tuple[float, float]]] = {n: [] for n in args.only if n != "limit"}
+    last = measure("limit", 0)
     for r in range(args.rounds):
-        for name in args.only:
-            results[name].append(run(name, args.steps, args.warmup))
-            print(f"round {r + 1}: {name}: {throughput(name, results[name][-1]):.1f} samples/s", file=sys.stderr)
-    report(results)
+        for name in brackets:
+            measure(name, r)
+            before, last = last, measure("limit", r)
+            brackets[name].append((before, last))
+    report(results, brackets)
 
 
-def report(results: dict[str, list[list[dict]]]) -> None:
-    rate = {n: statistics.median(throughput(n, rs) for rs in runs) for n, runs in results.items()}
-    rounds = len(next(iter(results.values())))
+def shares(rates: list[float], brackets: list[tuple[float, float]]) -> list[float]:
+    """Each run's rate as a share of the limit around it: the mean of the limit runs right before
+    and right after it (one system's runs, one per round)."""
+    return [rate / ((before + after) / 2) for rate, (before, after) in zip(rates, brackets, strict=True)]
+
+
+def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[float, float]]] | None = None) -> None:
+    """The tables. ``brackets``: per system, per round, the limit runs right before and after
+    it (:func:`main`); without, each round's one limit run stands for the whole round."""
+    systems = [n for n in results if n != "limit"]
+    rounds = len(results[systems[0]]) if systems else len(results["limit"])
+    rates = {n: [throughput(n, rs) for rs in runs] for n, runs in results.items()}
+    rate = {n: statistics.median(v) for n, v in rates.items()}
     limit = rate.get("limit")
     base = rate.get("pippy 1f1b")
+    if limit and brackets is None:
+        brackets = {n: [(got, got) for got in rates["limit"]] for n in systems}
+    share = {n: shares(rates[n], brackets[n]) for n in systems} if limit else {}
+    if limit:
+        share["limit"] = [1.0] * rounds
     rows = []
     for name, runs in results.items():
         middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
@@ -429,8 +470,10 @@ def report(results: dict[str, list[list[dict]]]) -> None:
         # the median round's own step time, which the replay (that round's action times) matches
         own_ms = 1e3 * max(r["seconds"] for r in middle) * BATCH / middle[0]["samples"]
         rows.append([
-            _LABELS.get(name, name), rate[name], 100 * rate[name] / limit if limit else None,
-            rate[name] / base if base else None, " / ".join(f"{r['peak_mib']:.0f}" for r in middle),
+            _LABELS.get(name, name), rate[name], 100 * statistics.median(share[name]) if limit else None,
+            statistics.median(a / b for a, b in zip(share[name], share["pippy 1f1b"])) if limit and base
+            else rate[name] / base if base else None,
+            " / ".join(f"{r['peak_mib']:.0f}" for r in middle),
             measured_ms if name != "limit" else None,
             1e3 * predicted if predicted else None,
             100 * (1e3 * predicted / measured_ms - 1) if predicted else None,
@@ -443,23 +486,29 @@ def report(results: dict[str, list[list[dict]]]) -> None:
                                   "ms/step", "simulated ms/step", "sim error %", "replay error %"],
                    # the ratio to three places: a target of 1.10x must not read as met at 1.096
                    floatfmt=("", ".1f", ".1f", ".3f", "", ".1f", ".1f", ".1f", ".1f"), missingval="-"))
+    if limit:
+        around = ("the limit runs right before and right after it" if any(b != a for v in brackets.values() for b, a in v)
+                  else "its round's limit run")
+        print(f"\n% of limit: the median over rounds of each run's rate over the mean of {around}; vs PiPPy "
+              "1F1B: the median over rounds of that share over PiPPy 1F1B's in the same round. As ratios of "
+              "the medians instead (each system's median rate over the limit's, and over PiPPy 1F1B's): "
+              + "; ".join(f"{_LABELS.get(n, n).split(' (')[0]} {100 * rate[n] / limit:.1f}%"
+                          + (f", {rate[n] / base:.3f}x" if base else "") for n in systems))
     print("\nsim error: the plan's predicted step time against the measured one. replay error: the same "
           "schedule simulated at the run's own mean action times (fxpipe.profile's, F/B/I/W/UPDATE per "
           "stage), against that run: the schedule model alone, without the cost model's prediction.")
     if limit:
-        print("\nthe limit, per round: summed rates while both trainers ran (the table's), and each trainer's "
-              "rate over its own whole run, summed (the runs before 2026-11-27): "
+        print("\nthe limit, every run in order: summed rates while both trainers ran (the table's), and each "
+              "trainer's rate over its own whole run, summed (the runs before 2026-11-27): "
               + "; ".join(f"{throughput('limit', rs):.1f} and {_whole_runs(rs):.1f}" for rs in results["limit"]))
     if rounds > 1:  # the rounds themselves: the host drifts between them
-        print("\nround by round (samples/s" + (", % of that round's limit)" if limit else ")"))
-        limits = [throughput("limit", ranks) for ranks in results["limit"]] if limit else []
+        print("\nround by round (samples/s" + (", % of the limit around it: before / after)" if limit else ")"))
         per_round = []
-        for name, runs in results.items():
+        for name in systems:
             row = [_LABELS.get(name, name)]
-            for r, ranks in enumerate(runs):
-                got = throughput(name, ranks)
-                share = limits and name != "limit"
-                row.append(f"{got:.1f}" + (f" ({100 * got / limits[r]:.1f}%)" if share else ""))
+            for r, got in enumerate(rates[name]):
+                row.append(f"{got:.1f}" + (f" ({100 * share[name][r]:.1f}%: {brackets[name][r][0]:.1f} / "
+                                           f"{brackets[name][r][1]:.1f})" if limit else ""))
             per_round.append(row)
         print(tabulate(per_round, headers=["system"] + [f"round {r + 1}" for r in range(rounds)]))
     print("\nCPU time per step (ms, median round; per rank, or per trainer for the limit): the main thread, which "
