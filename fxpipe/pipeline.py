@@ -596,22 +596,29 @@ class Pipeline:
 
     def _check_settings_agree(self) -> None:
         """Every rank was given the same settings (:attr:`PipelineConfig.AGREED`), else every rank
-        raises the same ConfigError: the set-up's first communication, before any rank traces or plans."""
+        raises the same ConfigError: the set-up's first communication, before any rank traces or plans.
+        The ranks exchange a digest of each setting's text (a plan's JSON, or a closure's captured
+        values, can be long, and every rank receives every rank's); only where some differ, which
+        every rank then sees alike, do they exchange those settings' texts, for the message."""
+        mine = self.config.agreed_settings()
+        digests: list = [None] * self.world_size
+        dist.all_gather_object(digests, {name: hashlib.sha256(text.encode()).hexdigest() for name, text in mine.items()})
+        differing = [name for name in PipelineConfig.AGREED if len({d[name] for d in digests}) > 1]
+        if not differing:
+            return
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, self.config.agreed_settings())
+        dist.all_gather_object(gathered, {name: mine[name] for name in differing})
         differ = []
-        for name in PipelineConfig.AGREED:
+        for name in differing:
             by_value: dict[str, list[int]] = {}
             for r, settings in enumerate(gathered):
                 by_value.setdefault(settings[name], []).append(r)
-            if len(by_value) > 1:
-                differ.append(f"{name} is " + " but ".join(f"{v if len(v) <= 300 else v[:297] + '...'} on rank(s) {rs}"
-                                                            for v, rs in by_value.items()))
-        if differ:
-            raise ConfigError(
-                f"fxpipe.compile: every rank must be given the same settings (each runs its stage(s) of one plan), "
-                f"found {'; '.join(differ)}. Pass the same arguments on every rank (under torchrun, the same "
-                f"script and command line)")
+            differ.append(f"{name} is " + " but ".join(f"{v if len(v) <= 300 else v[:297] + '...'} on rank(s) {rs}"
+                                                        for v, rs in by_value.items()))
+        raise ConfigError(
+            f"fxpipe.compile: every rank must be given the same settings (each runs its stage(s) of one plan), "
+            f"found {'; '.join(differ)}. Pass the same arguments on every rank (under torchrun, the same "
+            f"script and command line)")
 
     def _agreed_plan(self, gm: fx.GraphModule, m: int, kernels) -> Plan:
         """The plan every rank runs: calibrated (``cost_mode``), made on rank 0 alone and broadcast,

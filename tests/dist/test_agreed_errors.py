@@ -212,10 +212,28 @@ def settings_differ(rank: int, world: int):
     got = []
     # alike on both ranks, though each process orders a set of strings by its own hash seed
     # (compile's tuple of it came out ('0', '2') on one rank and ('2', '0') on the other)
+    # and the ranks exchange digests of the settings, not their texts: a loss that captures a long
+    # list of class weights (its text 100 kB) is not sent to every rank
+    weights = [0.5] * 20_000
+
+    def weighted(out, target):
+        return (torch.tensor(weights[:1]) * (out - target) ** 2).mean()
+
+    sent = []
+    gather = dist.all_gather_object
+
+    def recording(out, obj, *args, **kwargs):
+        sent.append(len(repr(obj)))
+        return gather(out, obj, *args, **kwargs)
+
+    dist.all_gather_object = recording
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-    fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, stages=world, verbose=False, timeout=60,
+    fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=weighted, stages=world, verbose=False, timeout=60,
                    leaf_modules={"0", "2"})
+    dist.all_gather_object = gather
+    got.append(max(sent))
+
     def sgd(lr):
         return lambda params: torch.optim.SGD(params, lr=lr)
 
@@ -246,6 +264,8 @@ def test_settings_given_differently_on_one_rank_stop_every_rank_at_compile():
     assert [r["error"] for r in results] == [None, None], results
     mine, theirs = (r["value"] for r in results)
     assert mine == theirs  # the same error on every rank
+    largest, *mine = mine
+    assert largest < 5_000  # the loss's text alone is 100 kB: the settings went as digests
     kinds, messages = zip(*mine)
     assert set(kinds) == {"ConfigError"}
     start = "fxpipe.compile: every rank must be given the same settings (each runs its stage(s) of one plan), found "
