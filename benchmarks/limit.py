@@ -1,7 +1,7 @@
 """The physical limit, and how close each pipeline schedule gets to it, with every millisecond accounted for.
 
-    python benchmarks/limit.py                # 25-30 minutes on 2 CPU cores (the AMD EPYC host)
-    python benchmarks/limit.py --rounds 1     # one round, about 10 minutes
+    python benchmarks/limit.py                # about 23 minutes on 2 CPU cores (the AMD EPYC host)
+    python benchmarks/limit.py --rounds 1     # one round, about 8 minutes
     python benchmarks/limit.py --check        # the simulator on configurations it was not calibrated on (about 6 minutes)
     python benchmarks/limit.py --saved        # per stage, the peak of autograd-saved tensors under 1f1b and zb
 
