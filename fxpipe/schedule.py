@@ -736,9 +736,12 @@ def _core_list(
     * END_STEP t: c = tm + 1 on every stage: the first forward that needs batch t+1's data.
     * 2bw TIED_START t: right after the stage's last backward of batch t (c = tm + w, w the
       stage's :func:`warmup`: on stage 0 without lookahead tm + d).
-    * 2bw NORM_START t: c = (t+1)m + 1 - s, not before tm + d with a tied weight: on stage 0 this
-      is where it must have the norm (before batch t+2's first forward); later stages post sooner,
-      so stage 0 finds their parts posted. 1f1b/gpipe: both right after batch t's backwards.
+    * 2bw NORM_START t: c = (t+1)m + 1 - a_s, not before tm + d with a tied weight, where a_s is
+      how many forwards stage s runs behind stage 0 (s in 1F1B's order; with a ``lookahead`` L
+      the last stage, which runs none ahead, d - 1 + L): on stage 0 this is where it must have
+      the norm (before batch t+2's first forward); later stages post as much sooner as they run
+      behind, so stage 0 finds their parts posted and does not wait there.
+      1f1b/gpipe: both right after batch t's backwards.
 
     Neighbouring stages' positions differ by 0 or 1 forward, which in 1F1B order is exactly what
     a consistent cut needs: a message sent before it is received before it or posted early. With
@@ -753,6 +756,9 @@ def _core_list(
     two_bw = schedule == "2bw"
     order = _compute_order(schedule, stage, d, m, steps, recompute, lookahead)
     ahead = warmup(schedule, stage, d, lookahead)
+    # how many forwards this stage runs behind stage 0 (s in 1F1B's order; the last stage, which
+    # takes no lookahead, that many more): 2bw's NORM_START comes that much sooner here
+    behind = warmup(schedule, 0, d, lookahead) - ahead
     last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind in LAST_BACKWARD}
     pending: list[int] = []  # batches whose gradients are handed to reductions, UPDATE still due
     cut_due: list[int] = []  # 2bw: batches done here whose TIED/NORM cuts are still ahead
@@ -802,7 +808,7 @@ def _core_list(
         t = batch_of(k, m)
         if two_bw:
             for p in list(cut_due):
-                if reached(max((p + 1) * m + 1 - stage, p * m + d if group else 0)):
+                if reached(max((p + 1) * m + 1 - behind, p * m + d if group else 0)):
                     post_norm(p)
         if kind is Kind.F and k > 1 and (k - 1) % m == 0:
             # Every rank posts the loss all-reduce of step t-1 where it returns: the last stage

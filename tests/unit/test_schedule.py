@@ -22,6 +22,7 @@ from fxpipe.schedule import (
     stage_and_replica,
     validate,
     version_of,
+    warmup,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -619,17 +620,23 @@ def test_streams_communication_does_not_wait_for_unrelated_compute():
     assert end["0SEND_ACT4"] < end["1F1v0"]
 
 
-@pytest.mark.parametrize("d,m,width,tied", [(2, 4, 1, True), (3, 6, 2, True), (4, 8, 2, False), (3, 3, 1, True)])
-def test_later_stages_post_the_norm_at_an_earlier_consistent_cut(d, m, width, tied):
-    # Stage 0 waits for the norm right before F((t+1)m+1); stage s posts its part s forwards
-    # earlier (not before stage 0 can have started a tied all-reduce), so stage 0 does not wait
-    # for the last stage's final forward and backward of the batch. The lists stay deadlock-free.
-    lists = generate("2bw", d, m, 4, width=width, tied=tied, clip=True)
-    validate(lists, "2bw", d, m, 4, width=width, tied=tied, clip=True)
+@pytest.mark.parametrize("d,m,width,tied,ahead", [(2, 4, 1, True, 0), (3, 6, 2, True, 0), (4, 8, 2, False, 0),
+                                                  (3, 3, 1, True, 0), (2, 4, 1, False, 1), (3, 6, 2, True, 1),
+                                                  (4, 8, 1, False, 2)])
+def test_later_stages_post_the_norm_at_an_earlier_consistent_cut(d, m, width, tied, ahead):
+    # Stage 0 waits for the norm right before F((t+1)m+1); stage s posts its part as many
+    # forwards earlier as it runs behind stage 0 (s; with a lookahead, the last stage, which
+    # runs none ahead, d - 1 + lookahead), not before stage 0 can have started a tied
+    # all-reduce, so stage 0 does not wait for the last stage's final forward and backward of
+    # the batch (with a lookahead: nor for the forwards it runs ahead). The lists stay deadlock-free.
+    lists = generate("2bw", d, m, 4, width=width, tied=tied, clip=True, lookahead=ahead)
+    validate(lists, "2bw", d, m, 4, width=width, tied=tied, clip=True, lookahead=ahead)
     for s, lst in lists.items():
         pos = {str(a): i for i, a in enumerate(lst)}
+        behind = warmup("2bw", 0, d, ahead) - warmup("2bw", s, d, ahead)
+        assert behind == (s if s < d - 1 else d - 1 + ahead)
         for t in (1, 2):
-            cut = (t + 1) * m + 1 - s
+            cut = (t + 1) * m + 1 - behind
             if tied and s > 0:
                 cut = max(cut, t * m + d)
             first_f = (t + 1) * m + 1
