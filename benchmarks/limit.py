@@ -457,10 +457,12 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
     rate = {n: statistics.median(v) for n, v in rates.items()}
     limit = rate.get("limit")
     base = rate.get("pippy 1f1b")
-    if limit and brackets is None:
-        brackets = {n: [(got, got) for got in rates["limit"]] for n in systems}
-    share = {n: shares(rates[n], brackets[n]) for n in systems} if limit else {}
+    around = "the limit runs right before and right after it" if brackets is not None else "its round's limit run"
+    share: dict[str, list[float]] = {}
     if limit:
+        if brackets is None:
+            brackets = {n: [(got, got) for got in rates["limit"]] for n in systems}
+        share = {n: shares(rates[n], brackets[n]) for n in systems}
         share["limit"] = [1.0] * rounds
     rows = []
     for name, runs in results.items():
@@ -487,8 +489,6 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
                    # the ratio to three places: a target of 1.10x must not read as met at 1.096
                    floatfmt=("", ".1f", ".1f", ".3f", "", ".1f", ".1f", ".1f", ".1f"), missingval="-"))
     if limit:
-        around = ("the limit runs right before and right after it" if any(b != a for v in brackets.values() for b, a in v)
-                  else "its round's limit run")
         print(f"\n% of limit: the median over rounds of each run's rate over the mean of {around}; vs PiPPy "
               "1F1B: the median over rounds of that share over PiPPy 1F1B's in the same round. As ratios of "
               "the medians instead (each system's median rate over the limit's, and over PiPPy 1F1B's): "

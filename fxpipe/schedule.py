@@ -743,11 +743,12 @@ def _core_list(
       behind, so stage 0 finds their parts posted and does not wait there.
       1f1b/gpipe: both right after batch t's backwards.
 
-    Neighbouring stages' positions differ by 0 or 1 forward, which in 1F1B order is exactly what
-    a consistent cut needs: a message sent before it is received before it or posted early. With
-    a ``lookahead`` a stage reaches each position given as a forward (END_STEP, NORM_START) that
-    many backwards sooner; its receives of the gradients still due are then posted early, and
-    :func:`validate` replays every such list.
+    Without a lookahead, neighbouring stages' positions differ by 0 or 1 forward, which in 1F1B
+    order is exactly what a consistent cut needs: a message sent before it is received before it
+    or posted early. With a ``lookahead`` a stage reaches each position given as a forward
+    (END_STEP, NORM_START) that many backwards sooner, and the last stage's NORM_START sits
+    1 + lookahead forwards before its neighbour's; a stage's receives of the gradients still due
+    are then posted early, and :func:`validate` replays every such list.
     """
     out: list[Action] = []
     cuts: list[tuple[str, int]] = []
