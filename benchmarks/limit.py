@@ -22,7 +22,9 @@ Every run is a fresh pair of processes (so each one's peak memory is its own, co
 first training step; each settles glibc's heap first, as fxpipe does on a CPU rank:
 :func:`fxpipe.device.settle_heap`), the systems
 alternate within each of ``--rounds`` rounds, and each reports the median over rounds of its
-throughput: samples in the measured steps over the slower rank's wall time for them. The limit
+throughput: samples in the measured steps over the slower rank's wall time for them (the
+ranks meet after ``--warmup`` steps, and one more step, untimed, refills a pipeline that the
+meeting drained: :func:`_timed`). The limit
 runs first and again right after every system, so each run of a system is bracketed by two
 limit runs about a minute apart: its share of the limit is its rate over their mean, and the
 table gives the median of those shares over the rounds (``--no-brackets``: one limit run per
@@ -98,8 +100,13 @@ def _peak_rss() -> float:
 
 def _timed(step, batches, warmup: int, start=None, batch: int = BATCH, stamps: list | None = None,
            cpu: dict | None = None) -> tuple[float, int]:
-    """(seconds for the steps after ``warmup``, samples in them), all ranks starting together;
-    ``start`` runs right before the timed steps. The peak resident memory is counted from the
+    """(seconds for the timed steps, samples in them): ``warmup`` steps, then all ranks meet, then
+    one more step untimed, then the rest of ``batches``, timed; ``start`` runs right before them.
+    The untimed step refills the pipeline the meeting drained: 2bw's first stage runs into batch
+    t+1 while the last finishes batch t, and never waits for it in training, but after a barrier
+    the last stage waits once for the first stage's update and forward (66 ms of a 12-step window
+    in one run, 0.7%); a flushing schedule drains every step, so there it is one more step
+    like the others. The peak resident memory is counted from the
     first step on: training's, not the setup's (fxpipe's calibration, PiPPy's export). ``stamps``
     gets the system-wide monotonic clock at the start and after each timed step. ``cpu`` gets the
     CPU time per timed step, in ms: ``main`` of the calling thread (the one that computes; time
@@ -109,16 +116,17 @@ def _timed(step, batches, warmup: int, start=None, batch: int = BATCH, stamps: l
         step(x, y)
     if dist.is_initialized():
         dist.barrier()
+    step(*batches[warmup])
     if start is not None:
         start()
     t0, main0, process0 = time.perf_counter(), time.thread_time(), time.process_time()
     if stamps is not None:
         stamps.append(time.monotonic())
-    for x, y in batches[warmup:]:
+    for x, y in batches[warmup + 1:]:
         step(x, y)
         if stamps is not None:
             stamps.append(time.monotonic())
-    steps = len(batches) - warmup
+    steps = len(batches) - warmup - 1
     if cpu is not None:
         cpu.update(main=1e3 * (time.thread_time() - main0) / steps, process=1e3 * (time.process_time() - process0) / steps)
     return time.perf_counter() - t0, batch * steps
@@ -250,7 +258,7 @@ def _worker(rank: int, world: int, name: str, store: str, out: str, steps: int, 
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     settle_heap()  # every system's processes start as fxpipe's CPU ranks do: only what they run differs
-    batches = _data(steps + warmup)
+    batches = _data(warmup + 1 + steps)  # the untimed step after the ranks meet: _timed
     if name == "limit":  # two independent trainers: no process group, just both cores busy
         barrier = _FileBarrier(store, world)
         barrier.wait(rank)
@@ -398,7 +406,7 @@ def _whole_runs(ranks: list[dict]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup)")
+    ap.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup and one untimed step)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", nargs="*", choices=SYSTEMS, default=SYSTEMS, help="run just these systems")
     ap.add_argument("--no-brackets", action="store_true",

@@ -65,3 +65,15 @@ def test_without_brackets_each_round_s_one_limit_run_stands_for_it(limit, capsys
     assert "PiPPy Schedule1F1B 80.0%, 1.000x" in out
     assert "its round's limit run" in out
     assert re.search(r"36\.0 \(90\.0%: 40\.0 / 40\.0\)", out)
+
+
+def test_the_timed_steps_follow_one_untimed_step_after_the_warmup(limit):
+    """After the warmup the ranks meet, and the step after that refills a pipeline the meeting
+    drained: it is run but neither timed nor counted."""
+    seen, timing = [], []
+    batches = [(i, None) for i in range(6)]
+    seconds, samples = limit._timed(lambda x, y: seen.append(x), batches, warmup=2,
+                                    start=lambda: timing.append(len(seen)), batch=8)
+    assert seen == list(range(6))
+    assert timing == [3]  # warmup 0, 1; untimed 2; timed 3, 4, 5
+    assert samples == 3 * 8 and seconds > 0
