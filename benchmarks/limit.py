@@ -521,13 +521,21 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
         print(tabulate(per_round, headers=["system"] + [f"round {r + 1}" for r in range(rounds)]))
     print("\nCPU time per step (ms, median round; per rank, or per trainer for the limit): the main thread, which "
           "computes (a wait blocked is not CPU time), and the whole process (gloo's threads too). A limit "
-          "trainer computes the whole model: half of its main thread's time is one pipeline rank's share.")
+          "trainer computes the whole model: half of its main thread's time is one pipeline rank's share, and "
+          "the last column is every rank's main thread together over a limit trainer's (the mean of the limit's "
+          "two in its median round): the same work, so above 1 is what the system adds to it, or the host's "
+          "pace in its run.")
+    medians = {name: sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2] for name, runs in results.items()}
+    trainer = statistics.mean(r["cpu"]["main"] for r in medians["limit"]) if "limit" in medians else None
     cpu_rows = []
-    for name, runs in results.items():
-        middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
+    for name, middle in medians.items():
+        together = sum(r["cpu"]["main"] for r in middle) / (len(middle) if name == "limit" else 1)
         cpu_rows.append([_LABELS.get(name, name)] + [f"{r['cpu']['main']:.0f} / {r['cpu']['process']:.0f}"
-                                                     for r in middle])
-    print(tabulate(cpu_rows, headers=["system"] + [f"rank {r}: main / process" for r in range(len(cpu_rows[0]) - 1)]))
+                                                     for r in middle]
+                        + [f"{together / trainer:.3f}" if trainer else "-"])
+    ranks = len(cpu_rows[0]) - 2
+    print(tabulate(cpu_rows, headers=["system"] + [f"rank {r}: main / process" for r in range(ranks)]
+                   + ["all ranks / a limit trainer"], disable_numparse=True))
     for name, runs in results.items():
         if not name.startswith("fxpipe"):
             continue

@@ -77,3 +77,16 @@ def test_the_timed_steps_follow_one_untimed_step_after_the_warmup(limit):
     assert seen == list(range(6))
     assert timing == [3]  # warmup 0, 1; untimed 2; timed 3, 4, 5
     assert samples == 3 * 8 and seconds > 0
+
+
+def test_the_cpu_table_sets_all_ranks_main_threads_against_one_limit_trainer(limit, capsys):
+    results = {"limit": [_limit_run(limit, 40.0)], "pippy 1f1b": [_system(limit, 30.0)]}
+    for trainer, main in zip(results["limit"][0], (1400.0, 1500.0)):
+        trainer["cpu"] = {"main": main, "process": main}
+    for rank, main in zip(results["pippy 1f1b"][0], (740.0, 782.5)):
+        rank["cpu"] = {"main": main, "process": main + 10}
+    limit.report(results, {"pippy 1f1b": [(40.0, 40.0)]})
+    out = capsys.readouterr().out.split("CPU time per step")[1]
+    assert "all ranks / a limit trainer" in out
+    assert re.search(r"PiPPy Schedule1F1B \(baseline\)\s+740 / 750\s+782 / 792\s+1\.050", out)  # 1522.5 / 1450
+    assert re.search(r"physical limit.*1400 / 1400\s+1500 / 1500\s+1\.000", out)
