@@ -463,6 +463,8 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
     rounds = len(results[systems[0]]) if systems else len(results["limit"])
     rates = {n: [throughput(n, rs) for rs in runs] for n, runs in results.items()}
     rate = {n: statistics.median(v) for n, v in rates.items()}
+    # each system's median round (by throughput): its breakdowns, CPU times and peaks
+    medians = {n: sorted(runs, key=lambda rs: throughput(n, rs))[len(runs) // 2] for n, runs in results.items()}
     limit = rate.get("limit")
     base = rate.get("pippy 1f1b")
     around = "the limit runs right before and right after it" if brackets is not None else "its round's limit run"
@@ -473,8 +475,7 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
         share = {n: shares(rates[n], brackets[n]) for n in systems}
         share["limit"] = [1.0] * rounds
     rows = []
-    for name, runs in results.items():
-        middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
+    for name, middle in medians.items():
         measured_ms = 1e3 * BATCH / rate[name]  # the median round's rate, per step of BATCH samples
         predicted, replayed = middle[0].get("predicted"), middle[0].get("replayed")
         # the median round's own step time, which the replay (that round's action times) matches
@@ -525,21 +526,19 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
           "the last column is every rank's main thread together over a limit trainer's (the mean of the limit's "
           "two in its median round): the same work, so above 1 is what the system adds to it, or the host's "
           "pace in its run.")
-    medians = {name: sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2] for name, runs in results.items()}
     trainer = statistics.mean(r["cpu"]["main"] for r in medians["limit"]) if "limit" in medians else None
     cpu_rows = []
     for name, middle in medians.items():
-        together = sum(r["cpu"]["main"] for r in middle) / (len(middle) if name == "limit" else 1)
+        together = trainer if name == "limit" else sum(r["cpu"]["main"] for r in middle)
         cpu_rows.append([_LABELS.get(name, name)] + [f"{r['cpu']['main']:.0f} / {r['cpu']['process']:.0f}"
                                                      for r in middle]
                         + [f"{together / trainer:.3f}" if trainer else "-"])
     ranks = len(cpu_rows[0]) - 2
     print(tabulate(cpu_rows, headers=["system"] + [f"rank {r}: main / process" for r in range(ranks)]
                    + ["all ranks / a limit trainer"], disable_numparse=True))
-    for name, runs in results.items():
+    for name, middle in medians.items():
         if not name.startswith("fxpipe"):
             continue
-        middle = sorted(runs, key=lambda rs: throughput(name, rs))[len(runs) // 2]
         print(f"\n{name}: where each rank's step went (ms per step, median round)")
         cores = f"{middle[0]['cores']:.2f}" if middle[0]["cores"] is not None else "-"
         print(f"lookahead {middle[0]['lookahead']}; simulator's costs (the ranks' cores, as calibrated: {cores}): " + "; ".join(f"stage {i} from {first}: F {f:.1f}, B {b:.1f}, UPDATE {u:.1f} ms"
