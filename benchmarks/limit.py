@@ -4,6 +4,7 @@
     python benchmarks/limit.py --rounds 1     # one round, about 8 minutes
     python benchmarks/limit.py --check        # the simulator on configurations it was not calibrated on (about 6 minutes)
     python benchmarks/limit.py --saved        # per stage, the peak of autograd-saved tensors under 1f1b and zb
+    python benchmarks/limit.py --runtime      # what fxpipe's runtime adds to the same work, on one thread (about 3 minutes)
 
 The pinned configuration (issue #15): a GPT (vocab 512, d_model 256, 8 layers, 4 heads, sequence
 64, untied embeddings), a global batch of 32 in m = 4 micro-batches of 8, Adam (lr 1e-3), two
@@ -132,10 +133,11 @@ def _timed(step, batches, warmup: int, start=None, batch: int = BATCH, stamps: l
     return time.perf_counter() - t0, batch * steps
 
 
-def _limit(rank: int, batches, warmup: int) -> dict:
+def _eager_step(model):
+    """A training step as a plain script writes it: the m micro-batches' backwards accumulated
+    in ``.grad``, then the optimizer."""
     from fxpipe.demo import lm_loss
 
-    model = _model()
     opt = _optimizer(model.parameters())
 
     def step(x, y):
@@ -144,9 +146,13 @@ def _limit(rank: int, batches, warmup: int) -> dict:
         opt.step()
         opt.zero_grad()
 
+    return step
+
+
+def _limit(rank: int, batches, warmup: int) -> dict:
     stamps: list[float] = []
     cpu: dict = {}
-    seconds, samples = _timed(step, batches, warmup, stamps=stamps, cpu=cpu)
+    seconds, samples = _timed(_eager_step(_model()), batches, warmup, stamps=stamps, cpu=cpu)
     return {"seconds": seconds, "samples": samples, "stamps": stamps, "cpu": cpu}
 
 
@@ -374,6 +380,45 @@ def saved_peaks() -> None:
                    floatfmt=".1f"))
 
 
+def runtime_cost(rounds: int, schedules=FXPIPE) -> None:
+    """What fxpipe's runtime adds to the same work, apart from the host's drift and from the
+    pipeline: in this one process, on one thread, a step of the limit's eager trainer alternates
+    with a step of each schedule's single-process pipeline (both stages here, the in-process hub
+    copying the boundary tensors; :class:`fxpipe.comm.LocalHub`), ``rounds`` times. Each step's
+    CPU time is set against the eager step's of the same round, and the table gives the median of
+    those ratios. Neither the bubble (one thread runs every stage's actions back to back) nor
+    gloo is in it; what is: fxpipe's Python around the operators, the weight store (versions,
+    accumulation into flat buffers, the per-step norm), zb's split backward."""
+    import fxpipe
+    from fxpipe.demo import lm_loss
+    from fxpipe.device import settle_heap
+
+    torch.set_num_threads(1)
+    settle_heap()
+    batches = _data(8)
+    steps = {"eager (a limit trainer's step)": _eager_step(_model())}
+    for schedule in schedules:
+        pipe = fxpipe.compile(_model(), (batches[0][0][:MB],), loss_fn=lm_loss, optimizer=_optimizer,
+                              microbatches=M, stages=2, schedule=schedule, verbose=False)
+        steps[f"fxpipe {schedule}, both stages in one process"] = pipe.step
+    for step in steps.values():  # warm-up: the allocator, lazily built kernels, 2bw's versions
+        for x, y in batches[:2]:
+            step(x, y)
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    for r in range(rounds):
+        for name, step in steps.items():
+            x, y = batches[r % len(batches)]
+            start = time.thread_time()
+            step(x, y)
+            cpu[name].append(time.thread_time() - start)
+    eager = cpu[next(iter(cpu))]
+    rows = [[name, 1e3 * statistics.median(got), statistics.median(b / a for a, b in zip(eager, got))]
+            for name, got in cpu.items()]
+    print(f"\nThe same work on one thread ({rounds} alternating rounds, one step of each per round): "
+          "CPU ms per step, and the median over rounds of its ratio to the eager step's in the same round\n")
+    print(tabulate(rows, headers=["step", "CPU ms/step", "vs eager"], floatfmt=(".1f", ".1f", ".3f")))
+
+
 def throughput(name: str, ranks: list[dict]) -> float:
     if name == "limit":  # two independent trainers: their rates, while both ran, add up
         return _together(ranks)
@@ -405,7 +450,7 @@ def _whole_runs(ranks: list[dict]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (3; for --runtime, 20)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup and one untimed step)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--only", nargs="*", choices=SYSTEMS, default=SYSTEMS, help="run just these systems")
@@ -415,7 +460,14 @@ def main() -> None:
                     help="instead: the simulator on other configurations (m = 8, d = 4 on 4 ranks, HF GPT-2)")
     ap.add_argument("--saved", action="store_true",
                     help="instead: per stage, the peak of autograd-saved tensors under 1f1b and zb (one process, seconds)")
+    ap.add_argument("--runtime", action="store_true",
+                    help="instead: what fxpipe's runtime adds to the same work, on one thread against eager training")
     args = ap.parse_args()
+    if args.rounds is None:
+        args.rounds = 20 if args.runtime else 3
+    if args.runtime:
+        runtime_cost(args.rounds)
+        return
     if args.saved:
         saved_peaks()
         return
