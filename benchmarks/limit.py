@@ -396,7 +396,8 @@ def runtime_cost(rounds: int, schedules=FXPIPE) -> None:
     torch.set_num_threads(1)
     settle_heap()
     batches = _data(8)
-    steps = {"eager (a limit trainer's step)": _eager_step(_model())}
+    eager = "eager (a limit trainer's step)"
+    steps = {eager: _eager_step(_model())}
     for schedule in schedules:
         pipe = fxpipe.compile(_model(), (batches[0][0][:MB],), loss_fn=lm_loss, optimizer=_optimizer,
                               microbatches=M, stages=2, schedule=schedule, verbose=False)
@@ -411,8 +412,7 @@ def runtime_cost(rounds: int, schedules=FXPIPE) -> None:
             start = time.thread_time()
             step(x, y)
             cpu[name].append(time.thread_time() - start)
-    eager = cpu[next(iter(cpu))]
-    rows = [[name, 1e3 * statistics.median(got), statistics.median(b / a for a, b in zip(eager, got))]
+    rows = [[name, 1e3 * statistics.median(got), statistics.median(b / a for a, b in zip(cpu[eager], got))]
             for name, got in cpu.items()]
     print(f"\nThe same work on one thread ({rounds} alternating rounds, one step of each per round): "
           "CPU ms per step, and the median over rounds of its ratio to the eager step's in the same round\n")
