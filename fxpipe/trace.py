@@ -249,7 +249,7 @@ def trace(
         out_spec=gm._out_spec,
         training=model.training,
         batch_size=int(first.shape[0]) if first is not None else None,
-        export_error=None if export_exc is None else f"{type(export_exc).__name__}: {export_exc}"[:2000],
+        export_error=None if export_exc is None else f"{type(export_exc).__name__}: {export_exc}",
         tied=tied,
         device=_traced_device(model, leaves) if on_meta else None,
         leaf_modules=leaf_modules,
