@@ -1,9 +1,10 @@
 """Checkpoint cost: how long ``Pipeline.save`` holds training up, against a blocking save.
 
     python benchmarks/checkpoint.py            # about a minute on 2 CPU cores
+    python benchmarks/checkpoint.py --rounds 5 --steps 10
 
 Two gloo ranks (one thread each) train the demo GPT (2bw, d = 2, AdamW, m = 4 micro-batches of 8
-sequences of 32 tokens) and checkpoint it three times each way, alternating:
+sequences of 32 tokens) and checkpoint it three times each way (``--rounds``), alternating:
 
 * ``pipe.save(dir)``: flush, copy the state to host memory, return; a thread writes the files
   (``torch.distributed.checkpoint.async_save``). Its stall is the time ``save`` takes; the
@@ -17,6 +18,7 @@ median step time for scale.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import statistics
@@ -29,10 +31,8 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from tabulate import tabulate
 
-ROUNDS, STEPS = 3, 20
 
-
-def _rank(rank: int, world: int, tmp: str) -> None:
+def _rank(rank: int, world: int, tmp: str, rounds: int, steps_between: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
@@ -49,8 +49,8 @@ def _rank(rank: int, world: int, tmp: str) -> None:
     steps, stalls = [], {"async": [], "write": [], "blocking": []}
     for _ in range(5):
         pipe.step(x, y)
-    for r in range(ROUNDS):
-        for _ in range(STEPS):
+    for r in range(rounds):
+        for _ in range(steps_between):
             t0 = time.perf_counter()
             pipe.step(x, y)
             steps.append(time.perf_counter() - t0)
@@ -73,11 +73,15 @@ def _rank(rank: int, world: int, tmp: str) -> None:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3, help="checkpoints each way, alternating (default 3)")
+    ap.add_argument("--steps", type=int, default=20, help="training steps before each round's checkpoints (default 20)")
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(2, tmp), nprocs=2, start_method="spawn", join=True)
+        mp.start_processes(_rank, args=(2, tmp, args.rounds, args.steps), nprocs=2, start_method="spawn", join=True)
         per_rank = torch.load(os.path.join(tmp, "result.pt"), weights_only=False)
         size = sum(os.path.getsize(os.path.join(tmp, "blocking-0", f)) for f in os.listdir(os.path.join(tmp, "blocking-0")))
-    worst = {k: [max(r[1][k][i] for r in per_rank) for i in range(ROUNDS)] for k in per_rank[0][1]}
+    worst = {k: [max(r[1][k][i] for r in per_rank) for i in range(args.rounds)] for k in per_rank[0][1]}
     step = statistics.median(max(r[0][i] for r in per_rank) for i in range(len(per_rank[0][0])))
     base = statistics.median(worst["blocking"])
     rows = [
