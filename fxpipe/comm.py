@@ -34,6 +34,8 @@ from .errors import PeerError
 
 __all__ = ["Handle", "Comm", "DistComm", "LocalHub", "LocalComm", "EVERY_RANK", "dp_group", "tied_group"]
 
+_REPORT_CHARS = 1000  # of a rank's reason for stopping, as its peers quote it
+
 #: Every rank: the loss (every rank returns it) and the gradient norm (every rank decides alike).
 EVERY_RANK = "all"
 
@@ -95,6 +97,23 @@ class Comm:
     def all_reduce(self, tensor: torch.Tensor, group: str, label: str = "") -> Handle:
         raise NotImplementedError
 
+    def report(self, error: str) -> None:
+        """Tell the other ranks why this rank stopped (one line), for the errors their waits on it
+        will raise. In one process there is no one else to tell."""
+
+    def reports(self) -> dict[int, str]:
+        """Rank -> the reason it reported (:meth:`report`), for every other rank that did."""
+        return {}
+
+    def failed_first(self) -> str:
+        """``rank(s) [1] failed first (rank 1: ValueError in action 1F5v1: ...)`` from the other
+        ranks' reports, for an error of this rank that theirs caused; "" where none reported."""
+        reported = self.reports()
+        if not reported:
+            return ""
+        said = "; ".join(f"rank {r}: {reason}" for r, reason in sorted(reported.items()))
+        return f"rank(s) {sorted(reported)} failed first ({said})"
+
 
 class DistComm(Comm):
     """``torch.distributed`` point-to-point and collectives on the default process group.
@@ -104,6 +123,13 @@ class DistComm(Comm):
     peer and the action). None waits as the backend does: on NCCL a host-side wait would block
     the CPU thread that keeps the GPU fed, so there the process group's watchdog enforces the
     group's timeout, and :attr:`last_posted` tells what this rank posted last.
+
+    A rank that fails on its own (its loss function raised, its batch was refused) leaves its
+    reason in the process group's store (:meth:`report`), and a peer whose wait on it then fails
+    quotes that reason in its :class:`~fxpipe.errors.PeerError`, so that every rank's log says
+    what went wrong, not only the rank that saw it. The store is where ``init_process_group``
+    keeps it (``torch.distributed``'s own accessor; a torch without it, or a store that does not
+    answer, leaves the errors as they were).
     """
 
     _instances = 0
@@ -126,6 +152,10 @@ class DistComm(Comm):
         # builds its pipelines in the same order) keeps two pipelines' messages apart.
         DistComm._instances += 1
         self.tag = DistComm._instances
+        try:
+            self.store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            self.store = None
 
     def isend(self, tensors, peer, label=""):
         tensors = [t.contiguous() for t in tensors]
@@ -146,13 +176,44 @@ class DistComm(Comm):
         return _DistHandle([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g, async_op=True)], comm=self,
                            label=label, peer=f"in an all-reduce over ranks {ranks}")
 
+    def _report_key(self, rank: int) -> str:
+        return f"fxpipe/{self.tag}/failed/{rank}"  # per pipeline: the same tag on every rank
+
+    def report(self, error: str) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.set(self._report_key(self.rank), error[:_REPORT_CHARS])
+        except Exception:  # noqa: BLE001 - the store gone too: the peers' errors say less, nothing worse
+            pass
+
+    def reports(self) -> dict[int, str]:
+        found: dict[int, str] = {}
+        if self.store is None:
+            return found
+        try:
+            for r in range(self.world_size):
+                key = self._report_key(r)
+                if r != self.rank and self.store.check([key]):
+                    found[r] = self.store.get(key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - a store that does not answer: say what this rank knows
+            pass
+        return found
+
     def failure(self, label: str, peer: str, waited: float, error: Exception) -> PeerError:
-        """The error a failed wait raises: who waited, for what, from whom, and what to check."""
+        """The error a failed wait raises: who waited, for what, from whom, and what to check;
+        where other ranks reported why they stopped (:meth:`report`), their reasons first."""
         text = str(error).strip().splitlines()[-1]
         if "timed out" in text.lower() or "timeout" in text.lower():
             why = f"waited {waited:.0f} s for {label} {peer}: no answer within compile(timeout=...)"
         else:
             why = f"waited for {label} {peer}, and the connection failed ({text})"
+        first = self.failed_first()
+        if first:
+            return PeerError(
+                f"rank {self.rank} {why}; {first}. Fix that error: its traceback is in that rank's log. This "
+                f"rank cannot go on either; restart every rank (from a checkpoint) once it is fixed."
+            )
         return PeerError(
             f"rank {self.rank} {why}. The peer died, hangs, is slower than the timeout, or runs another "
             f"call: check its log for an error or a stall (data loading, a checkpoint write, a debugger); "

@@ -37,13 +37,13 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .comm import EVERY_RANK, DistComm, LocalHub, dp_group, tied_group
+from .comm import EVERY_RANK, Comm, DistComm, LocalHub, dp_group, tied_group
 from .cost import DeviceModel
 from .deps import interleave
 from .device import backend_for, check_backend, to_device
 from .device import choose as choose_device
 from . import errors as errors_module
-from .errors import (CheckpointError, ConfigError, FxpipeError, NonFiniteError, PeerError, PlanError,
+from .errors import (CheckpointError, ConfigError, FxpipeError, InputError, NonFiniteError, PeerError, PlanError,
                      RuntimeMismatchError, ScheduleError)
 from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss, check_operand_dtypes
 from .plan import Plan, graph_fingerprint
@@ -849,13 +849,16 @@ class Pipeline:
         if self._stopped is not None:
             raise self._stopped
         self._check_not_broken("step")
-        if self.profile is None:
-            return self._step(inputs, target, sync)
         start, waited = time.perf_counter(), self._waited()
         try:
             return self._step(inputs, target, sync)
+        except InputError as e:  # raised before communicating, maybe on this rank alone: its peers will wait
+            for wk in self.workers.values():  # so leave them the reason (fxpipe.comm.DistComm.report)
+                wk.comm.report(f"InputError: {str(e).splitlines()[0]}")
+            raise
         finally:
-            self.profile.step(time.perf_counter() - start, self._waited() - waited)
+            if self.profile is not None:
+                self.profile.step(time.perf_counter() - start, self._waited() - waited)
 
     def _waited(self) -> float:
         return sum(wk.comm.waited for wk in self.workers.values())
@@ -874,7 +877,7 @@ class Pipeline:
                                          needs_target=self.config.loss_fn is not None, what="step()")
         chunks = _split_batch((args, kwargs, target), m * w)
         if self.t == 0 and self.config.check_batch and self.distributed:
-            _check_same_batch((args, kwargs, target), self.world_size, self.device)
+            _check_same_batch((args, kwargs, target), self.world_size, self.device, next(iter(self.workers.values())).comm)
         self.t += 1
         t = self.t
         for r, wk in self.workers.items():
@@ -981,6 +984,10 @@ class Pipeline:
             posted = getattr(wk.comm, "last_posted", "")  # NCCL's watchdog errors name no action
             posted = f" (its last posted communication: {posted})" if posted else ""
             why = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            if not isinstance(e, dist.DistError):  # this rank's own failure, not a peer's: tell them
+                wk.comm.report(f"{type(e).__name__} in action {a}: {why}")
+            elif first := wk.comm.failed_first():  # a communication failed: say what stopped the peers
+                why += f"; {first}"
             raise RuntimeError(f"rank {r} failed running action {a}{posted}: {type(e).__name__}: {why}\n{grid}") from e
         blocked = wk.comm.waited - waited  # an action waits before it works (its receive, a reduction)
         if self.profile is not None:
@@ -1770,8 +1777,10 @@ def _adama_stopped(what: str, data: str) -> NonFiniteError:
         f"or train with accumulate='gradients', which checks every step before updating.")
 
 
-def _check_same_batch(batch, world: int, device: torch.device) -> None:
-    """Every rank must pass the same global batch; compare cheap checksums across ranks."""
+def _check_same_batch(batch, world: int, device: torch.device, comm: Comm) -> None:
+    """Every rank must pass the same global batch; compare cheap checksums across ranks. Where
+    that fails, a rank stopped before it, and ``comm`` finds the reason it left
+    (:meth:`fxpipe.comm.Comm.failed_first`)."""
     sums = []
     for x in pytree.tree_leaves(batch):
         if isinstance(x, torch.Tensor):
@@ -1783,10 +1792,12 @@ def _check_same_batch(batch, world: int, device: torch.device) -> None:
     try:
         dist.all_gather(everyone, mine)
     except RuntimeError as e:  # a rank that stopped before it (its own error, raised there)
+        first = comm.failed_first()
         raise PeerError(
             f"rank {dist.get_rank()}: the first step's check that every rank passed the same batch failed: "
-            f"{str(e).strip().splitlines()[-1]}. Another rank stopped before it: its log says why (an "
-            f"InputError, a failed compile, ...)") from e
+            f"{str(e).strip().splitlines()[-1]}"
+            + (f"; {first}. Fix that error: its traceback is in that rank's log." if first else
+               ". Another rank stopped before it: its log says why (an InputError, a failed compile, ...)")) from e
     bad = [r for r in range(world) if not torch.equal(everyone[r], everyone[0])]
     if bad:
         raise RuntimeMismatchError(

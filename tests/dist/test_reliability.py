@@ -243,6 +243,9 @@ def test_a_rank_that_raises_makes_its_peer_raise_not_hang():
     seen = rank0["value"]
     assert seen["type"] == "PeerError", seen
     assert re.search(r"rank 0 (waited \d+ s for|waited for) 0RECV_GRAD3 from rank 1", seen["message"]), seen["message"]
+    # and it says why rank 1 stopped, which only rank 1's log would have said
+    assert "; rank(s) [1] failed first (rank 1: ValueError in action 1B3v1: a bug in the user's model). Fix that " \
+           "error: its traceback is in that rank's log" in seen["message"], seen["message"]
     for r, v in enumerate((seen, raised)):  # the pipeline is broken on both; the way out is a restart
         assert re.match(r"FxpipeError: step\(\) after step [23] \(", v["next"]) and "cannot go on" in v["next"], (r, v["next"])
         assert "Let the error end this process" in v["next"] and "--max-restarts" in v["next"], (r, v)
@@ -398,6 +401,7 @@ def test_one_ranks_input_error_ends_every_rank_at_once():
     assert rank1.returncode != 0 and "InputError: step(): input" in rank1.stdout, rank1.stdout[-2000:]
     assert rank0.returncode != 0 and "PeerError: rank 0: the first step's check that every rank passed the same " \
                                      "batch failed" in rank0.stdout, rank0.stdout[-2000:]
+    assert "; rank(s) [1] failed first (rank 1: InputError: step(): input" in rank0.stdout, rank0.stdout[-2000:]
 
 
 @pytest.mark.slow
@@ -405,6 +409,8 @@ def test_a_script_whose_rank_raises_exits_on_every_rank():
     rank0, rank1 = _run_script(fail=True)
     assert rank1.returncode != 0 and "a bug in the user's loss" in rank1.stdout, rank1.stdout[-2000:]
     assert rank0.returncode != 0 and "PeerError" in rank0.stdout, rank0.stdout[-2000:]
+    assert "(rank 1: ValueError in action 1F" in rank0.stdout and "a bug in the user's loss)" in rank0.stdout, \
+        rank0.stdout[-2000:]
     assert "could not finish its in-flight communication" not in rank0.stdout + rank1.stdout
 
 

@@ -870,6 +870,49 @@ def test_after_a_step_that_failed_midway_every_later_call_says_to_rebuild(schedu
             call()
 
 
+def test_an_action_whose_communication_failed_quotes_what_the_peers_reported_and_reports_nothing_itself(monkeypatch):
+    # Under NCCL a peer's failure reaches a rank as a DistError from its own action (the watchdog
+    # aborted the communication): the action's error quotes what the other ranks left in the
+    # store (DistComm.reports), and the rank reports nothing of its own. An error of the action
+    # itself is reported (rank 1 here), for its peers to quote.
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    nn = torch.nn
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+
+    def trained_once(failing_rank: int, error: Exception):
+        """A pipeline after one step whose next action on ``failing_rank`` raises ``error``, and
+        what each rank reports."""
+        pipe = fxpipe.compile(net, (x[:2],), loss_fn=torch.nn.functional.mse_loss, microbatches=4, stages=2,
+                              schedule="1f1b", verbose=False)
+        pipe.step(x, y)
+        told = {0: [], 1: []}
+        for r, wk in pipe.workers.items():
+            monkeypatch.setattr(wk.comm, "report", told[r].append)
+            monkeypatch.setattr(wk.comm, "reports", lambda: {1: "ValueError in action 1F5v1: a bug in the user's loss"})
+
+        def run(a):
+            raise error
+
+        monkeypatch.setattr(pipe.workers[failing_rank], "run", run)
+        return pipe, told
+
+    pipe, told = trained_once(0, dist.DistBackendError("NCCL communicator was aborted"))
+    with pytest.raises(RuntimeError, match=r"rank 0 failed running action 0\S+: DistBackendError: NCCL communicator was "
+                                           r"aborted; rank\(s\) \[1\] failed first \(rank 1: ValueError in action "
+                                           r"1F5v1: a bug in the user's loss\)"):
+        pipe.step(x, y)
+    assert told == {0: [], 1: []}
+
+    pipe, told = trained_once(1, ValueError("a bug in the user's model"))
+    with pytest.raises(RuntimeError, match="rank 1 failed running action 1"):
+        pipe.step(x, y)
+    assert told[0] == [] and len(told[1]) == 1 and re.fullmatch(
+        r"ValueError in action 1\S+: a bug in the user's model", told[1][0]), told
+
+
 def test_replicas_draw_their_own_dropout_masks_as_one_replica_would():
     # Micro-batches are counted over the global batch for the random streams: two replicas of
     # m = 2 draw what one replica of m = 4 draws for the same samples (before, both replicas drew
