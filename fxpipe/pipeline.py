@@ -849,16 +849,26 @@ class Pipeline:
         if self._stopped is not None:
             raise self._stopped
         self._check_not_broken("step")
+        if self.profile is None:
+            return self._step(inputs, target, sync)
         start, waited = time.perf_counter(), self._waited()
         try:
             return self._step(inputs, target, sync)
-        except InputError as e:  # raised before communicating, maybe on this rank alone: its peers will wait
-            for wk in self.workers.values():  # so leave them the reason (fxpipe.comm.DistComm.report)
+        finally:
+            self.profile.step(time.perf_counter() - start, self._waited() - waited)
+
+    def _checked(self, args, kwargs, target, what: str):
+        """``self.inputs.check`` of a batch for ``what`` (step or eval_step), before anything is
+        split or communicated. A batch refused on this rank alone leaves its peers waiting on it,
+        so the rank leaves them the reason first (:meth:`fxpipe.comm.DistComm.report`)."""
+        plan = self.plan
+        try:
+            return self.inputs.check(args, kwargs, target, microbatches=plan.microbatches, width=plan.width,
+                                     device=self.device, needs_target=self.config.loss_fn is not None, what=what)
+        except InputError as e:
+            for wk in self.workers.values():
                 wk.comm.report(f"InputError: {str(e).splitlines()[0]}")
             raise
-        finally:
-            if self.profile is not None:
-                self.profile.step(time.perf_counter() - start, self._waited() - waited)
 
     def _waited(self) -> float:
         return sum(wk.comm.waited for wk in self.workers.values())
@@ -873,8 +883,7 @@ class Pipeline:
         plan = self.plan
         m, w = plan.microbatches, plan.width
         # Before anything is split or communicated: a bad batch fails alike on every rank.
-        args, kwargs = self.inputs.check(args, kwargs, target, microbatches=m, width=w, device=self.device,
-                                         needs_target=self.config.loss_fn is not None, what="step()")
+        args, kwargs = self._checked(args, kwargs, target, "step()")
         chunks = _split_batch((args, kwargs, target), m * w)
         if self.t == 0 and self.config.check_batch and self.distributed:
             _check_same_batch((args, kwargs, target), self.world_size, self.device, next(iter(self.workers.values())).comm)
@@ -1107,9 +1116,7 @@ class Pipeline:
         self._require_setup("eval_step")
         plan = self.plan
         m, w = plan.microbatches, plan.width
-        args, kwargs = self.inputs.check(*batch_inputs(inputs, "eval_step()"), target, microbatches=m, width=w,
-                                         device=self.device, needs_target=self.config.loss_fn is not None,
-                                         what="eval_step()")
+        args, kwargs = self._checked(*batch_inputs(inputs, "eval_step()"), target, "eval_step()")
         self.flush()
         if self._eval is None:
             self._eval = self._checked_eval(self._build_eval())

@@ -913,6 +913,28 @@ def test_an_action_whose_communication_failed_quotes_what_the_peers_reported_and
         r"ValueError in action 1\S+: a bug in the user's model", told[1][0]), told
 
 
+def test_a_batch_refused_on_one_rank_leaves_its_reason_for_the_peers(monkeypatch):
+    # step() and eval_step() check a batch before communicating; where only this rank's batch is
+    # wrong, its peers go on and wait for it, so it leaves them the reason (DistComm.report)
+    torch.manual_seed(0)
+    nn = torch.nn
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = fxpipe.compile(net, (x[:2],), loss_fn=torch.nn.functional.mse_loss, microbatches=4, stages=2,
+                          schedule="1f1b", verbose=False)
+    pipe.step(x, y)
+    told = []
+    for wk in pipe.workers.values():
+        monkeypatch.setattr(wk.comm, "report", told.append)
+    for call, what in ((pipe.step, "step"), (pipe.eval_step, "eval_step")):
+        told.clear()
+        with pytest.raises(fxpipe.errors.InputError):
+            call(x.double(), y)
+        assert len(told) == 2 and all(re.match(rf"InputError: {what}\(\): input .*expected torch.float32 as traced, "
+                                               rf"got torch.float64", t) for t in told), told
+    assert pipe.step(x, y) is not None  # a refused batch leaves the pipeline as it was
+
+
 def test_replicas_draw_their_own_dropout_masks_as_one_replica_would():
     # Micro-batches are counted over the global batch for the random streams: two replicas of
     # m = 2 draw what one replica of m = 4 draws for the same samples (before, both replicas drew
