@@ -254,7 +254,9 @@ class WeightStore:
             return
         names = {id(leaf): n for n, leaf in leaves.items() if leaf.requires_grad}
         reached, seen = set(), set()
-        stack = [r.grad_fn for r in roots if isinstance(r, torch.Tensor) and r.grad_fn is not None]
+        # from each root's gradient edge: a root that is a weight itself (a stage output such as
+        # ``w.to(torch.float32)`` of a float32 w, which returns w) has no grad_fn, only its accumulator
+        stack = [get_gradient_edge(r).node for r in roots if isinstance(r, torch.Tensor) and r.requires_grad]
         while stack:
             fn = stack.pop()
             if fn is None or fn in seen:

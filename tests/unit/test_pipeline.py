@@ -258,6 +258,47 @@ def test_a_weight_a_later_stage_reads_only_through_detach_or_a_comparison_is_not
         assert torch.equal(sd["teacher.2.weight"], net.teacher[2].weight)
 
 
+class _ScaledHead(torch.nn.Module):
+    """``self.scale.to(x.dtype)`` of a float64 weight and input returns the weight itself, made
+    first and read last: the stage that holds it sends the weight as a boundary output."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 2))
+        self.body = nn.Sequential(*[x for _ in range(4) for x in (nn.Linear(8, 8), nn.Tanh())])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        s = self.scale.to(x.dtype)
+        return self.head(self.body(x)) * s
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "2bw"])
+def test_a_weight_sent_as_a_stage_output_trains(schedule):
+    # A stage output with no grad_fn (the weight itself, as Hugging Face Mamba's no-op cast of its
+    # D makes where a cut crosses its scan) was missed by the walk that finds the weights a
+    # backward reaches: its gradient came back but the update skipped it, so it never trained.
+    torch.manual_seed(0)
+    net = _ScaledHead().double()
+    batches = _regression_batches(3, inputs=8)
+    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    loss = torch.nn.functional.mse_loss
+    ref_losses, ref = (train_2bw if schedule == "2bw" else train_flush)(net, batches, 4, loss, opt)
+    for stages in (2, 3):
+        pipe = fxpipe.compile(net, (batches[0][0][:2],), loss_fn=loss, optimizer=opt, microbatches=4, stages=stages,
+                              schedule=schedule, verbose=False)
+        (cast,) = [n for n in pipe.staged_graph.graph.nodes if n.target is torch.ops.aten.to.dtype]
+        assert {pipe.plan.assignment[u.name] for u in cast.users} != {pipe.plan.assignment[cast.name]}  # it crosses
+        losses = [pipe.step(x, y) for x, y in batches]
+        pipe.flush()
+        assert losses == pytest.approx(ref_losses, rel=1e-12)
+        sd = pipe.state_dict()
+        for name, p in ref.named_parameters():
+            assert torch.allclose(sd[name], p, rtol=1e-12, atol=1e-14), (stages, name)
+        assert not torch.equal(sd["scale"], net.scale)
+
+
 def test_compile_leaves_a_cumulative_batchnorm_where_it_was():
     # BatchNorm(momentum=None) averages its statistics over num_batches_tracked and so takes the
     # symbolic_trace path (export cannot capture float(num_batches_tracked)). The cost model ran
