@@ -34,6 +34,8 @@ __all__ = [
     "gpt2_tiny",
     "bert_tiny",
     "llama_tiny",
+    "HF_ARCHITECTURES",
+    "hf_architecture",
     "ZOO",
     "HF",
 ]
@@ -332,3 +334,57 @@ ZOO = {
 
 # the factories that need ``transformers``
 HF = ("gpt2_tiny", "bert_tiny")
+
+
+# Hugging Face architectures beyond the ones the training cases use, each as (model class, config
+# class, config arguments): tiny (2 layers, 32 wide, vocab 100), no dropout, no cache. Each stands
+# for a family users train: grouped-query and sliding-window decoders, parallel attention and MLP
+# (GPT-NeoX, Phi, GPT-J, Falcon), ALiBi (Bloom), learned positions with a projection (OPT),
+# encoders (DistilBERT, RoBERTa), an encoder-decoder (Bart), a mixture of experts (Mixtral,
+# transformers' grouped expert matmuls) and a state-space model (Mamba, its scan unrolled).
+_SMALL = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+HF_ARCHITECTURES = {
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64)),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64)),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(_SMALL, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)),
+    "phi": ("PhiForCausalLM", "PhiConfig", dict(_SMALL, max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0)),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(_SMALL, max_position_embeddings=64)),
+    "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
+                                                  n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                  bos_token_id=0, eos_token_id=0)),
+    "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                        num_attention_heads=4)),
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(vocab_size=100, hidden_size=32, n_layer=2, n_head=4)),
+    "opt": ("OPTForCausalLM", "OPTConfig", dict(vocab_size=100, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=4, max_position_embeddings=64,
+                                                word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+                                                activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+                                                eos_token_id=0)),
+    "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig", dict(vocab_size=100, dim=32, hidden_dim=64, n_layers=2,
+                                                                    n_heads=4, max_position_embeddings=64,
+                                                                    dropout=0.0, attention_dropout=0.0)),
+    "roberta": ("RobertaForMaskedLM", "RobertaConfig", dict(_SMALL, max_position_embeddings=70, hidden_dropout_prob=0.0,
+                                                           attention_probs_dropout_prob=0.0)),
+    "bart": ("BartForConditionalGeneration", "BartConfig", dict(vocab_size=100, d_model=32, encoder_layers=1,
+                                                               decoder_layers=1, encoder_attention_heads=4,
+                                                               decoder_attention_heads=4, encoder_ffn_dim=64,
+                                                               decoder_ffn_dim=64, max_position_embeddings=64,
+                                                               dropout=0.0, attention_dropout=0.0,
+                                                               activation_dropout=0.0, pad_token_id=1,
+                                                               bos_token_id=0, eos_token_id=2,
+                                                               decoder_start_token_id=2)),
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(_SMALL, num_key_value_heads=2, num_local_experts=4,
+                                                           num_experts_per_tok=2, max_position_embeddings=64)),
+    "mamba": ("MambaForCausalLM", "MambaConfig", dict(vocab_size=100, hidden_size=32, state_size=4,
+                                                     num_hidden_layers=2)),
+}
+
+
+def hf_architecture(name: str, *, seed: int = 0, batch: int = 2, seq: int = 8):
+    """One of :data:`HF_ARCHITECTURES`, randomly initialised from ``seed``, with keyword inputs
+    ``input_ids`` and ``labels`` (the model computes its own loss)."""
+    tf = _transformers()
+    model_class, config_class, kwargs = HF_ARCHITECTURES[name]
+    torch.manual_seed(seed)
+    model = getattr(tf, model_class)(getattr(tf, config_class)(use_cache=False, **kwargs))
+    return model, _token_inputs(batch, seq, labels=True)
