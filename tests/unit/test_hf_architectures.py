@@ -39,3 +39,36 @@ def test_a_hugging_face_architecture_trains_as_eager_does(name):
     for key, p in ref.named_parameters():
         assert torch.allclose(sd[key].double(), p, rtol=0, atol=2e-5), (key, (sd[key].double() - p).abs().max())
     assert len(pipe.plan.stage_plans) == 2
+
+
+@pytest.mark.slow
+def test_mamba_trains_as_eager_does_wherever_the_cut_falls():
+    # Mamba's exported graph unrolls its scan into hundreds of small operators and casts its D
+    # weight to its own dtype (the weight itself): a cut inside the scan sent D as a stage output,
+    # and the update skipped it. One step at six cuts spread over the graph, each against the
+    # float64 gradient.
+    import dataclasses
+
+    m, b = 2, 2
+    model, example = hf_architecture("mamba", batch=b)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, 100, (m * b, 8), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    reference = copy.deepcopy(model).double()
+    for chunk in ids.chunk(m):
+        (reference(input_ids=chunk, labels=chunk).loss / m).backward()
+    gm = fxpipe.trace(copy.deepcopy(model), example)
+    plan = fxpipe.plan(gm, example, stages=2, microbatches=m, schedule="1f1b", recompute=False)
+    names = [n.name for n in gm.graph.nodes if n.op.startswith("call")]
+    for i in range(6):
+        cut = len(names) * (2 * i + 1) // 12
+        stage = {n: int(j >= cut) for j, n in enumerate(names)}
+        at = dataclasses.replace(plan, assignment_pairs=tuple((n, stage.get(n, 0)) for n, _ in plan.assignment_pairs))
+        pipe = fxpipe.compile(copy.deepcopy(model), example, plan=at, schedule="1f1b", verbose=False,
+                              optimizer=functools.partial(torch.optim.SGD, lr=1.0))
+        before = {k: v.double() for k, v in pipe.state_dict().items()}
+        pipe.step(batch)
+        after = pipe.state_dict()
+        for key, p in reference.named_parameters():
+            step = before[key] - after[key].double()
+            assert torch.allclose(step, p.grad, rtol=0, atol=1e-6), (names[cut], key, (step - p.grad).abs().max())
