@@ -207,12 +207,20 @@ def trace(
     args, kwargs = normalize_inputs(example_inputs)
     leaf_modules = as_leaf_modules(leaf_modules)
 
+    checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
+    if checkpointed:
+        warnings.warn(f"fxpipe: {type(model).__name__} has Hugging Face activation checkpointing on (the "
+                      f"gradient_checkpointing flag of {len(checkpointed)} module(s)); it is traced without it, since "
+                      f"a pipeline stage runs the traced operators, not the checkpoint. fxpipe recomputes activations "
+                      f"where its planner says (compile(recompute=True) to recompute on every stage); the numbers "
+                      f"are the same",
+                      RuntimeWarning, stacklevel=2)
     export_exc: BaseException | None = None
     gm = None
     on_meta = _on_meta(model, args, kwargs)
     if prefer == "export" and not leaf_modules:
         try:
-            with _no_kv_cache(model), _quiet_fake_tensors(), \
+            with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed), _quiet_fake_tensors(), \
                     _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs, real):
                 gm = _export_meta(model, e_args, e_kwargs) if on_meta else _export(model, e_args, e_kwargs)
             for node in gm.graph.nodes:  # the graph's input check compares with the real value
@@ -223,7 +231,7 @@ def trace(
             export_exc = e
     if gm is None:
         try:
-            with _no_kv_cache(model):
+            with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed):
                 gm = _symbolic_trace(model, args, kwargs, leaf_modules)
             path = "symbolic_trace"
         except Exception as e:  # noqa: BLE001
@@ -271,6 +279,26 @@ def _no_kv_cache(model: nn.Module):
     finally:
         for c, old in configs.values():
             c.use_cache = old
+
+
+@contextlib.contextmanager
+def _no_gradient_checkpointing(flagged: Sequence[nn.Module]):
+    """Hugging Face's activation checkpointing (``model.activation_checkpointing_enable()``, or
+    ``gradient_checkpointing_enable()`` before transformers 5: a ``gradient_checkpointing`` flag
+    on its layers, and on the base model, which older transformers read;
+    ``flagged``: the modules that have it on) switched off while tracing. A trace inlines a
+    checkpointed layer's operators, so the flag would save nothing in a pipeline anyway, and
+    export can record the checkpoint's bookkeeping as ``torch.no_grad()`` blocks around the
+    layers (Bloom's, with transformers 5): the loss then takes no gradient. fxpipe recomputes
+    activations itself where the planner says, and :func:`trace` says so in a warning. The
+    numbers are the same: checkpointing replays the forward with its random numbers."""
+    for m in flagged:
+        m.gradient_checkpointing = False
+    try:
+        yield
+    finally:
+        for m in flagged:
+            m.gradient_checkpointing = True
 
 
 @contextlib.contextmanager

@@ -41,6 +41,38 @@ def test_a_hugging_face_architecture_trains_as_eager_does(name):
     assert len(pipe.plan.stage_plans) == 2
 
 
+
+def test_hugging_face_gradient_checkpointing_is_traced_through_and_said():
+    # With activation (gradient) checkpointing on, export recorded Bloom's layers inside torch.no_grad()
+    # blocks: the loss took no gradient and the first backward failed ("element 0 of tensors does
+    # not require grad"). The flag is now off while tracing (a stage runs the traced operators,
+    # never the checkpoint), the numbers are eager's, and a warning says fxpipe recomputes instead.
+    m, b = 4, 2
+    model, example = hf_architecture("bloom", batch=b)
+    # transformers 5 renamed gradient_checkpointing_enable, which now warns, and kept its flags
+    getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+    model.train()
+    flagged = [mod for mod in model.modules() if getattr(mod, "gradient_checkpointing", False) is True]
+    assert flagged
+    g = torch.Generator().manual_seed(1)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(2, 100, (m * b, 8), generator=g)
+        batches.append({"input_ids": ids, "labels": ids.clone()})
+    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    ref_losses, ref = train_flush(copy.deepcopy(model).double(), [(x, None) for x in batches], m, None, opt)
+    with pytest.warns(RuntimeWarning, match=r"BloomForCausalLM has Hugging Face activation checkpointing on \(the "
+                                            r"gradient_checkpointing flag of \d+ module\(s\)\); it is traced "
+                                            r"without it.*compile\(recompute=True\)"):
+        pipe = fxpipe.compile(model, example, optimizer=opt, microbatches=m, schedule="zb", stages=2, verbose=False)
+    assert all(mod.gradient_checkpointing is True for mod in flagged)  # the model is left as it was
+    losses = [pipe.step(x) for x in batches]
+    pipe.flush()
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    sd = pipe.state_dict()
+    for key, p in ref.named_parameters():
+        assert torch.allclose(sd[key].double(), p, rtol=0, atol=2e-5), key
+
 @pytest.mark.slow
 def test_mamba_trains_as_eager_does_wherever_the_cut_falls():
     # Mamba's exported graph unrolls its scan into hundreds of small operators and casts its D
