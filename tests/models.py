@@ -36,6 +36,7 @@ __all__ = [
     "llama_tiny",
     "HF_ARCHITECTURES",
     "hf_architecture",
+    "hf_batch",
     "ZOO",
     "HF",
 ]
@@ -337,34 +338,40 @@ HF = ("gpt2_tiny", "bert_tiny")
 
 
 # Hugging Face architectures beyond the ones the training cases use, each as (model class, config
-# class, config arguments): tiny (2 layers, 32 wide, vocab 100), no dropout, no cache. Each stands
-# for a family users train: grouped-query and sliding-window decoders, parallel attention and MLP
-# (GPT-NeoX, Phi, GPT-J, Falcon), ALiBi (Bloom), learned positions with a projection (OPT),
-# encoders (DistilBERT, RoBERTa), an encoder-decoder (Bart), a mixture of experts (Mixtral,
-# transformers' grouped expert matmuls) and a state-space model (Mamba, its scan unrolled).
+# class, config arguments, inputs): tiny (one or two layers, 32 wide or less, vocab 100), no
+# dropout, no cache. Each stands for a family users train: grouped-query and sliding-window
+# decoders, parallel attention and MLP (GPT-NeoX, Phi, GPT-J, Falcon), ALiBi (Bloom), learned
+# positions with a projection (OPT), encoders (DistilBERT, RoBERTa), an encoder-decoder (Bart), a
+# mixture of experts (Mixtral, transformers' grouped expert matmuls), a state-space model (Mamba,
+# its scan unrolled), vision (ViT, Swin's shifted windows, ConvNeXt) and speech (Whisper's
+# convolutional encoder and its decoder). ``inputs``: what :func:`hf_batch` makes for it.
 _SMALL = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 HF_ARCHITECTURES = {
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64)),
-    "mistral": ("MistralForCausalLM", "MistralConfig", dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64)),
-    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(_SMALL, num_key_value_heads=1, head_dim=8, max_position_embeddings=64)),
-    "phi": ("PhiForCausalLM", "PhiConfig", dict(_SMALL, max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0)),
-    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(_SMALL, max_position_embeddings=64)),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64),
+              "tokens"),
+    "mistral": ("MistralForCausalLM", "MistralConfig", dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64),
+                "tokens"),
+    "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(_SMALL, num_key_value_heads=1, head_dim=8,
+                                                     max_position_embeddings=64), "tokens"),
+    "phi": ("PhiForCausalLM", "PhiConfig", dict(_SMALL, max_position_embeddings=64, resid_pdrop=0.0, embd_pdrop=0.0),
+            "tokens"),
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(_SMALL, max_position_embeddings=64), "tokens"),
     "gptj": ("GPTJForCausalLM", "GPTJConfig", dict(vocab_size=100, n_embd=32, n_layer=2, n_head=4, rotary_dim=4,
                                                   n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                                  bos_token_id=0, eos_token_id=0)),
+                                                  bos_token_id=0, eos_token_id=0), "tokens"),
     "falcon": ("FalconForCausalLM", "FalconConfig", dict(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                                        num_attention_heads=4)),
-    "bloom": ("BloomForCausalLM", "BloomConfig", dict(vocab_size=100, hidden_size=32, n_layer=2, n_head=4)),
+                                                        num_attention_heads=4), "tokens"),
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(vocab_size=100, hidden_size=32, n_layer=2, n_head=4), "tokens"),
     "opt": ("OPTForCausalLM", "OPTConfig", dict(vocab_size=100, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                                                 num_attention_heads=4, max_position_embeddings=64,
                                                 word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
                                                 activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
-                                                eos_token_id=0)),
+                                                eos_token_id=0), "tokens"),
     "distilbert": ("DistilBertForMaskedLM", "DistilBertConfig", dict(vocab_size=100, dim=32, hidden_dim=64, n_layers=2,
                                                                     n_heads=4, max_position_embeddings=64,
-                                                                    dropout=0.0, attention_dropout=0.0)),
+                                                                    dropout=0.0, attention_dropout=0.0), "tokens"),
     "roberta": ("RobertaForMaskedLM", "RobertaConfig", dict(_SMALL, max_position_embeddings=70, hidden_dropout_prob=0.0,
-                                                           attention_probs_dropout_prob=0.0)),
+                                                           attention_probs_dropout_prob=0.0), "tokens"),
     "bart": ("BartForConditionalGeneration", "BartConfig", dict(vocab_size=100, d_model=32, encoder_layers=1,
                                                                decoder_layers=1, encoder_attention_heads=4,
                                                                decoder_attention_heads=4, encoder_ffn_dim=64,
@@ -372,19 +379,56 @@ HF_ARCHITECTURES = {
                                                                dropout=0.0, attention_dropout=0.0,
                                                                activation_dropout=0.0, pad_token_id=1,
                                                                bos_token_id=0, eos_token_id=2,
-                                                               decoder_start_token_id=2)),
+                                                               decoder_start_token_id=2), "tokens"),
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(_SMALL, num_key_value_heads=2, num_local_experts=4,
-                                                           num_experts_per_tok=2, max_position_embeddings=64)),
+                                                           num_experts_per_tok=2, max_position_embeddings=64),
+                "tokens"),
     "mamba": ("MambaForCausalLM", "MambaConfig", dict(vocab_size=100, hidden_size=32, state_size=4,
-                                                     num_hidden_layers=2)),
+                                                     num_hidden_layers=2), "tokens"),
+    "vit": ("ViTForImageClassification", "ViTConfig", dict(image_size=16, patch_size=4, hidden_size=32,
+                                                          num_hidden_layers=2, num_attention_heads=4,
+                                                          intermediate_size=64, num_labels=3,
+                                                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+            "image"),
+    "swin": ("SwinForImageClassification", "SwinConfig", dict(image_size=16, patch_size=2, embed_dim=8, depths=[1, 1],
+                                                             num_heads=[2, 2], window_size=4, num_labels=3,
+                                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                             drop_path_rate=0.0), "image"),
+    "convnext": ("ConvNextForImageClassification", "ConvNextConfig", dict(hidden_sizes=[8, 16], depths=[1, 1],
+                                                                         num_stages=2, num_labels=3, image_size=16,
+                                                                         drop_path_rate=0.0), "image"),
+    "whisper": ("WhisperForConditionalGeneration", "WhisperConfig",
+                dict(vocab_size=100, num_mel_bins=8, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                     decoder_attention_heads=2, d_model=16, encoder_ffn_dim=32, decoder_ffn_dim=32,
+                     max_source_positions=8, max_target_positions=16, dropout=0.0, pad_token_id=1, bos_token_id=0,
+                     eos_token_id=2, decoder_start_token_id=0), "speech"),
 }
 
 
-def hf_architecture(name: str, *, seed: int = 0, batch: int = 2, seq: int = 8):
-    """One of :data:`HF_ARCHITECTURES`, randomly initialised from ``seed``, with keyword inputs
-    ``input_ids`` and ``labels`` (the model computes its own loss)."""
+def hf_batch(name: str, samples: int, generator: torch.Generator) -> dict:
+    """A batch of ``samples`` for architecture ``name`` (:data:`HF_ARCHITECTURES`), drawn from
+    ``generator``, with its labels, so that the model computes its own loss: token ids over the
+    vocabulary but its two lowest ids (labels: the ids); images of 3 x 16 x 16 (labels: one of 3
+    classes); or 8 mel bins x 16 frames of speech (labels: 6 token ids)."""
+    kind = HF_ARCHITECTURES[name][3]
+    if kind == "tokens":
+        ids = torch.randint(2, 100, (samples, 8), generator=generator)
+        return {"input_ids": ids, "labels": ids.clone()}
+    if kind == "image":
+        return {"pixel_values": torch.randn(samples, 3, 16, 16, generator=generator),
+                "labels": torch.randint(0, 3, (samples,), generator=generator)}
+    return {"input_features": torch.randn(samples, 8, 16, generator=generator),
+            "labels": torch.randint(3, 100, (samples, 6), generator=generator)}
+
+
+def hf_architecture(name: str, *, seed: int = 0, batch: int = 2):
+    """One of :data:`HF_ARCHITECTURES`, randomly initialised from ``seed``, and an example of
+    ``batch`` samples (:func:`hf_batch`)."""
     tf = _transformers()
-    model_class, config_class, kwargs = HF_ARCHITECTURES[name]
+    model_class, config_class, kwargs, _ = HF_ARCHITECTURES[name]
     torch.manual_seed(seed)
-    model = getattr(tf, model_class)(getattr(tf, config_class)(use_cache=False, **kwargs))
-    return model, _token_inputs(batch, seq, labels=True)
+    config = getattr(tf, config_class)(**kwargs)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    model = getattr(tf, model_class)(config)
+    return model, hf_batch(name, batch, torch.Generator().manual_seed(seed))

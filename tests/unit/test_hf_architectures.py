@@ -1,5 +1,5 @@
-"""Hugging Face architectures beyond the training cases', each trained by a zb pipeline of two
-stages (the planner's cut) in one process against the float64 reference
+"""Hugging Face architectures beyond the training cases' (language, vision, speech), each trained
+by a zb pipeline of two stages (the planner's cut) in one process against the float64 reference
 (``tests/reference.train_flush``): zb has 1f1b's numbers and also splits every backward, so one
 run covers the capture, the cut, the stage code and both kinds of backward."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxpipe
-from tests.models import HF_ARCHITECTURES, hf_architecture
+from tests.models import HF_ARCHITECTURES, hf_architecture, hf_batch
 from tests.reference import train_flush
 
 pytest.importorskip("transformers")
@@ -21,15 +21,13 @@ def test_a_hugging_face_architecture_trains_as_eager_does(name):
     m, b = 4, 2
     model, example = hf_architecture(name, batch=b)
     g = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(3):
-        ids = torch.randint(2, 100, (m * b, 8), generator=g)
-        batches.append({"input_ids": ids, "labels": ids.clone()})
+    batches = [hf_batch(name, m * b, g) for _ in range(3)]
     reference = copy.deepcopy(model).double()
     if name == "mixtral":  # transformers' grouped expert matmul refuses float64: its batched one does not
         reference.config._experts_implementation = "batched_mm"
     opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
-    ref_losses, ref = train_flush(reference, [(x, None) for x in batches], m, None, opt)
+    in64 = [{k: v.double() if v.is_floating_point() else v for k, v in x.items()} for x in batches]  # images, speech
+    ref_losses, ref = train_flush(reference, [(x, None) for x in in64], m, None, opt)
 
     pipe = fxpipe.compile(model, example, optimizer=opt, microbatches=m, schedule="zb", stages=2, verbose=False)
     losses = [pipe.step(x) for x in batches]
@@ -55,10 +53,7 @@ def test_hugging_face_gradient_checkpointing_is_traced_through_and_said():
     flagged = [mod for mod in model.modules() if getattr(mod, "gradient_checkpointing", False) is True]
     assert flagged
     g = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(2):
-        ids = torch.randint(2, 100, (m * b, 8), generator=g)
-        batches.append({"input_ids": ids, "labels": ids.clone()})
+    batches = [hf_batch("bloom", m * b, g) for _ in range(2)]
     opt = functools.partial(torch.optim.SGD, lr=0.1)
     ref_losses, ref = train_flush(copy.deepcopy(model).double(), [(x, None) for x in batches], m, None, opt)
     with pytest.warns(RuntimeWarning, match=r"BloomForCausalLM has Hugging Face activation checkpointing on \(the "
@@ -83,11 +78,9 @@ def test_mamba_trains_as_eager_does_wherever_the_cut_falls():
 
     m, b = 2, 2
     model, example = hf_architecture("mamba", batch=b)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, 100, (m * b, 8), generator=g)
-    batch = {"input_ids": ids, "labels": ids.clone()}
+    batch = hf_batch("mamba", m * b, torch.Generator().manual_seed(1))
     reference = copy.deepcopy(model).double()
-    for chunk in ids.chunk(m):
+    for chunk in batch["input_ids"].chunk(m):
         (reference(input_ids=chunk, labels=chunk).loss / m).backward()
     gm = fxpipe.trace(copy.deepcopy(model), example)
     plan = fxpipe.plan(gm, example, stages=2, microbatches=m, schedule="1f1b", recompute=False)
