@@ -214,6 +214,18 @@ def _regression_batches(n: int, inputs: int) -> list[tuple[torch.Tensor, torch.T
             for _ in range(n)]
 
 
+def _trains_as(pipe, batches, ref_losses, ref, stages: int) -> dict[str, torch.Tensor]:
+    """Train ``pipe`` on the float64 regression ``batches``; check its losses and weights against
+    the reference's (``ref_losses``, the trained ``ref``) to float64 rounding; its state dict."""
+    losses = [pipe.step(x, y) for x, y in batches]
+    pipe.flush()
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    sd = pipe.state_dict()
+    for name, p in ref.named_parameters():
+        assert torch.allclose(sd[name], p, rtol=1e-12, atol=1e-14), (stages, name)
+    return sd
+
+
 class _Teacher(torch.nn.Module):
     """Distillation-style: the teacher branch is read only through ``.detach()``, the gate only
     by a comparison. Eager leaves their gradients None, so AdamW's weight decay never moves them."""
@@ -249,12 +261,7 @@ def test_a_weight_a_later_stage_reads_only_through_detach_or_a_comparison_is_not
         crossing = {n.name for n in pipe.staged_graph.graph.nodes if n.target in (torch.ops.aten.detach.default,
                                                                                  torch.ops.aten.gt.Tensor)}
         assert {pipe.plan.assignment[n] for n in crossing} != {0}  # the reads lie past the first cut
-        losses = [pipe.step(x, y) for x, y in batches]
-        pipe.flush()
-        assert losses == pytest.approx(ref_losses, rel=1e-12)
-        sd = pipe.state_dict()
-        for name, p in ref.named_parameters():
-            assert torch.allclose(sd[name], p, rtol=1e-12, atol=1e-14), (stages, name)
+        sd = _trains_as(pipe, batches, ref_losses, ref, stages)
         assert torch.equal(sd["teacher.2.weight"], net.teacher[2].weight)
 
 
@@ -290,12 +297,7 @@ def test_a_weight_sent_as_a_stage_output_trains(schedule):
                               schedule=schedule, verbose=False)
         (cast,) = [n for n in pipe.staged_graph.graph.nodes if n.target is torch.ops.aten.to.dtype]
         assert {pipe.plan.assignment[u.name] for u in cast.users} != {pipe.plan.assignment[cast.name]}  # it crosses
-        losses = [pipe.step(x, y) for x, y in batches]
-        pipe.flush()
-        assert losses == pytest.approx(ref_losses, rel=1e-12)
-        sd = pipe.state_dict()
-        for name, p in ref.named_parameters():
-            assert torch.allclose(sd[name], p, rtol=1e-12, atol=1e-14), (stages, name)
+        sd = _trains_as(pipe, batches, ref_losses, ref, stages)
         assert not torch.equal(sd["scale"], net.scale)
 
 
