@@ -199,6 +199,9 @@ def trace(
     graph is specialised to those shapes (trace at the micro-batch size). ``leaf_modules``
     (a class or qualified name, or several) are kept as opaque calls by the ``symbolic_trace`` fallback.
     ``prefer="symbolic_trace"`` skips export. The path taken is ``gm.meta["fxpipe"].path``.
+    A Hugging Face model is traced without its KV cache and without its activation checkpointing
+    (:func:`_no_kv_cache`, :func:`_no_gradient_checkpointing`; the second says so in a warning),
+    and left as it was.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.trace expects an nn.Module, found {type(model).__name__}")
