@@ -130,6 +130,9 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
       compute dtype again. ``x.to(other)`` records as ``to.device`` with ``other``'s traced
       dtype, exactly as ``x.to(device, dtype)`` does, so it is kept as traced too: a cast to
       float32 where ``other`` would be 16-bit under autocast (the safe side of the two).
+      One such cast is rewritten (:func:`_follow_weight_casts`): one to a weight's traced dtype
+      that feeds a custom op together with that weight (``op(x.to(w.dtype), w)``), which
+      autocast never casts for, so the op sees equal dtypes, as in the model's own code.
 
     Then every compute node is annotated (``node.meta[AUTOCAST_META]``) with the spec its output
     has under ``torch.autocast`` on ``device``, parameters as compute copies (16-bit but for
@@ -150,6 +153,7 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
     # only ever makes values fp32 (type promotion), so the set only grows and this ends.
     keep = None
     while keep != (keep := fp32_params(gm)):
+        _follow_weight_casts(gm, precision, device, keep)
         _annotate(gm, precision, device, keep)
 
 
@@ -276,6 +280,71 @@ def _follow_input_dtype(n: fx.Node) -> None:
     n.target = torch.ops.aten.to.dtype_layout
     n.args = (bound["self"],)
     n.kwargs = keep
+
+
+def _follow_weight_casts(gm: fx.GraphModule, precision: Precision, device: torch.device,
+                         keep: frozenset[str]) -> None:
+    """Make each cast to a weight's dtype that feeds a custom op beside that weight cast to the
+    weight's compute dtype (16-bit, or fp32 for a weight in ``keep``).
+
+    A model that calls its own kernel, a ``torch.library`` custom op that autocast does not cover
+    on ``device`` (it casts only for the aten ops on its lists, and custom ops that register a
+    kernel for it), writes ``op(x.to(w.dtype), w)``, since the kernel needs equal dtypes (the
+    grouped expert matmul of transformers' mixture-of-experts models, its default). The trace
+    read ``w.dtype`` as fp32 and baked it into the cast, and :func:`prepare` keeps casts as
+    traced; beside the 16-bit compute copy of ``w`` the kernel would then fail at the first
+    forward ("expected m1 and m2 to have the same dtype"). Found by shape: a floating cast
+    (``aten.to.dtype`` or ``aten._to_copy``) that is an argument of the op, whose traced output
+    dtype is that of a parameter the op reads directly or through views (``w.t()``,
+    ``w.transpose(...)``). The rule reads only traced dtypes, so it gives the same graph
+    however often it runs."""
+    params = dict(gm.named_parameters(remove_duplicate=False))
+    key = f"Autocast{device.type.upper()}"
+    for n in gm.graph.nodes:
+        op = n.target
+        if (n.op != "call_function" or not isinstance(op, torch._ops.OpOverload)
+                or op.namespace in ("aten", "prims") or _has_kernel(op, key)):
+            continue
+        inputs = [a for a in (*n.args, *n.kwargs.values()) if isinstance(a, fx.Node)]
+        weights = {}  # traced dtype -> the compute dtype of a weight of that dtype the op reads
+        for a in inputs:
+            name = _viewed_param(a)
+            if name in params and params[name].is_floating_point():
+                weights[params[name].dtype] = params[name].dtype if name in keep else precision.dtype
+        for a in inputs:
+            traced = a.meta.get("val")
+            if (a.op == "call_function" and a.target in _CASTS and isinstance(traced, torch.Tensor)
+                    and traced.dtype in weights):
+                _set_cast_dtype(a, weights[traced.dtype])
+    gm.recompile()
+
+
+#: casts that name a dtype: ``x.to(dtype)`` and what export records for ``x.to(w.dtype)``
+_CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default}
+
+
+def _has_kernel(op: torch._ops.OpOverload, dispatch_key: str) -> bool:
+    """Whether ``op`` has its own kernel for ``dispatch_key`` (False for a key torch lacks)."""
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), dispatch_key)
+    except RuntimeError:
+        return False
+
+
+def _viewed_param(a: fx.Node) -> str | None:
+    """The parameter (its ``get_attr`` target) that ``a`` reads, itself or through a chain of views."""
+    while a.op == "call_function" and isinstance(a.target, torch._ops.OpOverload) and a.target.is_view \
+            and a.args and isinstance(a.args[0], fx.Node):
+        a = a.args[0]
+    return a.target if a.op == "get_attr" else None
+
+
+def _set_cast_dtype(n: fx.Node, dtype: torch.dtype) -> None:
+    """Cast ``n`` (one of :data:`_CASTS`) now casts to ``dtype``."""
+    if n.target is torch.ops.aten.to.dtype and len(n.args) > 1:
+        n.args = (n.args[0], dtype, *n.args[2:])
+    else:
+        n.kwargs = {**n.kwargs, "dtype": dtype}
 
 
 def _annotate(gm: fx.GraphModule, precision: Precision, device: torch.device, keep: frozenset[str]) -> None:

@@ -124,6 +124,52 @@ def fp32_norms(*, seed: int = 0, batch: int = 4):
     return Fp32Norms(), (torch.randn(batch, 16),)
 
 
+@torch.library.custom_op("fxpipe_tests::strict_mm", mutates_args=())
+def strict_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w`` as a model's own kernel: a custom op that autocast does not cover, and which,
+    like the kernels it stands for, refuses operands of two dtypes."""
+    if x.dtype != w.dtype:
+        raise RuntimeError(f"strict_mm: x is {x.dtype} but w is {w.dtype}")
+    return x @ w
+
+
+@strict_mm.register_fake
+def _strict_mm_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[1])
+
+
+def _strict_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _strict_mm_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad @ w.t(), x.t() @ grad
+
+
+strict_mm.register_autograd(_strict_mm_backward, setup_context=_strict_mm_setup)
+
+
+class OwnKernel(nn.Module):
+    """Linear layers around :func:`strict_mm`, fed as transformers feeds its grouped expert
+    matmul: ``strict_mm(h.to(w.dtype), w.t())``, the input cast to the weight's dtype."""
+
+    def __init__(self, dim: int = 16, classes: int = 4):
+        super().__init__()
+        self.a, self.head = nn.Linear(dim, dim), nn.Linear(dim, classes)
+        self.w = nn.Parameter(torch.randn(dim, dim) / dim ** 0.5)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.head(torch.relu(strict_mm(h.to(self.w.dtype), self.w.t())))
+
+
+def own_kernel(*, seed: int = 0, batch: int = 4):
+    """:class:`OwnKernel` on ``(batch, 16)``."""
+    torch.manual_seed(seed)
+    return OwnKernel(), (torch.randn(batch, 16),)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm as Llama writes it: the weight is read by a plain ``x * weight``, not by a
     module call, so the parameter reaches the graph as a bare ``get_attr``."""
