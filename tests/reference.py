@@ -103,7 +103,7 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
     """Mixed precision as a careful single-device script does it: the optimizer steps fp32 master
     weights; each batch's forwards run a ``dtype`` copy of them under
     ``torch.autocast(device_type, dtype)`` (the loss too); each micro-batch's gradient (of the
-    16-bit copy) is added into an fp32 sum (a weight no micro-batch reached gets none, and the
+    16-bit copy) is added into an fp32 sum (a frozen weight, or one no micro-batch reached, gets none, and the
     optimizer skips it, as in eager). Batch t computes on the copy of the master after
     ``max(t-2, 0)`` updates under 2bw, ``t-1`` otherwise. ``cast_params=False``: the copy stays
     fp32 and autocast alone rounds what its cast lists say, as in plain eager autocast (a
@@ -133,14 +133,15 @@ def train_mixed(model, batches, m, loss_fn, optimizer_factory, *, dtype, schedul
                 p.copy_(snapshots[v][n])
         s = scales[v]
         params = [p for _, p in probe.named_parameters()]
-        grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in zip(names, params)}
+        grads = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in zip(names, params) if p.requires_grad}
         reached = set()  # a weight no micro-batch reached gets no gradient (None), as in eager
         total = 0.0
         for x, y in _micro(batch, m):
             with torch.autocast(device_type, dtype=dtype):
                 loss = _loss(probe, x, y, loss_fn)
-            gs = torch.autograd.grad(loss.float() * s / m, params, allow_unused=True)
-            for n, g in zip(names, gs):
+            trainable = [(n, p) for n, p in zip(names, params) if p.requires_grad]  # frozen: no gradient
+            gs = torch.autograd.grad(loss.float() * s / m, [p for _, p in trainable], allow_unused=True)
+            for (n, _), g in zip(trainable, gs):
                 if g is not None:
                     grads[n] += g.float()
                     reached.add(n)
