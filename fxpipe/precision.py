@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 from dataclasses import dataclass
 
 import torch
@@ -133,6 +134,9 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
       One such cast is rewritten (:func:`_follow_weight_casts`): one to a weight's traced dtype
       that feeds a custom op together with that weight (``op(x.to(w.dtype), w)``), which
       autocast never casts for, so the op sees equal dtypes, as in the model's own code.
+    * fp32's extremes, which the trace read as ``torch.finfo(x.dtype).min`` (an attention mask's
+      fill): where the op computes in 16 bits under the policy, they become the 16-bit dtype's
+      (:func:`_follow_dtype_extremes`).
 
     Then every compute node is annotated (``node.meta[AUTOCAST_META]``) with the spec its output
     has under ``torch.autocast`` on ``device``, parameters as compute copies (16-bit but for
@@ -155,6 +159,7 @@ def prepare(gm: fx.GraphModule, precision: Precision, device: torch.device) -> N
     while keep != (keep := fp32_params(gm)):
         _follow_weight_casts(gm, precision, device, keep)
         _annotate(gm, precision, device, keep)
+    _follow_dtype_extremes(gm)
 
 
 def _run_real(module: torch.nn.Module, state: dict, args, kwargs, device: torch.device, fake):
@@ -321,6 +326,31 @@ def _follow_weight_casts(gm: fx.GraphModule, precision: Precision, device: torch
 
 #: casts that name a dtype: ``x.to(dtype)`` and what export records for ``x.to(w.dtype)``
 _CASTS = {torch.ops.aten.to.dtype, torch.ops.aten._to_copy.default}
+
+
+def _follow_dtype_extremes(gm: fx.GraphModule) -> None:
+    """Make fp32's largest and lowest finite values, as scalar arguments of an op whose output is
+    16-bit under the policy (annotated), the 16-bit dtype's.
+
+    Models fill masked attention scores with ``torch.finfo(scores.dtype).min`` (DeBERTa's
+    ``masked_fill``; a clamp to the dtype's range). The trace read fp32's, -3.4e38, which a 16-bit
+    tensor cannot hold: the op fails at the first forward ("value cannot be converted to type
+    c10::BFloat16 without overflow"), where the model's own code under autocast reads the 16-bit
+    dtype's. Only these two values are taken for dtype reads: they overflow every 16-bit dtype, so
+    the op could never run with them."""
+    big = torch.finfo(torch.float32).max
+    for n in gm.graph.nodes:
+        spec = n.meta.get(AUTOCAST_META)
+        if n.op != "call_function" or spec is None or spec.dtype not in ("bfloat16", "float16"):
+            continue
+        low = torch.finfo(spec.torch_dtype).max
+
+        def swap(a):
+            return math.copysign(low, a) if isinstance(a, float) and abs(a) == big else a
+
+        n.args = tuple(swap(a) for a in n.args)
+        n.kwargs = {k: swap(v) for k, v in n.kwargs.items()}
+    gm.recompile()
 
 
 def _has_kernel(op: torch._ops.OpOverload, dispatch_key: str) -> bool:

@@ -170,6 +170,29 @@ def own_kernel(*, seed: int = 0, batch: int = 4):
     return OwnKernel(), (torch.randn(batch, 16),)
 
 
+class MaskedScores(nn.Module):
+    """One causal attention head whose masked scores are filled with the lowest value of their
+    dtype, ``scores.masked_fill(~causal, torch.finfo(scores.dtype).min)``, as DeBERTa writes it,
+    then mean-pooled into a classifier."""
+
+    def __init__(self, dim: int = 16, classes: int = 4):
+        super().__init__()
+        self.q, self.k, self.v, self.head = (nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim),
+                                             nn.Linear(dim, classes))
+
+    def forward(self, x):
+        scores = self.q(x) @ self.k(x).transpose(1, 2)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        return self.head((scores.softmax(-1) @ self.v(x)).mean(1))
+
+
+def masked_scores(*, seed: int = 0, batch: int = 4):
+    """:class:`MaskedScores` on ``(batch, 6, 16)``."""
+    torch.manual_seed(seed)
+    return MaskedScores(), (torch.randn(batch, 6, 16),)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm as Llama writes it: the weight is read by a plain ``x * weight``, not by a
     module call, so the parameter reaches the graph as a bare ``get_attr``."""
@@ -387,10 +410,12 @@ HF = ("gpt2_tiny", "bert_tiny")
 # class, config arguments, inputs): tiny (one or two layers, 32 wide or less, vocab 100), no
 # dropout, no cache. Each stands for a family users train: grouped-query and sliding-window
 # decoders, parallel attention and MLP (GPT-NeoX, Phi, GPT-J, Falcon), ALiBi (Bloom), learned
-# positions with a projection (OPT), encoders (DistilBERT, RoBERTa), an encoder-decoder (Bart), a
-# mixture of experts (Mixtral, transformers' grouped expert matmuls), a state-space model (Mamba,
-# its scan unrolled), vision (ViT, Swin's shifted windows, ConvNeXt) and speech (Whisper's
-# convolutional encoder and its decoder). ``inputs``: what :func:`hf_batch` makes for it.
+# positions with a projection (OPT), encoders (DistilBERT, RoBERTa, DeBERTa-v2's disentangled
+# relative attention, its mask filled with the dtype's lowest value), encoder-decoders (Bart, T5's
+# relative position buckets), mixtures of experts (Mixtral, DeepSeek-V3's shared experts and
+# latent attention: transformers' grouped expert matmuls), a state-space model (Mamba, its scan
+# unrolled), vision (ViT, Swin's shifted windows, ConvNeXt) and speech (Whisper's convolutional
+# encoder and its decoder). ``inputs``: what :func:`hf_batch` makes for it.
 _SMALL = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 HF_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64),
@@ -429,6 +454,17 @@ HF_ARCHITECTURES = {
     "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(_SMALL, num_key_value_heads=2, num_local_experts=4,
                                                            num_experts_per_tok=2, max_position_embeddings=64),
                 "tokens"),
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config",
+                    dict(_SMALL, num_key_value_heads=4, max_position_embeddings=64, n_routed_experts=4,
+                         num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=4,
+                         qk_nope_head_dim=4, v_head_dim=8), "tokens"),
+    "deberta_v2": ("DebertaV2ForMaskedLM", "DebertaV2Config",
+                   dict(_SMALL, max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                        relative_attention=True, position_buckets=8, pos_att_type=["p2c", "c2p"]), "tokens"),
+    "t5": ("T5ForConditionalGeneration", "T5Config", dict(vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                         num_heads=4, dropout_rate=0.0, decoder_start_token_id=0,
+                                                         pad_token_id=0), "tokens"),
     "mamba": ("MambaForCausalLM", "MambaConfig", dict(vocab_size=100, hidden_size=32, state_size=4,
                                                      num_hidden_layers=2), "tokens"),
     "vit": ("ViTForImageClassification", "ViTConfig", dict(image_size=16, patch_size=4, hidden_size=32,

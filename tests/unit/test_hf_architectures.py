@@ -25,8 +25,8 @@ def test_a_hugging_face_architecture_trains_as_eager_does(name):
     g = torch.Generator().manual_seed(1)
     batches = [hf_batch(name, m * b, g) for _ in range(3)]
     reference = copy.deepcopy(model).double()
-    if name == "mixtral":  # transformers' grouped expert matmul refuses float64: its batched one does not
-        reference.config._experts_implementation = "batched_mm"
+    if name in ("mixtral", "deepseek_v3"):  # transformers' grouped expert matmul refuses float64: its batched one
+        reference.config._experts_implementation = "batched_mm"  # does not
     opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     in64 = [{k: v.double() if v.is_floating_point() else v for k, v in x.items()} for x in batches]  # images, speech
     ref_losses, ref = train_flush(reference, [(x, None) for x in in64], m, None, opt)

@@ -13,7 +13,7 @@ from fxpipe import precision as precision_module
 from fxpipe.errors import ConfigError
 from fxpipe.weights import weight_bytes
 from tests.cases import build_mixed, relative_update_error
-from tests.models import cnn_bn, fp32_norms, hf_architecture, hf_batch, own_kernel
+from tests.models import cnn_bn, fp32_norms, hf_architecture, hf_batch, masked_scores, own_kernel
 from tests.reference import train_2bw, train_flush, train_mixed
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -247,6 +247,27 @@ def test_a_custom_op_fed_its_weights_dtype_gets_the_compute_dtype(schedule, prec
     assert {w.dtype for wk in pipe.workers.values() for w in wk.store.compute(0).values()} == {low}
     casts = [n for n in pipe.staged_graph.graph.nodes if n.target is torch.ops.aten.to.dtype]
     assert [n.args[1] for n in casts] == [low]  # strict_mm's input cast; no other cast was touched
+
+
+@pytest.mark.parametrize("schedule,precision", [("2bw", "bf16"), ("1f1b", "fp16")])
+def test_a_mask_filled_with_its_dtypes_lowest_value_trains_under_16_bits(schedule, precision):
+    # scores.masked_fill(~mask, torch.finfo(scores.dtype).min), as DeBERTa fills its attention
+    # mask: the trace baked in fp32's lowest value, which 16-bit scores cannot hold, and the
+    # first forward failed ("value cannot be converted to type c10::BFloat16 without overflow").
+    # It is now the 16-bit dtype's, which the model's own code reads under autocast.
+    net, example = masked_scores(batch=2)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 6, 16, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(5)]
+    pipe, initial, losses, ref_losses, ref, skipped = _against_eager_autocast(
+        net, example, batches, schedule, precision, "off", cast_params=True)
+    assert skipped == pipe.skipped_steps == []
+    assert relative_update_error(initial, pipe.state_dict(), dict(ref.named_parameters())) <= 1e-4
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    fills = [n.args[2] for n in pipe.staged_graph.graph.nodes if n.target is torch.ops.aten.masked_fill.Scalar]
+    assert fills == [torch.finfo(DTYPES[precision]).min]
+    fp32 = fxpipe.trace(net, example)  # and fp32 keeps fp32's
+    assert [n.args[2] for n in fp32.graph.nodes if n.target is torch.ops.aten.masked_fill.Scalar] == [
+        torch.finfo(torch.float32).min]
 
 
 def test_mixture_of_experts_trains_under_16_bits_as_a_careful_script_does():
