@@ -56,7 +56,7 @@ from typing import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-__all__ = ["PendingWeights", "SavedTensors", "SplitCache", "backward_input", "grads_into"]
+__all__ = ["PendingWeights", "SavedTensors", "SplitCache", "backward_input", "grads_into", "saving_nothing"]
 
 
 # the saved-tensor hooks in force (pack, unpack) or None; torch's own AOT autograd reads them so
@@ -79,6 +79,25 @@ def grads_into(leaves: Sequence[torch.Tensor], buffers: Sequence[torch.Tensor]):
     finally:
         for leaf, g in zip(leaves, held):
             leaf.grad = g
+
+
+def _never_unpacked(_):
+    raise RuntimeError("fxpipe: a backward reached a forward that saved nothing (saving_nothing): the recomputed "
+                       "forward, not this one, is the one to differentiate")
+
+
+def saving_nothing():
+    """Within: autograd records the graph as in training, but keeps none of the tensors it would
+    save for the backward (each is dropped as it is packed).
+
+    A forward whose activations a recomputation will make again runs so (as
+    ``torch.utils.checkpoint``'s non-reentrant mode runs it), not under ``torch.no_grad()``:
+    some kernels are chosen by whether autograd records, e.g. the CPU's
+    ``scaled_dot_product_attention`` with a mask takes another backend under ``no_grad``, whose
+    output differs in the last bits. The recomputed forward records, so only this way do the
+    first forward's outputs and loss equal the ones the backward differentiates, and the
+    numbers equal those of training without recomputation."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: None, _never_unpacked)
 
 
 class SavedTensors:

@@ -22,8 +22,10 @@ does with ``torch.autocast``:
   reported in fp32;
 * a boundary value travels in the dtype the policy gives it (:func:`prepare` finds it with fake
   tensors before codegen), so activations cross in the compute dtype and the numbers do not
-  depend on where the planner cut, but for a weight tied across stages: its stages' gradients
-  are summed in fp32, where one stage holding both uses sums them in the compute dtype first.
+  depend on where the planner cut, but through the order of additions: a weight tied across
+  stages gets its stages' gradients summed in fp32, where one stage holding both sums them in
+  the compute dtype first; a value read on both sides of a cut by three or more ops gets its
+  gradients summed in another grouping (as in fp32).
 
 fp16 adds dynamic loss scaling with ``torch.amp.GradScaler``'s rule (:class:`LossScaler`): the
 last stage seeds its backward with ``loss * scale``; the per-step norm all-reduce over every rank

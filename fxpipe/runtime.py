@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.func import functional_call
 
-from .backward import SavedTensors
+from .backward import SavedTensors, saving_nothing
 from .comm import EVERY_RANK, Comm, Handle, dp_group
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision, fp32_params
@@ -284,17 +284,20 @@ class StageWorker:
         # reads (fxpipe.backward), instead of holding all of it until W k
         split = self.cfg.schedule == "zb" and not recompute and any(self.float_in) and self.store.unsplit is None
         saved = SavedTensors() if split else None
-        with (torch.no_grad() if recompute else contextlib.nullcontext(),
+        # a forward R will recompute records no saved tensor (saving_nothing: not no_grad, which
+        # can pick other kernels than R's and training's)
+        with (saving_nothing() if recompute else contextlib.nullcontext(),
               saved.hooks() if saved is not None else contextlib.nullcontext()):
             outputs = self._run_module(k, a.version, args)
             loss = self._loss(k, outputs, last_use=not recompute) if self.is_last else None
         if recompute:
             # Keep only the inputs; R recomputes the rest right before B (arXiv 2006.09503 §3.3),
             # from the buffer values this forward saw (saved before it ran: it may update them).
-            # The outputs wait for SEND_ACT; the last stage sends none and has its loss already,
-            # so it keeps none (the model's output, logits say, is often its largest tensor).
-            ctx = {"args": [x.detach() for x in args], "outputs": () if self.is_last else outputs,
-                   "buffers": buffers}
+            # The outputs wait for SEND_ACT, detached, so that the graph this forward recorded
+            # goes at once; the last stage sends none and has its loss already, so it keeps none
+            # (the model's output, logits say, is often its largest tensor).
+            ctx = {"args": [x.detach() for x in args],
+                   "outputs": () if self.is_last else tuple(o.detach() for o in outputs), "buffers": buffers}
         else:
             ctx = {"boundary": boundary, "outputs": outputs, "loss": loss, "saved": saved}
         if loss is not None:

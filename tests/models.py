@@ -23,6 +23,7 @@ import sys
 
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 __all__ = [
     "mlp",
@@ -191,6 +192,35 @@ def masked_scores(*, seed: int = 0, batch: int = 4):
     """:class:`MaskedScores` on ``(batch, 6, 16)``."""
     torch.manual_seed(seed)
     return MaskedScores(), (torch.randn(batch, 6, 16),)
+
+
+class LearnedBiasAttention(nn.Module):
+    """Self-attention through ``F.scaled_dot_product_attention`` whose mask is a learned bias
+    looked up by relative position (Swin's and T5's), then a head: a mask that takes a
+    gradient, for which the CPU kernel picks another backend when autograd records than under
+    ``no_grad``."""
+
+    def __init__(self, seq: int = 16, dim: int = 8, heads: int = 2, classes: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj, self.head = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.Linear(dim, classes)
+        self.table = nn.Parameter(torch.randn(2 * seq - 1, heads))
+        position = torch.arange(seq)
+        self.register_buffer("relative", position[None, :] - position[:, None] + seq - 1, persistent=False)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        bias = self.table[self.relative].permute(2, 0, 1).unsqueeze(0)  # (1, heads, n, n)
+        h = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.5)
+        h = self.proj(h.transpose(1, 2).reshape(b, n, c))
+        return self.head(torch.relu(h).mean(1))
+
+
+def learned_bias_attention(*, seed: int = 0, batch: int = 4):
+    """:class:`LearnedBiasAttention` on ``(batch, 16, 8)``."""
+    torch.manual_seed(seed)
+    return LearnedBiasAttention(), (torch.randn(batch, 16, 8),)
 
 
 class RMSNorm(nn.Module):
