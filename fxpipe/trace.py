@@ -201,7 +201,8 @@ def trace(
     ``prefer="symbolic_trace"`` skips export. The path taken is ``gm.meta["fxpipe"].path``.
     A Hugging Face model is traced without its KV cache and without its activation checkpointing
     (:func:`_no_kv_cache`, :func:`_no_gradient_checkpointing`; the second says so in a warning),
-    and left as it was.
+    and left as it was; a reentrant ``torch.utils.checkpoint`` runs its function inline
+    (:func:`_inline_checkpoints`, also said in a warning).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fxpipe.trace expects an nn.Module, found {type(model).__name__}")
@@ -220,11 +221,12 @@ def trace(
                       RuntimeWarning, stacklevel=2)
     export_exc: BaseException | None = None
     gm = None
+    inlined: list[str] = []  # the functions of the reentrant checkpoints the trace ran inline
     on_meta = _on_meta(model, args, kwargs)
     if prefer == "export" and not leaf_modules:
         try:
-            with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed), _quiet_fake_tensors(), \
-                    _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs, real):
+            with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed), _inline_checkpoints(inlined), \
+                    _quiet_fake_tensors(), _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs, real):
                 gm = _export_meta(model, e_args, e_kwargs) if on_meta else _export(model, e_args, e_kwargs)
             for node in gm.graph.nodes:  # the graph's input check compares with the real value
                 if node.op == "placeholder" and isinstance(node.meta.get("val"), str) and node.meta["val"] in real:
@@ -234,12 +236,23 @@ def trace(
             export_exc = e
     if gm is None:
         try:
-            with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed):
+            inlined.clear()
+            with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed), _inline_checkpoints(inlined):
                 gm = _symbolic_trace(model, args, kwargs, leaf_modules)
             path = "symbolic_trace"
         except Exception as e:  # noqa: BLE001
             raise _trace_error(model, export_exc, e) from (export_exc or e)
 
+    if inlined:
+        names = sorted(set(inlined))
+        warnings.warn(f"fxpipe: {type(model).__name__} calls torch.utils.checkpoint.checkpoint with use_reentrant=True "
+                      f"({len(inlined)} call(s) in one forward, of {', '.join(names[:3])}"
+                      f"{', ...' if len(names) > 3 else ''}); it is traced without the checkpoint, whose reentrant "
+                      f"form runs its function under torch.no_grad(), where the trace would record no gradient. A "
+                      f"pipeline stage runs the traced operators, not the checkpoint: fxpipe recomputes activations "
+                      f"where its planner says (compile(recompute=True) to recompute on every stage); the numbers "
+                      f"are the same",
+                      RuntimeWarning, stacklevel=2)
     tied = _dedup_parameters(model, gm)
     _clean(gm)
     _annotate(gm, args, kwargs, path)  # a model that fails on the example raises here, warning of nothing else
@@ -302,6 +315,28 @@ def _no_gradient_checkpointing(flagged: Sequence[nn.Module]):
     finally:
         for m in flagged:
             m.gradient_checkpointing = True
+
+
+@contextlib.contextmanager
+def _inline_checkpoints(inlined: list[str]):
+    """``torch.utils.checkpoint.checkpoint(f, *args, use_reentrant=True)`` (also what
+    ``checkpoint_sequential`` and older code that names no mode run) calls ``f(*args)`` while
+    tracing, and appends ``f``'s name to ``inlined``. The reentrant checkpoint runs ``f`` under
+    ``torch.no_grad()`` inside an autograd function, which the trace would record as a block
+    without gradient: the loss would take none from ``f``'s weights, and the first backward
+    fail ("element 0 of tensors does not require grad"). The non-reentrant form traces as
+    ``f``'s operators already."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    def inline(function, preserve_rng_state, *args):
+        inlined.append(getattr(function, "__qualname__", None) or type(function).__qualname__)
+        return function(*args)
+
+    CheckpointFunction.apply = staticmethod(inline)  # the class inherits torch.autograd.Function's
+    try:
+        yield
+    finally:
+        del CheckpointFunction.apply
 
 
 @contextlib.contextmanager

@@ -70,6 +70,51 @@ def test_same_outputs_and_gradients_on_the_same_parameters(name):
             assert p.grad is not None and torch.equal(p.grad, ref[n]), f"{name}: gradient of {n} differs"
 
 
+class _Checkpointed(nn.Module):
+    """Residual blocks, each through torch.utils.checkpoint in the given mode, then the last two
+    through checkpoint_sequential."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh()) for _ in range(4))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint, checkpoint_sequential
+
+        for block in self.blocks[:2]:
+            x = x + checkpoint(block, x, use_reentrant=self.reentrant)
+        return checkpoint_sequential(nn.Sequential(*self.blocks[2:]), 2, x, use_reentrant=self.reentrant).sum(-1)
+
+
+@pytest.mark.parametrize("prefer", ["export", "symbolic_trace"])
+def test_a_reentrant_checkpoint_is_traced_through_and_said(prefer):
+    # torch.utils.checkpoint(..., use_reentrant=True) runs its function under no_grad inside an
+    # autograd function: the trace recorded the blocks without gradient, and the first backward
+    # failed ("element 0 of tensors does not require grad"). The trace now runs the function
+    # inline, says so, and computes what the non-reentrant checkpoint does (eager's reentrant one
+    # leaves the first block untrained: its input takes no gradient, as torch warns).
+    from torch.utils.checkpoint import CheckpointFunction
+
+    torch.manual_seed(0)
+    model, x = _Checkpointed(reentrant=True), torch.randn(3, 8)
+    with pytest.warns(RuntimeWarning, match=r"_Checkpointed calls torch\.utils\.checkpoint\.checkpoint with "
+                                            r"use_reentrant=True \(3 call\(s\) in one forward, of Sequential, "
+                                            r"checkpoint_sequential\.<locals>\.run_function\.<locals>\.forward\); it "
+                                            r"is traced without the checkpoint.*compile\(recompute=True\)"):
+        gm = fxpipe.trace(model, (x,), prefer=prefer)
+    assert "apply" not in CheckpointFunction.__dict__  # torch's own again
+    model.reentrant = False
+    eager = model(x)
+    eager.sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    traced = _call(gm, (x,))[0]
+    assert torch.equal(traced, eager)
+    traced.sum().backward()
+    assert all(torch.equal(p.grad, ref[n]) for n, p in model.named_parameters())
+
+
 @pytest.mark.parametrize("name", ["mlp", "transformer_encoder", "gpt2_tiny", "bert_tiny"])
 def test_dropout_draws_random_numbers_in_eager_order(name):
     model, inputs = _build(name, dropout=0.3)
