@@ -508,12 +508,16 @@ def measure_nodes(gm, example_inputs, torch_device, repeats: int, grad: dict[str
     background load costs one sample of many nodes instead of every sample of a few, and the
     median discards it. Parameters are used in place (detached aliases, no copies); buffers are
     cloned so in-place updates (BatchNorm statistics) leave the model untouched; the RNG is
-    restored."""
+    restored. Each backward runs on copies of its node's other inputs (:func:`_backward_closure`),
+    so up to twice one micro-batch's activations are alive; a node that writes into an input is
+    timed again on copies of its inputs (the copy inside its time), so the values the next nodes
+    and the backwards read stay those of the first pass."""
     gm, dev, flat, sync = _timing_setup(gm, example_inputs, torch_device)
     env: dict[str, Any] = {}
     it = iter(flat)
     params = dict(gm.named_parameters())
     runs: dict[str, tuple[Any, Any]] = {}  # node -> (forward closure, backward closure or None)
+    weights: set[int] = set()  # ids of the parameters' aliases in env (never written by a node)
 
     def timed(fn) -> float:
         sync()
@@ -534,6 +538,8 @@ def measure_nodes(gm, example_inputs, torch_device, repeats: int, grad: dict[str
                 if isinstance(obj, torch.Tensor):
                     obj = obj.detach().to(dev)
                     obj = obj.requires_grad_(node.target in params) if node.target in params else obj.clone()
+                    if node.target in params:
+                        weights.add(id(obj))
                 env[node.name] = obj
                 continue
             fn = _callable(gm, node)
@@ -546,9 +552,13 @@ def measure_nodes(gm, example_inputs, torch_device, repeats: int, grad: dict[str
                     return fn(*args, **kwargs)
 
             env[node.name] = forward()
-            backward = _backward_closure(fn, args, kwargs) if grad[node.name] else None
+            backward = _backward_closure(fn, args, kwargs, weights) if grad[node.name] else None
             if backward is not None:
                 backward()
+            if _mutates(node):  # timed again on copies: the values other nodes read stay as the graph made them
+                def forward(fn=fn, args=args, kwargs=kwargs):
+                    with torch.no_grad():
+                        return fn(*_copies(args), **_copies(kwargs))
             runs[node.name] = (forward, backward)
         samples: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in runs}
         for _ in range(repeats):
@@ -558,15 +568,33 @@ def measure_nodes(gm, example_inputs, torch_device, repeats: int, grad: dict[str
     return {n: (statistics.median(f), statistics.median(bw)) for n, (f, bw) in samples.items()}
 
 
-def _backward_closure(fn, args, kwargs):
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` writes into an argument (``index_put_``, ``add_``, ``copy_``)."""
+    if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    return node.op == "call_method" and node.target.endswith("_") and not node.target.endswith("__")
+
+
+def _copies(tree):
+    """``tree`` with every tensor replaced by a copy of it."""
+    return pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _backward_closure(fn, args, kwargs, weights: set[int] = frozenset()):
     """A callable running the backward of ``fn(*args, **kwargs)`` with respect to every floating
-    input (parameters included), or None when nothing is differentiable."""
+    input (parameters included), or None when nothing is differentiable. It runs ``fn`` on copies
+    of the tensors but the parameters (``weights``: their ids): every floating input is a leaf
+    here, so autograd may save one the model's own graph does not, and a later node may write
+    into it in place (a mixture of experts' index and accumulator tensors), which would fail this
+    backward's version check; and ``fn`` itself may write into its inputs."""
     leaves: list[torch.Tensor] = []
 
     def leaf(x):
         if isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.is_complex()):
-            x = x.detach().requires_grad_()
-            leaves.append(x)
+            x = x.detach() if id(x) in weights else x.detach().clone()
+            leaves.append(x.requires_grad_())
+        elif isinstance(x, torch.Tensor):
+            x = x.clone()
         return x
 
     try:
@@ -584,7 +612,7 @@ def _backward_closure(fn, args, kwargs):
         # usually a copy of the incoming gradient, about as fast as its forward.
         def as_forward():
             with torch.no_grad():
-                fn(*args, **kwargs)
+                fn(*_copies(args), **_copies(kwargs))
 
         return as_forward
 

@@ -118,6 +118,41 @@ def test_measured_plan_end_to_end():
     assert p.cost_mode == "measured" and p.stages == 2
 
 
+class _RouterNorm(nn.Module):
+    """A mixture-of-experts router's shape: top-2 of a softmax, renormalised in place
+    (``w /= w.sum(...)``, as Mixtral's router), the weights then read by a product that saves them."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.expert = nn.Linear(16, 4), nn.Linear(16, 2)
+
+    def forward(self, x):
+        w, _ = torch.topk(torch.softmax(self.gate(x), -1), 2)
+        w /= w.sum(-1, keepdim=True)
+        return self.expert(x) * w
+
+
+@pytest.mark.parametrize("mode", ["measured", "calibrated"])
+def test_nodes_that_write_in_place_are_measured(mode):
+    # Timing each node again re-ran the in-place division on the graph's own tensor, whose
+    # version then no longer matched what the product's backward had saved: "one of the variables
+    # needed for gradient computation has been modified by an inplace operation" (Mixtral,
+    # DeepSeek-V3). A writing node is now timed on copies, and each backward on its own copies.
+    model, x = _RouterNorm(), torch.randn(8, 16)
+    gm = fxpipe.trace(model, (x,))
+    assert any(n.target is torch.ops.aten.div_.Tensor for n in gm.graph.nodes)
+    before = model(x)
+    if mode == "measured":
+        costs = annotate(gm, (x,), mode=mode, repeats=3)
+        div = next(n.name for n in gm.graph.nodes if n.target is torch.ops.aten.div_.Tensor)
+        assert costs.nodes[div].fwd_time(8) > 0
+    else:  # the calibration times every node alone too
+        pipe = fxpipe.compile(model, (x,), loss_fn=torch.nn.functional.mse_loss, stages=2, microbatches=4,
+                              cost_mode=mode, verbose=False)
+        assert pipe.plan.device != DeviceModel.for_device(torch.device("cpu"))  # the fitted one
+    assert torch.equal(model(x), before)  # the model's weights untouched
+
+
 def test_measured_times_fit_two_batch_sizes():
     from fxpipe.cost import fit_two_sizes
 
