@@ -320,6 +320,8 @@ def fit_two_sizes(gm: fx.GraphModule, costs: GraphCosts, other: GraphCosts) -> G
         raise PlanError(
             f"the traces at micro-batch sizes {b1} and {b2} differ in nodes {mismatched[:5]}: the model's graph "
             f"depends on the batch size, so costs cannot be fitted across sizes; plan with microbatches= instead"
+            + (" (torch.export specialises a micro-batch of one sample: an example of 2 or more may fit)"
+               if 1 in (b1, b2) else "")
         )
 
     def line(t1: float, t2: float) -> Linear:

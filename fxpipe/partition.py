@@ -1968,11 +1968,14 @@ def _fingerprint_at(model_or_gm, gm: fx.GraphModule, example_inputs, traced: int
 def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, costs: GraphCosts,
                          device: DeviceModel, torch_device) -> GraphCosts:
     """The planner is about to search b: trace and measure the model at a second micro-batch
-    size (half the traced one, or twice a batch of one) and fit every measured time to both."""
+    size and fit every measured time to both. Half the traced one, or twice it where half would
+    be a single sample: torch.export specialises a dimension of size 1 (a view that needs no copy
+    there needs one at other sizes, Mixtral's, DeepSeek-V3's and Mamba's graphs), so a trace at
+    1 differs from one at 2 or more, and times cannot be fitted node by node."""
     from .trace import trace
 
     big = costs.batch_size
-    second = _resized(example_inputs, big, big // 2 if big > 1 else 2)
+    second = _resized(example_inputs, big, big // 2 if big >= 4 else 2 * big)
     gm2 = trace(model, second, leaf_modules=gm.meta["fxpipe"].leaf_modules)
     other = annotate(gm2, second, mode="measured", device=device, torch_device=torch_device)
     return fit_two_sizes(gm, costs, other)

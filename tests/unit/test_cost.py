@@ -196,6 +196,43 @@ def test_planner_searching_b_with_measured_costs_measures_a_second_size(monkeypa
     assert p.microbatch_size * p.microbatches == 16
 
 
+class _Transposed(nn.Module):
+    """``x.transpose(0, 1).contiguous()``: a copy at 2 samples or more, none at one, where
+    torch.export leaves the copy out (Mamba's graph, Mixtral's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.l(x.transpose(0, 1).contiguous()).sum()
+
+
+def test_the_second_size_measured_is_never_a_single_sample(monkeypatch):
+    # Traced at b = 2, the second size was 1, whose trace lacks the copy: "the traces at
+    # micro-batch sizes 2 and 1 differ", and global_batch= with cost_mode="measured" failed for
+    # Mixtral, DeepSeek-V3 and Mamba. It is now twice b where half would be one sample.
+    import fxpipe.partition as partition
+
+    seen = []
+    real = partition.annotate
+
+    def spy(gm, example_inputs=None, **kw):
+        costs = real(gm, example_inputs, **kw)
+        seen.append(costs.batch_size)
+        return costs
+
+    monkeypatch.setattr(partition, "annotate", spy)
+    model = _Transposed()
+    example = (torch.randn(2, 4, 8),)
+    p = partition.plan(model, example, global_batch=16, cost_mode="measured", world_size=1)
+    assert seen == [2, 4] and p.microbatch_size * p.microbatches == 16
+    one = (torch.randn(1, 4, 8),)  # traced at one sample, the two traces still differ, and the error says why
+    with pytest.raises(PlanError, match=r"differ in nodes \['contiguous'\].*torch\.export specialises a "
+                                        r"micro-batch of one sample: an example of 2 or more may fit"):
+        partition.plan(model, one, global_batch=16, cost_mode="measured", world_size=1)
+
+
 def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     """The calibrated model's node times sum to the measured forward and backward of the whole
     graph (timed here by a fake clock: 3 s forward, 5 s backward), keeping the roofline's
