@@ -427,6 +427,8 @@ def _node_flops(gm: fx.GraphModule, node: fx.Node, cache: dict) -> float:
     if isinstance(target, torch._ops.OpOverload):
         if target._overloadpacket is torch.ops.aten.scaled_dot_product_attention:
             return _sdpa_flops(node)
+        if target._overloadpacket.__name__ in _GROUPED_MATMULS:
+            return _grouped_mm_flops(node)
         fn = flop_registry.get(target._overloadpacket)
         if fn is not None:
             args, kwargs = _meta_args(node)
@@ -479,6 +481,22 @@ def _sdpa_flops(node: fx.Node) -> float:
     L, E = q.shape[-2], q.shape[-1]
     S, Ev = k.shape[-2], v.shape[-1]
     return float(2 * batch * L * S * E + 2 * batch * L * S * Ev)
+
+
+#: grouped matrix products (a mixture of experts' expert layers), which torch's counter has no
+#: formula for: aten's, and transformers' fallback, a custom op whose fake kernel computes nothing
+_GROUPED_MATMULS = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+
+
+def _grouped_mm_flops(node: fx.Node) -> float:
+    # Each row of the (tokens, K) input is multiplied by the one (K, N) matrix of its group:
+    # 2*K FLOPs per output element, however the rows fall into groups. (Two 2-D operands with
+    # offsets split the contraction instead: 2*M*N*K over all groups.)
+    a, b = node.args[0].meta["val"], node.args[1].meta["val"]
+    out = node.meta["val"]
+    if a.dim() == 2 and b.dim() == 2:
+        return float(2 * a.shape[0] * b.shape[-1] * a.shape[-1])
+    return float(2 * out.numel() * a.shape[-1])
 
 
 def _meta_args(node: fx.Node):

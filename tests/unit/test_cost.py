@@ -233,6 +233,25 @@ def test_the_second_size_measured_is_never_a_single_sample(monkeypatch):
         partition.plan(model, one, global_batch=16, cost_mode="measured", world_size=1)
 
 
+def test_a_mixture_of_experts_grouped_matmul_is_priced_by_its_flops():
+    # torch's FLOP counter has no formula for grouped matrix products, and transformers' fallback
+    # is a custom op whose fake kernel computes nothing: Mixtral's expert layers, most of its
+    # compute, were priced at 0 FLOPs, and the planner balanced its stages without them.
+    pytest.importorskip("transformers")
+    from tests.models import hf_architecture
+
+    model, example = hf_architecture("mixtral", batch=2)
+    gm = fxpipe.trace(model, example)
+    costs = annotate(gm, example)
+    grouped = [n for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
+    assert len(grouped) == 4  # gate-up and down projections of 2 layers
+    for n in grouped:
+        tokens, k = n.args[0].meta["val"].shape  # (tokens x top-2 experts, K) @ (experts, K, N)
+        assert costs.nodes[n.name].flops(2) == 2 * tokens * k * n.meta["val"].shape[-1]
+    experts = sum(costs.nodes[n.name].flops(2) for n in grouped)
+    assert experts > 0.5 * sum(c.flops(2) for c in costs.nodes.values())
+
+
 def test_calibrate_fits_the_roofline_to_the_measured_totals(monkeypatch):
     """The calibrated model's node times sum to the measured forward and backward of the whole
     graph (timed here by a fake clock: 3 s forward, 5 s backward), keeping the roofline's
