@@ -124,6 +124,13 @@ class InputSignature:
         inputs in the traced order. ``needs_target``: a ``loss_fn`` was given (it takes the
         target), else the model's output is the loss (and a target would go unused). Raises
         :class:`InputError` naming every problem found."""
+        if not needs_target and target is not None and len(args) + 1 == self.positional:
+            raise InputError(  # step(x, y) for a model that takes (x, y): y was read as the target
+                f"{what}: got {len(args)} positional input{'s' if len(args) != 1 else ''} and a target, but the model "
+                f"was traced with {self._traced()} and, with loss_fn=None, takes no target (its output, or its "
+                f".loss, is the loss). Pass all of the model's inputs as one tuple, step((x, y)), or compile "
+                f"with loss_fn=... to compute the loss from the output and the target."
+            )
         args, kwargs = self._structure(args, kwargs, what)
         m, w = microbatches, width
         problems: list[str] = _target_problem(target, needs_target)

@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.errors import ConfigError, FxpipeError, InputError
@@ -428,6 +429,32 @@ def test_a_target_without_a_loss_fn_is_refused():
         p.step(x, y)
     assert p.t == 0
     assert isinstance(p.step(x), float)
+
+
+class TakesItsLabels(nn.Module):
+    """A model of (x, y) that computes its own loss, in a dict under "loss"."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return {"loss": F.mse_loss(self.a(x), y)}
+
+
+def test_the_inputs_of_a_model_that_takes_its_labels_go_in_one_tuple():
+    # step(x, y) for a model of (x, y) with loss_fn=None read y as the target and said only that
+    # one positional input was missing. It now says where y went, and how to pass it.
+    x, y = _batch()
+    p = _compile(TakesItsLabels(), (x[:B], y[:B]), loss_fn=None)
+    with pytest.raises(InputError, match=re.escape(
+            "step(): got 1 positional input and a target, but the model was traced with 2 positional inputs and no "
+            "keyword inputs and, with loss_fn=None, takes no target (its output, or its .loss, is the loss). Pass "
+            "all of the model's inputs as one tuple, step((x, y)), or compile with loss_fn=... to compute the loss "
+            "from the output and the target.")):
+        p.step(x, y)
+    assert p.t == 0
+    assert isinstance(p.step((x, y)), float)
 
 
 def test_loss_fn_none_needs_a_model_that_returns_its_loss():
