@@ -537,9 +537,11 @@ def measure_nodes(gm, example_inputs, torch_device, repeats: int, grad: dict[str
                 obj = get_attr(gm, node.target)
                 if isinstance(obj, torch.Tensor):
                     obj = obj.detach().to(dev)
-                    obj = obj.requires_grad_(node.target in params) if node.target in params else obj.clone()
                     if node.target in params:
+                        obj.requires_grad_()
                         weights.add(id(obj))
+                    else:
+                        obj = obj.clone()
                 env[node.name] = obj
                 continue
             fn = _callable(gm, node)

@@ -52,7 +52,7 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .device import follow_call, follow_device, rng_devices
 from .errors import ConfigError
-from .trace import TensorSpec, graph_modules
+from .trace import TensorSpec, alias_base, graph_modules
 
 __all__ = ["Precision", "LossScaler", "compute_dtype", "fp32_params", "prepare", "PRECISIONS", "AUTOCAST_META"]
 
@@ -365,9 +365,8 @@ def _has_kernel(op: torch._ops.OpOverload, dispatch_key: str) -> bool:
 
 def _viewed_param(a: fx.Node) -> str | None:
     """The parameter (its ``get_attr`` target) that ``a`` reads, itself or through a chain of views."""
-    while a.op == "call_function" and isinstance(a.target, torch._ops.OpOverload) and a.target.is_view \
-            and a.args and isinstance(a.args[0], fx.Node):
-        a = a.args[0]
+    while (base := alias_base(a)) is not None:
+        a = base
     return a.target if a.op == "get_attr" else None
 
 

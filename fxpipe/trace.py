@@ -215,9 +215,7 @@ def trace(
     if checkpointed:
         warnings.warn(f"fxpipe: {type(model).__name__} has Hugging Face activation checkpointing on (the "
                       f"gradient_checkpointing flag of {len(checkpointed)} module(s)); it is traced without it, since "
-                      f"a pipeline stage runs the traced operators, not the checkpoint. fxpipe recomputes activations "
-                      f"where its planner says (compile(recompute=True) to recompute on every stage); the numbers "
-                      f"are the same",
+                      f"a pipeline stage runs the traced operators, not the checkpoint. {_RECOMPUTES}",
                       RuntimeWarning, stacklevel=2)
     export_exc: BaseException | None = None
     gm = None
@@ -225,8 +223,8 @@ def trace(
     on_meta = _on_meta(model, args, kwargs)
     if prefer == "export" and not leaf_modules:
         try:
-            with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed), _inline_checkpoints(inlined), \
-                    _quiet_fake_tensors(), _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs, real):
+            with _as_trained(model, checkpointed, inlined), _quiet_fake_tensors(), \
+                    _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs, real):
                 gm = _export_meta(model, e_args, e_kwargs) if on_meta else _export(model, e_args, e_kwargs)
             for node in gm.graph.nodes:  # the graph's input check compares with the real value
                 if node.op == "placeholder" and isinstance(node.meta.get("val"), str) and node.meta["val"] in real:
@@ -237,7 +235,7 @@ def trace(
     if gm is None:
         try:
             inlined.clear()
-            with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed), _inline_checkpoints(inlined):
+            with _as_trained(model, checkpointed, inlined):
                 gm = _symbolic_trace(model, args, kwargs, leaf_modules)
             path = "symbolic_trace"
         except Exception as e:  # noqa: BLE001
@@ -249,9 +247,7 @@ def trace(
                       f"({len(inlined)} call(s) in one forward, of {', '.join(names[:3])}"
                       f"{', ...' if len(names) > 3 else ''}); it is traced without the checkpoint, whose reentrant "
                       f"form runs its function under torch.no_grad(), where the trace would record no gradient. A "
-                      f"pipeline stage runs the traced operators, not the checkpoint: fxpipe recomputes activations "
-                      f"where its planner says (compile(recompute=True) to recompute on every stage); the numbers "
-                      f"are the same",
+                      f"pipeline stage runs the traced operators, not the checkpoint. {_RECOMPUTES}",
                       RuntimeWarning, stacklevel=2)
     tied = _dedup_parameters(model, gm)
     _clean(gm)
@@ -279,6 +275,20 @@ def trace(
         leaf_modules=leaf_modules,
     )
     return gm
+
+
+#: the end of both warnings that the trace leaves a model's own activation checkpointing out
+_RECOMPUTES = ("fxpipe recomputes activations where its planner says (compile(recompute=True) to recompute on "
+               "every stage); the numbers are the same")
+
+
+@contextlib.contextmanager
+def _as_trained(model: nn.Module, checkpointed: Sequence[nn.Module], inlined: list[str]):
+    """Within: ``model`` as a pipeline trains it, for either tracer: without a KV cache, without
+    Hugging Face's checkpointing on ``checkpointed``, reentrant checkpoints run inline (their
+    functions' names into ``inlined``)."""
+    with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed), _inline_checkpoints(inlined):
+        yield
 
 
 @contextlib.contextmanager
