@@ -235,7 +235,7 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     os.makedirs(out_dir, exist_ok=True)
     gm = trace(model, example_inputs, leaf_modules=leaf_modules)
     m = microbatches if microbatches is not None else max(2 * stages, 4)
-    # What a default fxpipe.compile plans and runs: its per-step norm all-reduce (second gradient buffer).
+    # What a default fxpipe.compile plans and runs: its per-step norm all-reduce (2bw: a second gradient buffer).
     p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=stages,
                   clip=norm_every_step(), lookahead=lookahead)
     staged = from_plan(gm, p)

@@ -97,7 +97,7 @@ from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint, megabytes
 from .trace import alias_base, as_leaf_modules, written_values
-from .schedule import SCHEDULES, check_lookahead, min_microbatches, rank_of, warmup, zb_bounds
+from .schedule import SCHEDULES, check_lookahead, gradient_buffers, min_microbatches, rank_of, warmup, zb_bounds
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
            "reduction_time", "BlockCosting", "Capacity", "capacity"]
@@ -789,7 +789,8 @@ def chain_from_graph(gm: fx.GraphModule, costs: GraphCosts, batch: float, *, sch
 
     A parameter costs :func:`fxpipe.weights.weight_bytes` on each stage reading it: its weight
     versions (2 under 2bw), ``grad_buffers`` gradient accumulators (the runtime keeps two when a
-    reduction of batch t's gradients overlaps batch t+1's backwards), the optimizer state
+    reduction of batch t's gradients overlaps batch t+1's backwards, which only 2bw's do:
+    :func:`fxpipe.schedule.gradient_buffers`), the optimizer state
     (``optimizer_bytes_per_param`` per element, AdamW: two fp32 moments = 8) and, with
     ``accumulation="fused"`` (the kernel path), a scratch gradient; ``"optimizer"`` (AdamA) the
     scratch and no accumulator. A buffer costs its bytes.
@@ -1271,7 +1272,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
     """One configuration, partitioned under the memory limit (``fit``) or without one (to report
     what a configuration that does not fit would need and give). Raises :class:`_NoFit` when
     ``fit`` and nothing fits."""
-    grad_buffers = 2 if (w > 1 or clip) else 1
+    grad_buffers = gradient_buffers(schedule, reduces=w > 1 or clip)
     chain = source.chain(b, grad_buffers)
     links = stage_links(cluster, d, w, layout)
     sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links, cluster.overlap_p2p,
@@ -1280,8 +1281,8 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
     part = _Solver(chain, sm).solve()
     if part is None:
         raise _NoFit()
-    if fit and grad_buffers == 1 and _over_with_tied_buffers(chain, sm, part, limit):
-        # A stage holding a copy of a tied weight keeps a second gradient buffer (its tied
+    if fit and _over_with_tied_buffers(chain, sm, part, limit, schedule, grad_buffers):
+        # A 2bw stage holding a copy of a tied weight keeps a second gradient buffer (its tied
         # all-reduce overlaps the next batch); where that breaks the limit, plan every stage
         # with two, a safe bound the chain formulation can express.
         grad_buffers = 2
@@ -1290,7 +1291,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
         if part is None:
             raise _NoFit()
     part, (step, pipe, ar, slow) = _cut_for_reduction(chain, sm, part, cluster, schedule, m, w, layout)
-    tied = set() if grad_buffers == 2 else _stages_with_shared_tensors(chain, part.bounds)
+    tied = _second_buffer_stages(chain, part.bounds, schedule, grad_buffers)
     mems = []
     for s, (l, r) in enumerate(part.bounds):
         extra = float(sum(chain.tensor_grad_bytes[p] for p in _held(chain, l, r))) if s in tied else 0.0
@@ -1396,7 +1397,7 @@ def _smallest_fit(source, cluster: Cluster, device: DeviceModel, schedule: str, 
     """The least whole number of bytes per device under which the search fits one of the
     ``missed`` configurations, and that configuration. Each has a lower bound, the least limit
     under which a partition of its chain fits (:func:`min_memory`); from the lowest up, the
-    bound is checked with the search's own pricing (:func:`_price`: a stage that shares a tied
+    bound is checked with the search's own pricing (:func:`_price`: a 2bw stage that shares a tied
     weight keeps a second gradient buffer, which the chain counts on every stage once it
     matters), and where that fails, the least limit it accepts is bisected between the bound
     and one it accepts (the chain with two gradient buffers everywhere, whose bound it always
@@ -1559,8 +1560,9 @@ def plan(
     otherwise b is the traced batch size and m is ``microbatches``. ``device_memory`` (bytes)
     overrides ``device.memory_bytes``. ``costs`` reuses an earlier :func:`fxpipe.cost.annotate`.
     ``clip``: a global-norm all-reduce runs every step (``fxpipe.compile`` always runs one: it
-    clips and checks for non-finite values); like data parallelism (w > 1) this makes every stage
-    keep a second gradient buffer, which the memory model then counts. None: True with a
+    clips and checks for non-finite values); like data parallelism (w > 1) this makes every 2bw
+    stage keep a second gradient buffer, which the memory model then counts (a flush schedule
+    keeps one: :func:`fxpipe.schedule.gradient_buffers`). None: True with a
     ``cluster`` (a plan for a real run counts what ``compile`` will hold), else False.
     ``accumulation``: ``"autograd"`` (torch.optim), ``"fused"`` (the kernels' path, one more
     scratch gradient per stage) or ``"optimizer"`` (AdamA); see :func:`fxpipe.weights.weight_bytes`.
@@ -1736,7 +1738,7 @@ def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster 
     schedules: dict[tuple, list] = {}
     simulated = []
     for c in map(ahead, chosen):
-        sps = _stage_plans(gm, c)
+        sps = _stage_plans(gm, c, schedule)
         links = stage_links(cluster, c.d, c.w, c.layout) if cluster is not None else None
         key = (c.d, c.m, c.w, tuple(c.model.recompute), c.model.lookahead)
         if key not in schedules:
@@ -1813,7 +1815,7 @@ def _plan_of(best: _Candidate, fits: list, found, gm: fx.GraphModule, model_or_g
     """The :class:`Plan` of the search's best candidate on ``cluster`` (``given_cluster``: the
     caller's, which the plan records, rather than this machine's)."""
     runner = next((c for c in fits[1:] if (c.d, c.w, c.b, c.recompute) != (best.d, best.w, best.b, best.recompute)), None)
-    sps = _stage_plans(gm, best)
+    sps = _stage_plans(gm, best, schedule)
     plan = Plan(
         schedule=schedule,
         stages=best.d,
@@ -1880,7 +1882,7 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
         """(simulated step, all-reduce, stage plans, simulated pipeline) of the cuts; None where a
         stage breaks the limit."""
         bounds = bounds_of(cuts)
-        tied = set() if best.grad_buffers == 2 else _stages_with_shared_tensors(chain, bounds)
+        tied = _second_buffer_stages(chain, bounds, plan.schedule, best.grad_buffers)
         sps = []
         for s, (l, r) in enumerate(bounds):
             key = (s, l, r, s in tied)
@@ -1925,10 +1927,10 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
                                step_time=step, throughput=plan.global_batch / step, configurations=rows)
 
 
-def _stage_plans(gm: fx.GraphModule, c: _Candidate) -> tuple[StagePlan, ...]:
-    """The stage plans of candidate ``c`` at its solver cuts; with one gradient buffer counted
-    per stage, the stages of a tied weight still keep a second one."""
-    tied = set() if c.grad_buffers == 2 else _stages_with_shared_tensors(c.chain, c.part.bounds)
+def _stage_plans(gm: fx.GraphModule, c: _Candidate, schedule: str) -> tuple[StagePlan, ...]:
+    """The stage plans of candidate ``c`` at its solver cuts, with the second gradient buffer of
+    a 2bw stage holding a tied weight (:func:`_second_buffer_stages`)."""
+    tied = _second_buffer_stages(c.chain, c.part.bounds, schedule, c.grad_buffers)
     return tuple(_stage_plan(gm, c.chain, c.model, s, l, r, extra_grads=s in tied)
                  for s, (l, r) in enumerate(c.part.bounds))
 
@@ -1983,7 +1985,7 @@ def _measure_second_size(model: nn.Module, gm: fx.GraphModule, example_inputs, c
 
 def _stages_with_shared_tensors(chain: Chain, bounds: Sequence[tuple[int, int]]) -> set[int]:
     """Stages holding a copy of a tensor that other stages read too (a tied weight): the runtime
-    all-reduces its gradient between them, and such a stage keeps two gradient buffers."""
+    all-reduces its gradient between them."""
     stage_of = np.empty(chain.n, dtype=np.int64)
     for s, (l, r) in enumerate(bounds):
         stage_of[l : r + 1] = s
@@ -1996,10 +1998,20 @@ def _stages_with_shared_tensors(chain: Chain, bounds: Sequence[tuple[int, int]])
     return out
 
 
-def _over_with_tied_buffers(chain: Chain, model: StageModel, part: "Partition", limit: float) -> bool:
-    """Whether a stage of ``part`` breaks ``limit`` once its second gradient buffer (held by
-    stages with a tied weight) is counted."""
-    for s in _stages_with_shared_tensors(chain, part.bounds):
+def _second_buffer_stages(chain: Chain, bounds: Sequence[tuple[int, int]], schedule: str, grad_buffers: int) -> set[int]:
+    """Stages that keep one gradient buffer more than the chain's ``grad_buffers`` counts: with
+    one counted under 2bw, those holding a tied weight's copy (its all-reduce is a reduction,
+    :func:`fxpipe.schedule.gradient_buffers`); none under a flush schedule, which keeps one."""
+    if grad_buffers >= gradient_buffers(schedule, reduces=True):
+        return set()
+    return _stages_with_shared_tensors(chain, bounds)
+
+
+def _over_with_tied_buffers(chain: Chain, model: StageModel, part: "Partition", limit: float, schedule: str,
+                            grad_buffers: int) -> bool:
+    """Whether a stage of ``part`` breaks ``limit`` once the second gradient buffer of
+    :func:`_second_buffer_stages` is counted."""
+    for s in _second_buffer_stages(chain, part.bounds, schedule, grad_buffers):
         l, r = part.bounds[s]
         extra = float(sum(chain.tensor_grad_bytes[p] for p in _held(chain, l, r)))
         if stage_memory(chain, model, s, l, r) + extra > limit:
@@ -2022,7 +2034,7 @@ def _stage_plan(gm: fx.GraphModule, chain: Chain, model: StageModel, s: int, l: 
     grads = float(sum(chain.tensor_grad_bytes[p] for p in held))
     opt = float(sum(chain.tensor_optim_bytes[p] for p in held))
     copies = weights - grads - opt
-    if extra_grads:  # a tied weight's stage: a second gradient buffer (see _stages_with_shared_tensors)
+    if extra_grads:  # a tied weight's 2bw stage: a second gradient buffer (see _second_buffer_stages)
         weights += grads
         grads *= 2
     _, acts, bufs = _stage_bytes(chain, model, s, l, r)
@@ -2369,10 +2381,10 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
             if b is None:
                 continue
             m = per // b
-            # gradient buffers as _price counts them: two under clipping or data parallelism; else
-            # one, or two on every stage where a stage holding a tied weight's copy (which keeps a
-            # second) breaks the limit with one
-            buffers = 2 if (w > 1 or clip) else 1
+            # gradient buffers as _price counts them: two under 2bw with clipping or data
+            # parallelism; else one, or (2bw) two on every stage where a stage holding a tied
+            # weight's copy (which keeps a second) breaks the limit with one
+            buffers = gradient_buffers(schedule, reduces=w > 1 or clip)
             chain = source.chain(b, buffers)
             sm = StageModel.for_schedule(schedule, d, m, True, device, limit, stage_links(cluster, d, w),
                                          cluster.overlap_p2p)
@@ -2380,7 +2392,7 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
                 continue
             if buffers == 1:
                 part = _Solver(chain, sm).solve()
-                if part is None or _over_with_tied_buffers(chain, sm, part, limit):
+                if part is None or _over_with_tied_buffers(chain, sm, part, limit, schedule, buffers):
                     chain = source.chain(b, 2)
                     if _Solver(chain, sm).feasible(math.inf) is None:
                         continue

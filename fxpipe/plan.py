@@ -60,7 +60,7 @@ class StagePlan:
     memory_weights: float  #: parameter and buffer copies (2 versions of parameters under 2bw)
     memory_activations: float  #: activations of the micro-batches held at once (zb: and what deferred W passes keep; recomputation: one micro-batch's, and the others' forward outputs)
     memory_optimizer: float  #: optimizer state (AdamW: 2 fp32 moments per parameter)
-    memory_grads: float  #: gradient accumulators (two copies of the parameters when reductions overlap: w > 1 or clipping)
+    memory_grads: float  #: gradient accumulators (two copies of the parameters under 2bw, whose reductions overlap the next batch; one under a flush schedule)
     memory_buffers: float  #: received inputs (in flight and posted early), posted gradient receives, an input gradient being sent, the step's model inputs
     param_bytes: float  #: bytes of the parameters the stage owns (tied ones counted here too)
     send_bytes: float  #: bytes crossing its output cut per micro-batch

@@ -32,7 +32,7 @@ from .backward import SavedTensors, saving_nothing
 from .comm import EVERY_RANK, Comm, Handle, dp_group
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision, fp32_params
-from .schedule import Action, Kind, batch_of, waits_for
+from .schedule import Action, Kind, batch_of, gradient_buffers, waits_for
 from .trace import alias_base, written_values
 from .weights import WeightStore
 
@@ -101,14 +101,16 @@ class StageWorker:
 
         self.layout = stage.flat.layout
         # Every step reduces (at least the norm all-reduce that clips and checks for non-finite
-        # values), so a stage keeps two gradient buffers: batch t's is reduced while batch t+1
-        # accumulates into the other. In one process the replicas of a stage share its generated
+        # values), so a 2bw stage keeps two gradient buffers: batch t's is reduced while batch t+1
+        # accumulates into the other; a flush schedule's one is free again before batch t+1
+        # (schedule.gradient_buffers). In one process the replicas of a stage share its generated
         # module: each worker owns its weights and module buffers (BatchNorm statistics), as a
         # rank of its own would.
         # AdamA keeps none (its moments take each micro-batch's gradient); a stage with nothing
-        # to train has no optimizer to fold into and keeps its empty two
+        # to train has no optimizer to fold into and keeps its empty one or two
         adama = cfg.accumulate == "optimizer" and any(s.requires_grad for s in stage.flat.layout.slots)
-        self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=0 if adama else 2,
+        buffers = 0 if adama else gradient_buffers(cfg.schedule, reduces=True)
+        self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=buffers,
                                  accumulation=cfg.accumulate,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
                                  strict_kernels=cfg.strict_kernels, precision=cfg.precision,

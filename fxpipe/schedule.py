@@ -47,11 +47,13 @@ Weight versions (docs/design.md, "Weight-update semantics")
   ``W(t+1) = W(t) - lr * grad f(W(t-1))``. ``UPDATE t`` (producing ``W(t)``) runs after the
   stage's last backward of batch ``t`` and before its first forward of batch ``t+2`` — the first
   forward that uses ``W(t)``. At most two versions are alive per stage. No flush between steps.
-* Gradient buffers: a stage accumulates batch ``t``'s gradient in one accumulator. Without a
-  reduction, ``UPDATE t`` therefore precedes the stage's first backward of batch ``t+1``. A stage
-  with reductions (``width > 1``, a tied weight, ``clip``) keeps a second accumulator, so batch
-  ``t+1`` accumulates while batch ``t`` reduces; ``UPDATE t`` then precedes the next
-  ``*_START t+1``. The validator checks both rules.
+* Gradient buffers (:func:`gradient_buffers`): a stage accumulates batch ``t``'s gradient in one
+  accumulator. Without a reduction, ``UPDATE t`` therefore precedes the stage's first backward of
+  batch ``t+1``. A flush schedule joins its reductions and runs ``UPDATE t`` before batch
+  ``t+1``'s first forward anyway, so one accumulator is all it keeps. A 2bw stage with reductions
+  (``width > 1``, a tied weight, ``clip``) keeps a second accumulator, so batch ``t+1``
+  accumulates while batch ``t`` reduces; ``UPDATE t`` then precedes the next ``*_START t+1``.
+  The validator checks both rules.
 
 Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per batch)
 --------------------------------------------------------------------------------
@@ -141,6 +143,7 @@ from fxpipe.errors import ScheduleError
 __all__ = [
     "SCHEDULES",
     "versions_of",
+    "gradient_buffers",
     "min_microbatches",
     "Action",
     "Kind",
@@ -695,10 +698,21 @@ class Program:
 def norm_every_step(accumulate: str = "gradients") -> bool:
     """Whether a compiled pipeline's Program posts NORM_START/NORM_WAIT every step (``clip``).
     It does whether or not ``max_grad_norm`` is set: the norm all-reduce both clips and checks
-    every step for non-finite gradients, and the second gradient buffer it brings lets batch t+1
-    accumulate while batch t reduces. Not under ``accumulate="optimizer"`` (AdamA): its UPDATE
-    must follow each batch's last backward on the stage (one set of moments, no gradient)."""
+    every step for non-finite gradients (under 2bw it brings the second gradient buffer of
+    :func:`gradient_buffers`). Not under ``accumulate="optimizer"`` (AdamA): its UPDATE must
+    follow each batch's last backward on the stage (one set of moments, no gradient)."""
     return accumulate != "optimizer"
+
+
+def gradient_buffers(schedule: str, reduces: bool) -> int:
+    """Flat gradient accumulators a stage keeps (AdamA, which keeps none, aside). A flush schedule
+    (gpipe, 1f1b, zb) joins batch ``t``'s reductions and runs ``UPDATE t`` before batch ``t+1``'s
+    first forward, so its one accumulator is free again before any gradient of batch ``t+1``
+    arrives. 2bw joins them only before batch ``t+2``'s first forward, overlapping them with
+    batch ``t+1``'s compute, so a 2bw stage that ``reduces`` (``width > 1``, a tied weight shared
+    with another stage, the per-step norm of :func:`norm_every_step`) accumulates batch ``t+1``
+    in a second one meanwhile."""
+    return 2 if schedule == "2bw" and reduces else 1
 
 
 def eval_list(stage: int, stages: int, microbatches: int) -> list[Action]:
@@ -1181,11 +1195,12 @@ class _StageCheck:
             self.last_b[t] = self.pos
             self.in_flight.pop(k, None)
         # An I already writes batch t's gradient on a stage that cannot split (runtime fallback).
-        handed_off = (t - 1) in self.reduced  # a second gradient buffer holds batch t-1's
+        # a second gradient buffer holds batch t-1's (2bw with reductions, gradient_buffers)
+        handed_off = (t - 1) in self.reduced and gradient_buffers(self.schedule, reduces=True) == 2
         if t > 1 and (Kind.UPDATE, t - 1) not in done and not handed_off:
             self.fail(f"first backward of batch {t} before UPDATE{t - 1}",
-                      f"Run UPDATE{t - 1} earlier: without a reduction holding batch {t - 1}'s gradient the stage "
-                      f"has one gradient accumulator")
+                      f"Run UPDATE{t - 1} earlier: the stage has one gradient accumulator (under {self.schedule!r} "
+                      f"without a reduction holding batch {t - 1}'s gradient)")
 
     def weight_pass(self, a, k: int, t: int) -> None:
         s = self.s

@@ -28,8 +28,12 @@ def test_store_bytes_equal_the_model_torch_optim(schedule, clip):
     for _ in range(3):
         pipe.step(x, x)
     pipe.flush()
-    for wk in pipe.workers.values():  # with or without clipping, every step reduces the norm: 2 buffers
-        assert wk.store.nbytes() == _modelled(wk.store, schedule, 2, 4, "autograd")
+    # With or without clipping every step reduces the norm: 2bw, which overlaps it with the next
+    # batch, keeps two gradient buffers; a flush schedule, which finishes it first, one.
+    buffers = 2 if schedule == "2bw" else 1
+    for wk in pipe.workers.values():
+        assert len(wk.store.grad_pool) == buffers
+        assert wk.store.nbytes() == _modelled(wk.store, schedule, buffers, 4, "autograd")
 
 
 def test_store_bytes_equal_the_model_fused_path():
@@ -51,3 +55,17 @@ def test_planner_prices_the_store():
                         accumulation="fused") == 40 + 2 * 40 + 80
     # frozen: two versions, and its (unused) place in the two gradient buffers of the flat layout
     assert weight_bytes(10, 2, requires_grad=False, schedule="2bw", grad_buffers=2, optimizer_bytes_per_param=8) == 80
+
+
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe", "zb"])
+def test_plan_counts_the_gradient_buffers_the_runtime_keeps(schedule):
+    # Every step reduces the norm and the tied embedding's gradient. 2bw overlaps those reductions
+    # with the next batch, so both stages keep two buffers; a flush schedule finishes them before
+    # the next batch starts and keeps one. The plan's memory_grads is what the store allocates.
+    model, example = gpt2_tiny(batch=1, seq=4, labels=True)
+    pipe = fxpipe.compile(model, example, microbatches=2, schedule=schedule, stages=2, verbose=False)
+    assert pipe.staged.tied  # the embedding's copies on the first and last stage
+    for wk in pipe.workers.values():
+        assert len(wk.store.grad_pool) == (2 if schedule == "2bw" else 1)
+        held = sum(b.nbytes for g in wk.store.grad_pool for b in g.values())
+        assert held == pipe.plan.stage_plans[wk.index].memory_grads, (wk.index, held)
