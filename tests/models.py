@@ -442,10 +442,12 @@ HF = ("gpt2_tiny", "bert_tiny")
 # decoders, parallel attention and MLP (GPT-NeoX, Phi, GPT-J, Falcon), ALiBi (Bloom), learned
 # positions with a projection (OPT), encoders (DistilBERT, RoBERTa, DeBERTa-v2's disentangled
 # relative attention, its mask filled with the dtype's lowest value), encoder-decoders (Bart, T5's
-# relative position buckets), mixtures of experts (Mixtral, DeepSeek-V3's shared experts and
-# latent attention: transformers' grouped expert matmuls), a state-space model (Mamba, its scan
-# unrolled), vision (ViT, Swin's shifted windows, ConvNeXt) and speech (Whisper's convolutional
-# encoder and its decoder). ``inputs``: what :func:`hf_batch` makes for it.
+# relative position buckets, ModernBERT's alternating local and global attention), mixtures of
+# experts (Mixtral, DeepSeek-V3's shared experts and latent attention: transformers' grouped
+# expert matmuls), state-space and recurrent models (Mamba, its scan unrolled; Mamba-2's chunked
+# scan; Jamba's mix of Mamba, attention and experts; RecurrentGemma's gated linear recurrence),
+# Gemma 3's sliding-window layers, vision (ViT, Swin's shifted windows, ConvNeXt) and speech
+# (Whisper's convolutional encoder and its decoder). ``inputs``: what :func:`hf_batch` makes for it.
 _SMALL = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 HF_ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(_SMALL, num_key_value_heads=2, max_position_embeddings=64),
@@ -497,6 +499,22 @@ HF_ARCHITECTURES = {
                                                          pad_token_id=0), "tokens"),
     "mamba": ("MambaForCausalLM", "MambaConfig", dict(vocab_size=100, hidden_size=32, state_size=4,
                                                      num_hidden_layers=2), "tokens"),
+    "mamba2": ("Mamba2ForCausalLM", "Mamba2Config", dict(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                        num_heads=4, head_dim=16, n_groups=1, state_size=8,
+                                                        chunk_size=4, expand=2), "tokens"),
+    "jamba": ("JambaForCausalLM", "JambaConfig", dict(_SMALL, num_key_value_heads=2, num_experts=2, num_experts_per_tok=1,
+                                                     attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                                                     expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=2,
+                                                     mamba_expand=2), "tokens"),
+    "recurrent_gemma": ("RecurrentGemmaForCausalLM", "RecurrentGemmaConfig",
+                        dict(_SMALL, num_key_value_heads=1, lru_width=32, attention_window_size=4,
+                             block_types=["recurrent", "attention"]), "tokens"),
+    "gemma3": ("Gemma3ForCausalLM", "Gemma3TextConfig", dict(_SMALL, num_key_value_heads=2, head_dim=8,
+                                                            max_position_embeddings=64, sliding_window=4), "tokens"),
+    "modernbert": ("ModernBertForMaskedLM", "ModernBertConfig", dict(_SMALL, max_position_embeddings=64, pad_token_id=0,
+                                                                    global_attn_every_n_layers=2, local_attention=4,
+                                                                    embedding_dropout=0.0, mlp_dropout=0.0,
+                                                                    attention_dropout=0.0), "tokens"),
     "vit": ("ViTForImageClassification", "ViTConfig", dict(image_size=16, patch_size=4, hidden_size=32,
                                                           num_hidden_layers=2, num_attention_heads=4,
                                                           intermediate_size=64, num_labels=3,

@@ -25,7 +25,7 @@ def test_a_hugging_face_architecture_trains_as_eager_does(name):
     g = torch.Generator().manual_seed(1)
     batches = [hf_batch(name, m * b, g) for _ in range(3)]
     reference = copy.deepcopy(model).double()
-    if name in ("mixtral", "deepseek_v3"):  # transformers' grouped expert matmul refuses float64: its batched one
+    if name in ("mixtral", "deepseek_v3", "jamba"):  # transformers' grouped expert matmul refuses float64: its batched one
         reference.config._experts_implementation = "batched_mm"  # does not
     opt = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
     in64 = [{k: v.double() if v.is_floating_point() else v for k, v in x.items()} for x in batches]  # images, speech
