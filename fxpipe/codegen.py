@@ -367,6 +367,7 @@ def split(
     device: torch.device | str | None = None,
     build: Collection[int] | None = None,
     source=None,
+    weights: bool = True,
 ) -> StagedModel:
     """Cut ``gm`` (from :func:`fxpipe.trace`) into stages by ``assignment`` (node name -> stage).
 
@@ -381,6 +382,11 @@ def split(
     model's tensor ``originals[name]`` (:class:`fxpipe.materialize.Materializer`: a state dict,
     the modules' initialisers; how a model on the meta device is built). Default: copies of the
     traced model's own tensors, which must then not be on the meta device.
+
+    ``weights=False``: the built stages' parameters (and their flat buffers) stay on the ``meta``
+    device; only buffers and constants are materialised. For stages that are always called with
+    weights passed in (``eval_step``'s, run by ``functional_call`` on the training stages'
+    newest weights), so they hold no second copy of them.
     """
     info = gm.meta.get("fxpipe")
     if not isinstance(info, TraceInfo):
@@ -446,7 +452,7 @@ def split(
         stages.append(
             _build_stage(
                 gm, s, d, per_stage[s], inputs, outs, output if s == d - 1 else None,
-                canon, gm_params, readers, produced_on, src_device, stage_device, source,
+                canon, gm_params, readers, produced_on, src_device, stage_device, source, weights,
             )
         )
 
@@ -615,7 +621,8 @@ def _fill(source, dest: dict[str, torch.Tensor], originals: dict[str, torch.Tens
 
 
 def _build_stage(
-    gm, s, d, nodes, inputs, outs, output, canon, gm_params, readers, produced_on, src_device, device, source=None
+    gm, s, d, nodes, inputs, outs, output, canon, gm_params, readers, produced_on, src_device, device, source=None,
+    weights=True,
 ) -> Stage:
     runs_here = nodes + ([output] if output is not None else [])
     read = {a for r in runs_here for a in r.all_input_nodes}
@@ -639,12 +646,13 @@ def _build_stage(
             for local, p in gm.get_submodule(r.target).named_parameters(remove_duplicate=False):
                 params.setdefault(canon(f"{r.target}.{local}"), p)
     built = device.type != "meta"
-    with torch.no_grad():
-        flat = FlatParams.build(list(params.items()), device, copy=not built)
+    with torch.no_grad():  # weights=False: parameters on meta, as on a stage that is not built
+        flat = FlatParams.build(list(params.items()), device if weights else torch.device("meta"),
+                                copy=not (built and weights))
     # what a built stage's tensors get their values from: name -> (new tensor, the model's tensor)
     dest: dict[str, torch.Tensor] = {}
     origin: dict[str, torch.Tensor] = {}
-    if built:
+    if built and weights:
         dest.update(flat.layout.views(flat.buffers))
         origin.update(params)
 

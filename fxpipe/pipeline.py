@@ -1205,7 +1205,9 @@ class Pipeline:
             prepare(gm, self.config.policy, self.device)
             # a meta model's eval stages: the workers' newest weights and buffers, else the training source's
             source = None if self._source is None else _Newest(self.workers.values(), self._source)
-            return split(gm, mapping, build=build, device=self.device, source=source)  # buffers, constants
+            # eval_step passes every parameter in (the workers' newest weights): the eval stages
+            # hold only buffers and constants, no copy of the weights
+            return split(gm, mapping, build=build, device=self.device, source=source, weights=False)
         finally:
             self.model.train(was)
 

@@ -520,6 +520,12 @@ def test_eval_step_uses_newest_weights_with_dropout_off():
         expected = sum(float(fresh(input_ids=c, labels=c).loss) for c in ids.chunk(2)) / 2
     assert got == pytest.approx(expected, rel=1e-6)
     assert pipe.eval_step({"input_ids": ids, "labels": ids}) == got  # deterministic: no dropout
+    # The eval stages read the training stages' weights: they hold no copy of their own (they
+    # held one, a whole second copy of the stages' weights from the first eval_step on).
+    for stage in pipe._eval.stages:
+        assert stage.param_names and all(p.is_meta for p in stage.module.parameters())
+        assert all(b.is_meta for b in stage.flat.buffers.values())
+        assert not any(b.is_meta for b in stage.module.buffers())
 
 
 def _eager_eval_loss(model, state, loss_fn, x, y, m: int = 4) -> float:
