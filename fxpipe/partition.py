@@ -1421,7 +1421,7 @@ def _smallest_fit(source, cluster: Cluster, device: DeviceModel, schedule: str, 
     lows = []
     for cfg in missed:
         world, d, w, b, m, rc = cfg
-        chain = source.chain(b, 2 if (w > 1 or clip) else 1)
+        chain = source.chain(b, gradient_buffers(schedule, reduces=w > 1 or clip))
         lows.append((math.ceil(min_memory(chain, model(world, d, w, m, rc, math.inf))), cfg))
     best: tuple[int, tuple | None] = (math.inf, None)  # type: ignore[assignment]
     for low, cfg in sorted(lows):

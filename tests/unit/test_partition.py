@@ -803,11 +803,13 @@ def test_a_depth_whose_width_does_not_divide_the_batch_leaves_the_others_to_sear
         plan(gm, x, world_size=4, global_batch=6, microbatches=1)
 
 
-@pytest.mark.parametrize("kw", [dict(stages=2, microbatches=4, recompute=False), dict(world_size=2, microbatches=4)])
+@pytest.mark.parametrize("kw", [dict(stages=2, microbatches=4, recompute=False), dict(world_size=2, microbatches=4),
+                                dict(stages=2, microbatches=4, recompute=False, schedule="1f1b", clip=True)])
 def test_the_smallest_memory_the_error_gives_plans(kw):
-    """With a tied weight (the GPT's embedding and head on the first and last stage) those
+    """With a tied weight (the GPT's embedding and head on the first and last stage) 2bw's
     stages keep a second gradient buffer; the least memory the error names must plan when given
-    as device_memory (it used to leave that buffer out and fail again with the same number)."""
+    as device_memory (it used to leave that buffer out and fail again with the same number), and
+    be the least: a flush schedule keeps one buffer even with clipping (its bound counted two)."""
     gm, x = _demo_gpt(tie=True)
     with pytest.raises(PlanError, match=r"the smallest memory that fits is [\d.]+ MB\. Give device_memory >= (\d+)") as err:
         plan(gm, x, device_memory=1e5, **kw)
