@@ -2348,8 +2348,8 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
     first) of the world size. Depths double until one does not fit, then bisect; each try costs
     the model one block at a time (:class:`BlockCosting`) and asks the partitioner whether any
     cut fits. Returns the depth, its parameter count and the fitting configuration. ``clip``: the
-    training clips by the global norm (two gradient buffers per stage, as with data parallelism;
-    without either, one). ``accumulation``: as :func:`plan`'s; ``"fused"`` by default, what
+    training clips by the global norm (under 2bw two gradient buffers per stage, as with data
+    parallelism; without either, or under a flush schedule, one). ``accumulation``: as :func:`plan`'s; ``"fused"`` by default, what
     ``fxpipe.compile`` runs on a cluster's accelerators (the fused kernels' scratch gradient)."""
     cluster = Cluster.resolve(cluster)
     if cluster is None:

@@ -659,7 +659,7 @@ class Pipeline:
                     recompute=o.recompute,
                     lookahead=o.lookahead,
                     torch_device=self.device,
-                    # the per-step norm all-reduce (clipping, non-finite check): 2 grad buffers
+                    # the per-step norm all-reduce (clipping, non-finite check): 2bw's 2 grad buffers
                     clip=norm_every_step(o.accumulate),
                     accumulation=("optimizer" if o.accumulate == "optimizer" else
                                   "autograd" if kernels is None else "fused"),
