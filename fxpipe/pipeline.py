@@ -51,7 +51,7 @@ from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
 from .schedule import (SCHEDULES, Action, Program, check_lookahead, format_actions, min_microbatches, norm_every_step,
                        rank_of, stage_and_replica)
-from .trace import as_leaf_modules, leaf_module_calls, module_path, normalize_inputs, trace
+from .trace import as_leaf_modules, leaf_module_calls, module_path, normalize_inputs, trace, without_weights
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
 
@@ -515,6 +515,7 @@ class Pipeline:
         self.config = config = config or PipelineConfig()
         config.check_plan()
         self._setup_done = False
+        self._heap_frozen = False  # _freeze_heap has run (at the first step)
         self.distributed, self.device, self.timeout = _init_distributed(config.device, config.timeout)
         self.rank = dist.get_rank() if self.distributed else 0
         self.world_size = dist.get_world_size() if self.distributed else 1
@@ -582,17 +583,27 @@ class Pipeline:
         self._check_plan_fits(plan, gm)
         self.plan = plan
         self._build_workers(plan, gm, kernels)
+        self._hold_no_weights(gm)
         self._setup_done = True
-        # Every rank waits for the slowest: a full (generation 2) garbage collection on one rank
-        # stalls them all. Tracing and planning leave a large heap (graphs, nodes, cost
-        # expressions) that such a collection walks every time: ~240 ms, 7x a step of
-        # benchmarks/soak.py. Frozen, it is left out of later collections (refcounting still frees
-        # it; cyclic garbage among it waits for gc.unfreeze(), called at exit).
-        gc.collect()
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # at exit everything is collected as usual
         if self.config.verbose and self.rank == 0:
             print(self.describe())
+
+    def _hold_no_weights(self, gm: fx.GraphModule) -> None:
+        """Let go of the model's weights once the stages hold their own copy, so that ``del model``
+        frees them. What the pipeline keeps of the model and of its training trace (whose
+        parameters, and on the symbolic_trace path whose modules, are the model's own) is what
+        ``eval_step``'s second trace and the dumps read: copies of both with their parameters on
+        the meta device (buffers and other tensors shared, not copied). A meta model, or one whose
+        values come from ``weights=``, is kept as it is: its
+        :class:`~fxpipe.materialize.Materializer` fills the eval stages' buffers from it. So is a
+        model that cannot be deep-copied (one holding a lock, say)."""
+        if self._source is not None:
+            return
+        try:
+            model, graph = without_weights(self.model), without_weights(gm)
+        except Exception:  # noqa: BLE001 - whatever deepcopy raises: keep both, as before
+            return
+        self.model, self.staged_graph = model, graph
 
     def _check_settings_agree(self) -> None:
         """Every rank was given the same settings (:attr:`PipelineConfig.AGREED`), else every rank
@@ -870,6 +881,19 @@ class Pipeline:
                 wk.comm.report(f"InputError: {str(e).splitlines()[0]}")
             raise
 
+    def _freeze_heap(self) -> None:
+        """Every rank waits for the slowest: a full (generation 2) garbage collection on one rank
+        stalls them all. Tracing and planning leave a large heap (graphs, nodes, cost
+        expressions) that such a collection walks every time: ~240 ms, 7x a step of
+        benchmarks/soak.py. Frozen, it is left out of later collections (refcounting still frees
+        it; cyclic garbage among it waits for ``gc.unfreeze()``, called at exit). Done at the first
+        step, not at compile, so that a model the script deleted after ``compile`` (a Hugging Face
+        model is cyclic garbage then) is collected first rather than frozen."""
+        self._heap_frozen = True
+        gc.collect()
+        gc.freeze()
+        atexit.register(gc.unfreeze)  # at exit everything is collected as usual
+
     def _waited(self) -> float:
         return sum(wk.comm.waited for wk in self.workers.values())
 
@@ -880,6 +904,8 @@ class Pipeline:
             check_first_batch(args, kwargs, target, microbatches=m, width=w, device=self.device,
                               needs_target=self.config.loss_fn is not None, what="step()")
             self._setup(*_split_batch((args, kwargs), m * w)[0])
+        if not self._heap_frozen:
+            self._freeze_heap()
         plan = self.plan
         m, w = plan.microbatches, plan.width
         # Before anything is split or communicated: a bad batch fails alike on every rank.

@@ -251,7 +251,9 @@ def trace(
                       RuntimeWarning, stacklevel=2)
     tied = _dedup_parameters(model, gm)
     _clean(gm)
-    _annotate(gm, args, kwargs, path)  # a model that fails on the example raises here, warning of nothing else
+    leaves = pytree.tree_leaves((args, kwargs))
+    # a model that fails on the example raises here, warning of nothing else
+    _annotate(gm, args, kwargs, path, _traced_device(model, leaves))
     if export_exc is not None:  # said, not silent: the two paths capture at different levels
         why = (str(export_exc).strip().splitlines() or [""])[0]
         why = f"{type(export_exc).__name__}: {why[:200]}{'...' if len(why) > 200 else ''}"
@@ -259,7 +261,6 @@ def trace(
                       f"with torch.fx.symbolic_trace instead, as torch-level calls rather than aten operators. "
                       f"The whole error: gm.meta['fxpipe'].export_error of fxpipe.trace(model, example); pass "
                       f"leaf_modules= to choose this path on purpose", RuntimeWarning, stacklevel=2)
-    leaves = pytree.tree_leaves((args, kwargs))
     first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     gm.meta["fxpipe"] = TraceInfo(
         path=path,
@@ -418,6 +419,24 @@ def _traced_device(model: nn.Module, leaves: Sequence) -> torch.device:
     (a model built under ``torch.device("meta")`` is traced as the same model built on the CPU)."""
     tensors = [*model.parameters(), *model.buffers(), *leaves]
     return next((t.device for t in tensors if isinstance(t, torch.Tensor) and not t.is_meta), torch.device("cpu"))
+
+
+def without_weights(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with every parameter on the meta device (same shape, strides,
+    dtype and ``requires_grad``; tied parameters stay tied): what tracing it again needs, holding
+    none of its weights. Buffers and other tensor attributes are the model's own (shared, not
+    copied); ``model`` is left as it was. Raises whatever :func:`copy.deepcopy` raises for the
+    model (for a lock it holds, say)."""
+    memo: dict[int, Any] = {}
+    for mod in model.modules():
+        for value in (*vars(mod).values(), *mod._buffers.values()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                memo[id(value)] = value
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"),
+                                           requires_grad=p.requires_grad)
+    return copy.deepcopy(model, memo)
 
 
 def _export_meta(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
@@ -676,11 +695,11 @@ def _static_spec(node: fx.Node, t: torch.Tensor) -> TensorSpec:
     return TensorSpec.of(t)
 
 
-def _annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, path: str) -> None:
+def _annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, path: str, device: torch.device) -> None:
     params = dict(gm.named_parameters())
     buffers = dict(gm.named_buffers())
     if path != "export" or any("val" not in n.meta for n in gm.graph.nodes if n.op not in ("output", "get_attr")):
-        _fake_shape_prop(gm, args, kwargs)
+        _fake_shape_prop(gm, args, kwargs, device)
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -711,29 +730,48 @@ def _annotate(gm: fx.GraphModule, args: tuple, kwargs: dict, path: str) -> None:
         )
 
 
-def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
+def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torch.device) -> None:
     """Shapes for the fallback path, computed on fake tensors: running the real model would
     advance the RNG and update BatchNorm statistics. A leaf module with data-dependent control
     flow cannot run on fake tensors; then a copy of the graph runs on the real inputs with the
-    RNG state restored afterwards."""
+    RNG state restored afterwards. Meta tensors (a model built on the meta device, or one whose
+    weights a pipeline no longer holds) stand in as on ``device``, the device the trace pretends
+    to run on: fake tensors in the first pass, zeros in the copy (shapes, not values, are read)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.shape_prop import ShapeProp
 
     flat = pytree.tree_leaves((args, kwargs))
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+
+    def zeros(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+    swapped = _swap_meta(gm, fake)
     try:
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
         # ShapeProp prints a traceback before re-raising, and torch's fake-tensor log another; the
         # fallback below handles it.
         with mode, contextlib.redirect_stderr(io.StringIO()), _quiet_fake_tensors():
-            ShapeProp(gm).run(*[mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat])
+            ShapeProp(gm).run(*[(fake(x) if x.is_meta else mode.from_tensor(x)) if isinstance(x, torch.Tensor) else x
+                                for x in flat])
         source = gm
     except Exception:  # noqa: BLE001 - data-dependent leaf: measure on a real copy
+        for table, key, t in swapped:
+            table[key] = t
+        swapped = []
         source = copy.deepcopy(gm)
+        _swap_meta(source, zeros)
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
-                ShapeProp(source).run(*flat)
+                ShapeProp(source).run(*[zeros(x) if isinstance(x, torch.Tensor) and x.is_meta else x for x in flat])
         except Exception as e:  # noqa: BLE001 - the model cannot run on the example
             raise _example_error(e) from e
+    finally:
+        for table, key, t in swapped:
+            table[key] = t
     metas = {n.name: n.meta.get("tensor_meta") for n in source.graph.nodes}
     for node in gm.graph.nodes:
         tm = metas.get(node.name)
@@ -743,6 +781,25 @@ def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict) -> None:
                 tm,
                 is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"),
             )
+
+
+def _swap_meta(gm: fx.GraphModule, make) -> list[tuple[dict, str, torch.Tensor]]:
+    """Put ``make(t)`` in place of every meta tensor ``gm``'s modules hold (parameters, buffers,
+    tensor attributes), one stand-in for a tensor held in several places; returns (table, key,
+    tensor) to put back."""
+    made: dict[int, torch.Tensor] = {}
+    swapped = []
+    for mod in gm.modules():
+        for table in (mod._parameters, mod._buffers, vars(mod)):
+            for key, t in list(table.items()):
+                if isinstance(t, torch.Tensor) and t.is_meta:
+                    if id(t) not in made:
+                        new = make(t)
+                        made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
+                            else new
+                    swapped.append((table, key, t))
+                    table[key] = made[id(t)]
+    return swapped
 
 
 # --------------------------------------------------------------------------------------------

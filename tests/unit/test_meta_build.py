@@ -61,6 +61,43 @@ def test_plan_made_on_meta_runs_the_real_model_bitwise():
     assert all(t.is_meta for t in model.parameters())  # the model itself stays on meta
 
 
+class _Signed(nn.Module):
+    """A leaf with data-dependent control flow: fake tensors cannot run it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.lin(x) if x.sum() > 0 else -self.lin(x)
+
+
+def _with_leaf():
+    model, example = mlp()
+    model[2] = nn.Sequential(_Signed(), nn.ReLU())
+    return model, example
+
+
+@pytest.mark.parametrize("factory, leaf", [(mlp, nn.Linear), (_with_leaf, _Signed)])
+def test_a_meta_model_on_the_symbolic_trace_path_trains_as_the_real_one(factory, leaf):
+    # The symbolic_trace path's shape pass ran a meta model's parameters beside the real example
+    # on fake tensors of two devices: "Tensor on device meta is not on the expected device cpu".
+    # Meta tensors now stand in as on the traced device (zeros where a data-dependent leaf runs
+    # on a real copy).
+    model, meta = on_meta(factory)
+    real, example = factory()
+    gm_meta, gm_real = fxpipe.trace(model, meta, leaf_modules=leaf), fxpipe.trace(real, example, leaf_modules=leaf)
+    assert gm_meta.meta["fxpipe"].path == gm_real.meta["fxpipe"].path == "symbolic_trace"
+    shapes = lambda gm: [(n.name, n.meta["fxpipe"].outputs) for n in gm.graph.nodes if n.op != "output"]  # noqa: E731
+    assert shapes(gm_meta) == shapes(gm_real)
+    assert all(p.is_meta for p in model.parameters())
+    sd = {k: v.clone() for k, v in real.state_dict().items()}
+    full, full_losses = train(real, example, stages=2, leaf_modules=leaf)
+    built, losses = train(model, meta, stages=2, leaf_modules=leaf, weights=sd)
+    assert losses == full_losses
+    assert all(torch.equal(t, built.state_dict()[k]) for k, t in full.state_dict().items())
+
+
 def test_weights_from_a_file_and_from_a_checkpoint(tmp_path):
     real, example = mlp()
     torch.save(real.state_dict(), tmp_path / "w.pt")

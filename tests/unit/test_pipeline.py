@@ -528,6 +528,54 @@ def test_eval_step_uses_newest_weights_with_dropout_off():
         assert not any(b.is_meta for b in stage.module.buffers())
 
 
+@pytest.mark.parametrize("case", ["gpt2", "t5", "data_dependent_leaf"])
+def test_the_pipeline_holds_none_of_the_models_weights(case):
+    # The pipeline kept the model (for eval_step's second trace) and its training trace, which
+    # shares the model's parameters: `del model` freed nothing, and a rank held the whole model
+    # beside its stage's copy. It now keeps both with their parameters on the meta device; the
+    # model itself is left as it was, and eval_step traces the copy (export's meta path, or the
+    # symbolic path, whose shape pass runs a data-dependent leaf on zeros in place of weights).
+    # compile froze the heap (gc.freeze), the model in it, so a cyclic model deleted after compile
+    # stayed until exit; the freeze now waits for the first step, after a collection.
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if case == "data_dependent_leaf":
+        nn = torch.nn
+        model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), _Branchy(), nn.Linear(8, 1))
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+        batch, example, kw = (x, y), (x[:2],), {"loss_fn": F.mse_loss, "leaf_modules": _Branchy}
+    else:
+        model, example = (gpt2_tiny(batch=2, seq=8, labels=True, dropout=0.3) if case == "gpt2"
+                          else t5_tiny(batch=2))
+        ids = torch.randint(2, 100, (8, 8), generator=g)
+        batch, kw = ({"input_ids": ids, "labels": ids.clone()},), {}
+    before = {k: t.clone() for k, t in model.state_dict().items()}
+    reference = copy.deepcopy(model)
+    weights = [weakref.ref(p) for p in model.parameters()]
+    pipe = fxpipe.compile(model, example, stages=2, microbatches=4, schedule="1f1b",
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False, **kw)
+    assert all(torch.equal(t, before[k]) for k, t in model.state_dict().items())  # the model as it was
+    assert not any(p.is_meta for p in model.parameters())
+    model_ref = weakref.ref(model)
+    del model
+    pipe.step(*batch)  # its garbage collection (before gc.freeze) frees a cyclic model such as HF's
+    assert model_ref() is None and [w() for w in weights if w() is not None] == []
+    got = pipe.eval_step(*batch)
+    assert pipe.eval_step(*batch) == got  # dropout off
+    reference.load_state_dict(pipe.state_dict())
+    reference.eval()
+    with torch.no_grad():
+        if case == "data_dependent_leaf":
+            expected = sum(float(F.mse_loss(reference(a), b)) for a, b in zip(x.chunk(4), y.chunk(4))) / 4
+        else:
+            expected = sum(float(reference(input_ids=c, labels=c).loss) for c in ids.chunk(4)) / 4
+    assert got == pytest.approx(expected, rel=1e-6)
+    assert pipe.trace_info.path == ("symbolic_trace" if case == "data_dependent_leaf" else "export")
+
+
 def _eager_eval_loss(model, state, loss_fn, x, y, m: int = 4) -> float:
     """``model`` with ``state`` loaded, in eval mode: its mean loss over ``m`` micro-batches."""
     model.load_state_dict(state)
