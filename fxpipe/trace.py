@@ -449,31 +449,21 @@ def _export_meta(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
 
     device = _traced_device(model, pytree.tree_leaves((args, kwargs)))
     mode = FakeTensorMode()
-    fakes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(original) -> (fake, original)
+    fakes: dict[int, torch.Tensor] = {}  # id(original) -> its fake
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in fakes:
             with mode:
-                f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-            if isinstance(t, nn.Parameter):
-                f = nn.Parameter(f, requires_grad=t.requires_grad)
-            fakes[id(t)] = (f, t)
-        return fakes[id(t)][0]
+                fakes[id(t)] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        return fakes[id(t)]
 
-    swapped = []
-    for mod in model.modules():  # a shared module once: its tensors are swapped (and restored) once
-        for table in (mod._parameters, mod._buffers):
-            for key, t in list(table.items()):
-                if t is not None:
-                    swapped.append((table, key, t))
-                    table[key] = fake(t)
+    swapped = _stand_in(model, fake, meta_only=False, attributes=False)
+    original = {id(table[key]): t for table, key, t in swapped}  # fake (a Parameter's: a Parameter) -> original
     try:
         fargs, fkwargs = pytree.tree_map(lambda x: fake(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         gm = _export(model, fargs, fkwargs)
     finally:
-        for table, key, t in swapped:
-            table[key] = t
-    original = {id(f): t for f, t in fakes.values()}
+        _put_back(swapped)
     for mod in gm.modules():
         for table in (mod._parameters, mod._buffers):
             for key, t in list(table.items()):
@@ -750,7 +740,7 @@ def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torc
     def zeros(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
-    swapped = _swap_meta(gm, fake)
+    swapped = _stand_in(gm, fake, meta_only=True, attributes=True)
     try:
         # ShapeProp prints a traceback before re-raising, and torch's fake-tensor log another; the
         # fallback below handles it.
@@ -759,19 +749,17 @@ def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torc
                                 for x in flat])
         source = gm
     except Exception:  # noqa: BLE001 - data-dependent leaf: measure on a real copy
-        for table, key, t in swapped:
-            table[key] = t
+        _put_back(swapped)
         swapped = []
         source = copy.deepcopy(gm)
-        _swap_meta(source, zeros)
+        _stand_in(source, zeros, meta_only=True, attributes=True)
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
                 ShapeProp(source).run(*[zeros(x) if isinstance(x, torch.Tensor) and x.is_meta else x for x in flat])
         except Exception as e:  # noqa: BLE001 - the model cannot run on the example
             raise _example_error(e) from e
     finally:
-        for table, key, t in swapped:
-            table[key] = t
+        _put_back(swapped)
     metas = {n.name: n.meta.get("tensor_meta") for n in source.graph.nodes}
     for node in gm.graph.nodes:
         tm = metas.get(node.name)
@@ -783,16 +771,18 @@ def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torc
             )
 
 
-def _swap_meta(gm: fx.GraphModule, make) -> list[tuple[dict, str, torch.Tensor]]:
-    """Put ``make(t)`` in place of every meta tensor ``gm``'s modules hold (parameters, buffers,
-    tensor attributes), one stand-in for a tensor held in several places; returns (table, key,
-    tensor) to put back."""
+def _stand_in(module: nn.Module, make, *, meta_only: bool, attributes: bool) -> list[tuple[dict, str, torch.Tensor]]:
+    """Put ``make(t)`` in place of each tensor ``t`` that ``module``'s modules hold as a parameter
+    or buffer (with ``attributes``, as any other attribute too; with ``meta_only``, only those on
+    the meta device). A tensor held in several places gets one stand-in, a parameter's wrapped as
+    a parameter; a module reached twice is visited once. Returns (table, key, tensor) for each
+    place, for :func:`_put_back`."""
     made: dict[int, torch.Tensor] = {}
     swapped = []
-    for mod in gm.modules():
-        for table in (mod._parameters, mod._buffers, vars(mod)):
+    for mod in module.modules():
+        for table in (mod._parameters, mod._buffers, *((vars(mod),) if attributes else ())):
             for key, t in list(table.items()):
-                if isinstance(t, torch.Tensor) and t.is_meta:
+                if isinstance(t, torch.Tensor) and (t.is_meta or not meta_only):
                     if id(t) not in made:
                         new = make(t)
                         made[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) \
@@ -800,6 +790,12 @@ def _swap_meta(gm: fx.GraphModule, make) -> list[tuple[dict, str, torch.Tensor]]
                     swapped.append((table, key, t))
                     table[key] = made[id(t)]
     return swapped
+
+
+def _put_back(swapped: list[tuple[dict, str, torch.Tensor]]) -> None:
+    """Undo :func:`_stand_in`."""
+    for table, key, t in swapped:
+        table[key] = t
 
 
 # --------------------------------------------------------------------------------------------
