@@ -2392,7 +2392,9 @@ def capacity(blocks: BlockCosting, *, cluster: Cluster | str, global_batch: int,
                 continue
             if buffers == 1:
                 part = _Solver(chain, sm).solve()
-                if part is None or _over_with_tied_buffers(chain, sm, part, limit, schedule, buffers):
+                if part is None:  # two buffers cannot fit where one does not
+                    continue
+                if _over_with_tied_buffers(chain, sm, part, limit, schedule, buffers):  # (2bw only)
                     chain = source.chain(b, 2)
                     if _Solver(chain, sm).feasible(math.inf) is None:
                         continue
