@@ -223,7 +223,7 @@ def trace(
     on_meta = _on_meta(model, args, kwargs)
     if prefer == "export" and not leaf_modules:
         try:
-            with _as_trained(model, checkpointed, inlined), _quiet_fake_tensors(), \
+            with _as_trained(model, checkpointed, inlined), _quiet_torch(), \
                     _constants_as_strings(model, args, kwargs) as (e_args, e_kwargs, real):
                 gm = _export_meta(model, e_args, e_kwargs) if on_meta else _export(model, e_args, e_kwargs)
             for node in gm.graph.nodes:  # the graph's input check compares with the real value
@@ -351,15 +351,20 @@ def _inline_checkpoints(inlined: list[str]):
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensors():
+def _quiet_torch():
     """Without torch's fake-tensor log: an operator that fails on the example's shapes logs a
     40-line traceback there before export raises, and fxpipe says what failed in one line (the
-    fallback's TraceError) or keeps export's error (``TraceInfo.export_error``)."""
+    fallback's TraceError) or keeps export's error (``TraceInfo.export_error``). And without the
+    FutureWarning torch's own pytree code raises (``isinstance(treespec, LeafSpec)`` is
+    deprecated) when a fake pass or a copy of a GraphModule touches its specs: torch's code, not
+    the caller's, so nothing a user could change."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     was = logger.disabled
     logger.disabled = True
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*LeafSpec.* is deprecated", category=FutureWarning)
+            yield
     finally:
         logger.disabled = was
 
@@ -436,7 +441,8 @@ def without_weights(model: nn.Module) -> nn.Module:
             if p is not None and id(p) not in memo:
                 memo[id(p)] = nn.Parameter(torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="meta"),
                                            requires_grad=p.requires_grad)
-    return copy.deepcopy(model, memo)
+    with _quiet_torch():  # a GraphModule's pytree specs warn when copied
+        return copy.deepcopy(model, memo)
 
 
 def _export_meta(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
@@ -744,14 +750,15 @@ def _fake_shape_prop(gm: fx.GraphModule, args: tuple, kwargs: dict, device: torc
     try:
         # ShapeProp prints a traceback before re-raising, and torch's fake-tensor log another; the
         # fallback below handles it.
-        with mode, contextlib.redirect_stderr(io.StringIO()), _quiet_fake_tensors():
+        with mode, contextlib.redirect_stderr(io.StringIO()), _quiet_torch():
             ShapeProp(gm).run(*[(fake(x) if x.is_meta else mode.from_tensor(x)) if isinstance(x, torch.Tensor) else x
                                 for x in flat])
         source = gm
     except Exception:  # noqa: BLE001 - data-dependent leaf: measure on a real copy
         _put_back(swapped)
         swapped = []
-        source = copy.deepcopy(gm)
+        with _quiet_torch():
+            source = copy.deepcopy(gm)
         _stand_in(source, zeros, meta_only=True, attributes=True)
         try:
             with torch.random.fork_rng(devices=[]), torch.no_grad(), contextlib.redirect_stderr(io.StringIO()):
