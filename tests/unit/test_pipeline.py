@@ -580,6 +580,28 @@ def test_the_pipeline_holds_none_of_the_models_weights(case):
     assert pipe.trace_info.path == ("symbolic_trace" if case == "data_dependent_leaf" else "export")
 
 
+def test_a_model_that_cannot_be_copied_is_kept_and_evaluates():
+    # A model deepcopy refuses (here: it holds a lock) is kept as it is, weights and all, and
+    # eval_step traces it as before.
+    import threading
+
+    nn = torch.nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
+    model.lock = threading.Lock()
+    with pytest.raises(TypeError, match="pickle"):
+        copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 1, generator=g)
+    pipe = fxpipe.compile(model, (x[:2],), loss_fn=F.mse_loss, stages=2, microbatches=4, schedule="1f1b",
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.1), verbose=False)
+    assert pipe.model is model
+    pipe.step(x, y)
+    got = pipe.eval_step(x, y)
+    lockless = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.3), nn.ReLU(), nn.Linear(8, 1))
+    assert got == pytest.approx(_eager_eval_loss(lockless, pipe.state_dict(), F.mse_loss, x, y), rel=1e-6)
+
+
 def _eager_eval_loss(model, state, loss_fn, x, y, m: int = 4) -> float:
     """``model`` with ``state`` loaded, in eval mode: its mean loss over ``m`` micro-batches."""
     model.load_state_dict(state)
