@@ -14,13 +14,24 @@ only N nodes below it. A weight is reached from C through an edge from a C node 
 of ``x @ W.T`` is in C, the ``t`` of ``W`` and ``W``'s accumulator are in N), or from a root
 that is itself in N (an output that does not depend on the inputs; on a stage whose inputs
 take no gradient, the first, every root: there :meth:`fxpipe.weights.WeightStore.backward_input`
-skips the split and ``W`` runs the plain backward). During I a pre-hook on each such C node (an *anchor*) records the gradient flowing into
-it; W then starts autograd at those anchors with the recorded gradients and asks only for the
-weights, so the engine runs each anchor for its weight outputs only (``mm``'s ``grad_mat2``,
-``layer_norm``'s weight and bias) and the N nodes below it, never the chain between anchors.
-Anchors that reach a common weight run in one call (a *group*); groups share no node. Every
-micro-batch of a stage builds a graph of the same shape, so the analysis is done once per stage
-and found again by the graph's shape (:class:`SplitCache`).
+skips the split and ``W`` runs the plain backward). During I a pre-hook on each such C node (an
+*anchor*) records the gradient flowing into it; the engine then runs the anchor for its C-side
+outputs only (``mm``'s input gradient).
+
+W computes the rest without running the chain between anchors again. An anchor of a type with a
+formula here (``mm``, ``addmm``, ``native_layer_norm``: the Linear and LayerNorm of a transformer
+stack) whose weight lies right below it, or below a ``t``, gets its weight outputs from the
+formula autograd's own node applies (``mm_mat2_backward``, ``native_layer_norm_backward`` with
+only the weight and bias asked for) on the recorded gradient and the tensors it saved, added into
+the weight's gradient with no call of the engine: the engine's start-up and its walk of the graph
+cost about 90 us a call on the AMD EPYC host, a call per group of anchors. Each such anchor adds
+its own share, so a layer applied at two depths splits too. The other anchors (an elementwise
+gain, a convolution, a weight behind a cast or a view) and roots outside C go through autograd:
+started at those anchors with the recorded gradients and asked for the weights only, the engine
+runs each anchor for its weight outputs only and the N nodes below it. Anchors that reach a
+common weight run in one call (a *group*); groups share no node. Every micro-batch of a stage
+builds a graph of the same shape, so the analysis is done once per stage and found again by the
+graph's shape (:class:`SplitCache`).
 
 What ``I`` leaves alive. Autograd frees a node's saved tensors when the node runs without
 ``retain_graph``; ``I`` must retain the graph for ``W``, so on its own every tensor the forward
@@ -38,11 +49,11 @@ holds two micro-batches there, 1f1b one). Export traces ``torch.func`` transform
 saved-tensor hooks at run time (an opaque leaf module of the ``symbolic_trace`` path running
 ``torch.func``, say) makes torch raise under zb: use 1f1b for it.
 
-Where that would count a gradient twice or run the chain again — a weight read at two depths of
-the input-gradient chain (one anchor of its group lies below another in C: a layer applied
-twice) — :func:`backward_input` returns the reason instead, and the caller runs the plain
-backward in ``I`` (``W`` is then empty). A stage without trainable weights falls back the same
-way: there is nothing to defer.
+Where an autograd call of W would run part of the chain again — an anchor W must run through
+autograd lies above another anchor of that call's weights (an elementwise gain applied twice, say)
+— :func:`backward_input` returns the reason instead, and the caller runs the plain backward in
+``I`` (``W`` is then empty). A stage without trainable weights falls back the same way: there is
+nothing to defer.
 """
 
 from __future__ import annotations
@@ -189,37 +200,161 @@ class _Group:
 
 
 @dataclass
-class PendingWeights:
-    """What ``I k`` leaves for ``W k``: per group, the edges to start from with their gradients
-    and the weights (name, leaf) to differentiate."""
+class _Call:
+    """What ``W`` does for one group: the anchors it computes itself (``direct``: the node, its
+    :data:`_Sink` tuple and the gradient recorded at its output), then one autograd call from
+    ``edges`` with ``grads`` for ``weights`` (name, leaf), where the group has anchors of other
+    types or roots outside the input chain."""
 
-    calls: list[tuple[list[GradientEdge], list[torch.Tensor], list[tuple[str, torch.Tensor]]]]
+    edges: list[GradientEdge]
+    grads: list[torch.Tensor]
+    weights: list[tuple[str, torch.Tensor]]
+    direct: list[tuple[object, tuple, torch.Tensor]]
+
+
+@dataclass
+class PendingWeights:
+    """What ``I k`` leaves for ``W k``: one :class:`_Call` per group of anchors."""
+
+    calls: list[_Call]
     saved: SavedTensors | None = None
 
     def run(self, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """The weight gradients of the micro-batch (name -> gradient; unreached weights absent).
         With ``into`` (name -> a buffer of the weight's shape and dtype, for every weight) each
         gradient is added into its buffer instead, as a plain backward adds into ``.grad``: right
-        where autograd computes it, while it is still in the cache, and no group's gradients
-        wait for the others'; the dict returned is then empty. Frees the graph as it goes: each
-        group's nodes run once, and what a group's call read (its recorded gradients, the
-        tensors its nodes saved) is freed when the call returns."""
+        where it is computed, while it is still in the cache, and no group's gradients wait for
+        the others'; the dict returned is then empty. Frees the graph as it goes: each group's
+        nodes run once, and what a group read (its recorded gradients, the tensors its nodes
+        saved) is freed when the group is done."""
         out: dict[str, torch.Tensor] = {}
+
+        def add(name: str, g: torch.Tensor) -> None:
+            if into is not None:
+                into[name].add_(g)
+            else:
+                out[name] = out[name] + g if name in out else g
+
         calls, self.calls = deque(self.calls), []
         while calls:
-            edges, grads, weights = calls.popleft()
-            if not edges:
-                continue
-            leaves = [w for _, w in weights]
+            call = calls.popleft()
             with self.saved.freeing_reads() if self.saved is not None else contextlib.nullcontext():
-                if into is None:
-                    got = torch.autograd.grad(edges, leaves, grads, allow_unused=True)
-                    out.update((name, g) for (name, _), g in zip(weights, got) if g is not None)
-                else:
-                    with grads_into(leaves, [into[name] for name, _ in weights]):
-                        torch.autograd.backward(edges, grads, inputs=leaves)
-            del edges, grads
+                with torch.no_grad():
+                    for node, sinks, grad in call.direct:
+                        _run_direct(node, sinks, grad, add)
+                if call.edges:
+                    leaves = [w for _, w in call.weights]
+                    if into is None:
+                        got = torch.autograd.grad(call.edges, leaves, call.grads, allow_unused=True)
+                        for (name, _), g in zip(call.weights, got):
+                            if g is not None:
+                                add(name, g)
+                    else:
+                        with grads_into(leaves, [into[name] for name, _ in call.weights]):
+                            torch.autograd.backward(call.edges, call.grads, inputs=leaves)
+            del call
         return out
+
+
+# Anchors whose weight-side outputs W computes itself, with the formulas autograd's own nodes use
+# (torch/csrc/autograd/FunctionsManual.cpp: mm_mat1_backward, mm_mat2_backward; layer_norm's
+# backward is an aten op), so the numbers are autograd's to the bit (tests check this). Each
+# call of the engine costs its start-up and a walk of the graph below its roots (about 90 us on
+# the AMD EPYC host even for one node): for the 26 groups of the pinned GPT's last stage this
+# was most of what the split added to a plain backward.
+def _node_type(make) -> type:
+    with torch.enable_grad():
+        return type(make(torch.ones(2, 2, requires_grad=True)).grad_fn)
+
+
+_Mm = _node_type(lambda w: torch.ones(2, 2).mm(w))
+_Addmm = _node_type(lambda w: torch.addmm(torch.ones(2), torch.ones(2, 2), w))
+_LayerNorm = _node_type(lambda w: torch.native_layer_norm(w, (2,), None, None, 1e-5)[0])
+_T = _node_type(lambda w: w.t())
+_AccumulateGrad = torch._C._functions.AccumulateGrad
+
+# A sink: (output slot of the anchor, weight name, whether a ``t`` lies between them), for every
+# slot of the anchor whose gradient reaches a weight.
+_Sink = tuple[int, str, bool]
+
+
+def _scaled(t: torch.Tensor, s) -> torch.Tensor:
+    return t if s == 1 else t * s
+
+
+def _column_major(sizes, strides) -> bool:
+    return strides[0] == 1 and strides[1] == sizes[0]
+
+
+def _mm_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
+    """``mm(self, mat2)`` and ``addmm(self, mat1, mat2)``: the gradients of the operand slots in
+    ``slots``, as autograd computes them (the layout of the result follows the operand's)."""
+    addmm = type(node) is _Addmm
+    first, second = (1, 2) if addmm else (0, 1)  # slots of the two matrices
+    alpha = node._saved_alpha if addmm else 1
+    got: dict[int, torch.Tensor] = {}
+    if addmm and 0 in slots:
+        got[0] = _scaled(grad, node._saved_beta)
+    if first in slots:
+        mat2 = node._saved_mat2
+        sizes, strides = ((node._saved_mat1_sym_sizes, node._saved_mat1_sym_strides) if addmm else
+                          (node._saved_self_sym_sizes, node._saved_self_sym_strides))
+        got[first] = _scaled(mat2.mm(grad.t()).t() if _column_major(sizes, strides) else grad.mm(mat2.t()), alpha)
+    if second in slots:
+        mat1 = node._saved_mat1 if addmm else node._saved_self
+        if _column_major(node._saved_mat2_sym_sizes, node._saved_mat2_sym_strides):
+            got[second] = _scaled(grad.t().mm(mat1).t(), alpha)
+        else:
+            got[second] = _scaled(mat1.t().mm(grad), alpha)
+    return got
+
+
+def _layer_norm_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
+    """``native_layer_norm(input, shape, weight, bias)``: the gradients of the slots in ``slots``."""
+    got = torch.ops.aten.native_layer_norm_backward(
+        grad, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
+        node._saved_weight, node._saved_bias, [i in slots for i in range(3)])
+    return {i: got[i] for i in slots}
+
+
+_FORMULAS = {_Mm: _mm_grads, _Addmm: _mm_grads, _LayerNorm: _layer_norm_grads}
+
+
+def _run_direct(node, sinks: tuple, grad: torch.Tensor, add) -> None:
+    """One anchor's weight gradients, each handed to ``add(name, gradient)`` in its weight's
+    shape (a broadcast bias summed to it, as autograd sums a gradient that does not match its
+    input) and dtype."""
+    got = _FORMULAS[type(node)](node, grad, {slot for slot, _, _ in sinks})
+    for slot, name, transposed in sinks:
+        g = got.pop(slot)
+        if transposed:
+            g = g.t()
+        meta = node.next_functions[slot][0]
+        leaf = (meta.next_functions[0][0] if transposed else meta).variable
+        if g.shape != leaf.shape:
+            g = g.sum_to_size(leaf.shape)
+        add(name, g if g.dtype == leaf.dtype else g.to(leaf.dtype))
+
+
+def _sinks(node, children: list[tuple[int, object]], acc: dict) -> tuple | None:
+    """``node``'s :data:`_Sink` per slot in ``children`` ((slot, N node below it that reaches a
+    weight)), or None where W must run it through autograd: a type without a formula, operands
+    that are not dense real tensors, or a slot whose gradient reaches its weight through more
+    than a ``t``."""
+    if type(node) not in _FORMULAS:
+        return None
+    saved = [getattr(node, a) for a in ("_saved_self", "_saved_mat1", "_saved_mat2", "_saved_input")
+             if hasattr(node, a)]
+    if any(t is not None and (t.layout != torch.strided or t.is_complex()) for t in saved):
+        return None
+    sinks = []
+    for slot, child in children:
+        transposed = type(child) is _T
+        end = child.next_functions[0][0] if transposed else child
+        if type(end) is not _AccumulateGrad or end not in acc:
+            return None
+        sinks.append((slot, acc[end], transposed))
+    return tuple(sinks)
 
 
 def _children(node) -> list:
@@ -268,9 +403,6 @@ def _below_in(node, inside: set) -> set:
     return seen
 
 
-_AccumulateGrad = torch._C._functions.AccumulateGrad
-
-
 def _shape(root_edges: Sequence[GradientEdge], leaves: dict[int, object]) -> tuple[list, list]:
     """The autograd graph below ``root_edges``: its nodes in a canonical order (depth first, each
     node's edges in order), and a description of it that two graphs share exactly when they are
@@ -304,11 +436,12 @@ def _shape(root_edges: Sequence[GradientEdge], leaves: dict[int, object]) -> tup
 @dataclass
 class _Plan:
     """The analysis of one graph (:func:`_analyse`) with its nodes as places in :func:`_shape`'s
-    order: the roots the input-gradient pass starts from, and per group its anchors, its roots
-    and its weights' names."""
+    order: the roots the input-gradient pass starts from, and per group its anchors run through
+    autograd, its roots, its weights' names for that call, and its anchors W computes itself
+    with their sinks."""
 
     used: list[int]
-    groups: list[tuple[list[int], list[int], list[str]]]
+    groups: list[tuple[list[int], list[int], list[str], list[tuple[int, tuple]]]]
 
 
 class SplitCache:
@@ -327,10 +460,14 @@ class SplitCache:
         self.misses = 0
 
 
+_Groups = list[tuple[list, list[int], list[str], list[tuple[object, tuple]]]]
+
+
 def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor],
-             weights: dict[str, torch.Tensor]) -> tuple[list[int], list[tuple[list, list[int], list[str]]]] | str:
+             weights: dict[str, torch.Tensor]) -> tuple[list[int], _Groups] | str:
     """The roots the input chain starts from and the anchors' groups (module docstring), each as
-    (anchor nodes, root indices, its weights' names in order), or why the split cannot be done."""
+    (anchors W runs through autograd, root indices, the names of the weights that call reaches
+    in order, [(anchor W computes itself, its sinks)]), or why the split cannot be done."""
     acc = {get_gradient_edge(w).node: name for name, w in weights.items()}
     input_nodes = {get_gradient_edge(x).node for x in inputs}
     chain = _leads_to([e.node for e in root_edges], input_nodes) if input_nodes else set()
@@ -338,16 +475,18 @@ def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor],
     # Anchors and their weights, then groups: anchors that reach a common weight.
     memo: dict = {}
     accs = set(acc)
-    found: list[tuple[object, bool, frozenset]] = []  # (anchor node or root index, is_root, weights)
+    found: list[tuple[object, bool, frozenset, tuple | None]] = []  # (anchor or root index, is_root, weights, sinks)
     for node in chain:
-        below = frozenset().union(*(_weights_below(c, accs, memo) for c in _children(node) if c not in chain))
-        if below:
-            found.append((node, False, below))
+        children = [(slot, c) for slot, (c, _) in enumerate(node.next_functions)
+                    if c is not None and c not in chain and _weights_below(c, accs, memo)]
+        if children:
+            below = frozenset().union(*(_weights_below(c, accs, memo) for _, c in children))
+            found.append((node, False, below, _sinks(node, children, acc)))
     for i, e in enumerate(root_edges):
         if e.node not in chain:
             below = _weights_below(e.node, accs, memo)
             if below:
-                found.append((i, True, below))
+                found.append((i, True, below, None))
     parent = list(range(len(found)))
 
     def top(i: int) -> int:
@@ -357,30 +496,42 @@ def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor],
         return i
 
     owner: dict = {}
-    for i, (_, _, below) in enumerate(found):
+    for i, (_, _, below, _) in enumerate(found):
         for w in below:
             j = owner.setdefault(w, i)
             parent[top(i)] = top(j)
-    groups: dict[int, _Group] = {}
-    for i, (what, is_root, below) in enumerate(found):
-        g = groups.setdefault(top(i), _Group())
+    groups: dict[int, tuple[_Group, list]] = {}
+    for i, (what, is_root, below, sinks) in enumerate(found):
+        g, direct = groups.setdefault(top(i), (_Group(), []))
+        if sinks is not None:
+            direct.append((what, sinks))
+            continue
         (g.roots if is_root else g.anchors).append(what)
         g.weights |= below
-    for g in groups.values():
-        if len(g.anchors) > 1:
-            members = set(g.anchors)
+    for g, _ in groups.values():
+        # an autograd call from an anchor runs every node below it that leads to the call's
+        # weights: a chain node above another anchor of those weights would run again
+        if g.anchors:
             for a in g.anchors:
-                if members & _below_in(a, chain):
-                    names = sorted(acc[w] for w in g.weights)
-                    return (f"a weight ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is read at two "
-                            f"depths of the input-gradient chain (e.g. a layer applied twice), so a separate weight "
-                            f"pass would run part of that chain again")
+                for other in _below_in(a, chain):
+                    if _weights_below_anchor(other, chain, accs, memo) & g.weights:
+                        names = sorted(acc[w] for w in g.weights)
+                        return (f"a weight ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is read at "
+                                f"two depths of the input-gradient chain (e.g. a layer applied twice) by an operator "
+                                f"fxpipe has no weight-gradient formula for, so a separate weight pass would run "
+                                f"part of that chain again")
     return ([i for i, e in enumerate(root_edges) if e.node in chain],
-            [(g.anchors, g.roots, sorted(acc[w] for w in g.weights)) for g in groups.values()])
+            [(g.anchors, g.roots, sorted(acc[w] for w in g.weights), direct) for g, direct in groups.values()])
+
+
+def _weights_below_anchor(node, chain: set, accs: set, memo: dict) -> frozenset:
+    """The weights a chain node reaches through its children outside the chain."""
+    return frozenset().union(*(_weights_below(c, accs, memo) for c, _ in node.next_functions
+                               if c is not None and c not in chain))
 
 
 def _plan(root_edges: list[GradientEdge], inputs: list[torch.Tensor], weights: dict[str, torch.Tensor],
-          cache: SplitCache | None) -> tuple[list[int], list[tuple[list, list[int], list[str]]]] | str:
+          cache: SplitCache | None) -> tuple[list[int], _Groups] | str:
     """:func:`_analyse`'s answer, from ``cache`` where it holds a graph of this shape."""
     if cache is None:
         return _analyse(root_edges, inputs, weights)
@@ -391,8 +542,8 @@ def _plan(root_edges: list[GradientEdge], inputs: list[torch.Tensor], weights: d
         cache.hits += 1
         if isinstance(cache.plan, str):
             return cache.plan
-        return cache.plan.used, [([order[a] for a in anchors], roots, names)
-                                 for anchors, roots, names in cache.plan.groups]
+        return cache.plan.used, [([order[a] for a in anchors], roots, names, [(order[a], sinks) for a, sinks in direct])
+                                 for anchors, roots, names, direct in cache.plan.groups]
     cache.misses += 1
     plan = _analyse(root_edges, inputs, weights)
     cache.shape = shape
@@ -400,7 +551,8 @@ def _plan(root_edges: list[GradientEdge], inputs: list[torch.Tensor], weights: d
         cache.plan = plan
     else:
         index = {node: i for i, node in enumerate(order)}
-        cache.plan = _Plan(plan[0], [([index[a] for a in anchors], roots, names) for anchors, roots, names in plan[1]])
+        cache.plan = _Plan(plan[0], [([index[a] for a in anchors], roots, names, [(index[a], sinks) for a, sinks in direct])
+                                     for anchors, roots, names, direct in plan[1]])
     return plan
 
 
@@ -435,8 +587,8 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
         if saved is not None:
             saved.anchor_runs(True)
 
-    for anchors, _, _ in groups:
-        for a in anchors:
+    for anchors, _, _, direct in groups:
+        for a in [*anchors, *(a for a, _ in direct)]:
             hooks.append(a.register_prehook(lambda grads, a=a: enter(grads, a)))
             if saved is not None:
                 hooks.append(a.register_hook(lambda grad_inputs, grad_outputs: saved.anchor_runs(False)))
@@ -454,7 +606,7 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
     input_grads = [by_input.get(id(x)) for x in boundary]
 
     calls = []
-    for anchors, root_ids, names in groups:
+    for anchors, root_ids, names, direct in groups:
         edges, grads = [], []
         for a in anchors:
             for nr, grad in enumerate(recorded.get(a, ())):
@@ -464,5 +616,7 @@ def backward_input(roots: Sequence[torch.Tensor], seeds: Sequence[torch.Tensor |
         for i in root_ids:
             edges.append(root_edges[i])
             grads.append(seeds[i])
-        calls.append((edges, grads, [(name, weights[name]) for name in names]))
+        # the anchors with formulas have one differentiable output; none flowed in where it is None
+        mine = [(a, sinks, recorded[a][0]) for a, sinks in direct if a in recorded and recorded[a][0] is not None]
+        calls.append(_Call(edges, grads, [(name, weights[name]) for name in names], mine))
     return input_grads, PendingWeights(calls, saved)

@@ -175,12 +175,59 @@ def test_an_input_that_does_not_reach_the_outputs_gets_none():
     assert input_grads[1] is None and input_grads[0] is not None and set(pending.run()) == {"a"}
 
 
-def test_a_weight_read_at_two_depths_or_no_weight_cannot_split():
+def test_a_weight_read_at_two_depths_splits_where_w_has_its_formula_and_not_otherwise():
+    """A weight read at two depths of the input chain: through ``mm`` W computes each anchor's
+    weight gradient itself and the split is exact, with the chain run once; through an operator
+    W must run through autograd (``*``), that call would run the chain between the two again, so
+    the split is refused with the reason (as where there is no weight to defer)."""
     w = _weights()
     x = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True)]
-    reason = backward_input([((x[0] @ w["a"]).relu() @ w["a"]).sum()], [None], x, w)
+
+    def twice(xs):
+        return [(_Counted.apply((xs[0] @ w["a"]).relu()) @ w["a"]).sum()]
+
+    ref = torch.autograd.grad(twice(x), [x[0], w["a"]])
+    _Counted.calls = 0
+    input_grads, pending = backward_input(twice(x), [None], x, w)
+    assert [c.edges for c in pending.calls] == [[]]  # no autograd call in W
+    assert torch.allclose(input_grads[0], ref[0]) and torch.allclose(pending.run()["a"], ref[1])
+    assert _Counted.calls == 1, "W ran an op of the input-gradient chain again"
+    reason = backward_input([((x[0] * w["c"][0]).relu() * w["c"][0]).sum()], [None], x, w)
     assert isinstance(reason, str) and "read at two depths of the input-gradient chain" in reason
+    assert "no weight-gradient formula" in reason
     assert "no trainable weight" in backward_input([(x[0] * 2).sum()], [None], x, {})
+
+
+def test_w_computes_linear_and_layer_norm_weight_gradients_bit_for_bit_as_autograd():
+    """The anchors W computes itself (``mm``, ``addmm``, ``layer_norm``) give exactly the
+    gradients a plain backward gives, whatever the layout of the weight (``x @ W.T`` and
+    ``x @ W``), the scalars of ``addmm``, an affine layer norm with or without its bias, and the
+    dtype; a weight reached through anything more than a ``t`` (here ``W * 2``) goes through
+    autograd, and so does an operator without a formula."""
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        w = {"lin": torch.randn(6, 5), "b": torch.randn(6), "rowmajor": torch.randn(6, 4), "ln": torch.randn(4),
+             "ln_b": torch.randn(4), "ln2": torch.randn(4), "scaled": torch.randn(4, 4), "doubled": torch.randn(4, 4),
+             "mul": torch.randn(4)}
+        w = {n: t.to(dtype).requires_grad_() for n, t in w.items()}
+        x = [torch.randn(2, 3, 5, dtype=dtype, requires_grad=True)]
+
+        def graph(xs):
+            h = torch.nn.functional.linear(xs[0], w["lin"], w["b"]).tanh()  # 3-D: addmm on a view
+            h = torch.nn.functional.layer_norm(h.reshape(6, 6) @ w["rowmajor"], (4,), w["ln"], w["ln_b"])
+            h = torch.nn.functional.layer_norm(h, (4,), w["ln2"])  # no bias
+            h = torch.addmm(h, h, w["scaled"], beta=0.5, alpha=2.0)
+            h = torch.nn.functional.layer_norm(h @ (w["doubled"] * 2), (4,))  # not affine
+            return [(h * w["mul"]).square().sum()]
+
+        ref = torch.autograd.grad(graph(x), [x[0], *w.values()])
+        input_grads, pending = backward_input(graph(x), [None], x, w)
+        direct = {name for call in pending.calls for _, sinks, _ in call.direct for _, name, _ in sinks}
+        assert direct == {"lin", "b", "rowmajor", "ln", "ln_b", "ln2", "scaled"}, direct
+        assert torch.equal(input_grads[0], ref[0])
+        got = pending.run()
+        for (name, _), r in zip(w.items(), ref[1:]):
+            assert got[name].dtype == dtype and torch.equal(got[name], r), (dtype, name)
 
 
 def test_the_analysis_is_done_once_per_graph_shape_and_redone_when_the_shape_changes():
@@ -220,7 +267,8 @@ def test_the_analysis_is_done_once_per_graph_shape_and_redone_when_the_shape_cha
     w["b"].requires_grad_(True)
     # a graph that cannot split gives its reason again on a hit, running nothing
     cache = SplitCache()
-    reasons = [backward_input([((x[0] @ w["a"]).relu() @ w["a"]).sum()], [None], x, w, cache=cache) for _ in range(2)]
+    reasons = [backward_input([((x[0] * w["c"][0]).relu() * w["c"][0]).sum()], [None], x, w, cache=cache)
+               for _ in range(2)]
     assert reasons[0] == reasons[1] and "two depths" in reasons[0] and (cache.misses, cache.hits) == (1, 1)
 
 
@@ -245,27 +293,33 @@ def test_a_graph_shape_tells_shared_nodes_and_input_slots_apart():
 
 
 class _SharedLayer(nn.Module):
-    """Wide layers, then one small Linear applied at three depths: the planner cuts among the wide
-    ones, so the second stage reads the shared layer at three depths of its input chain."""
+    """Wide layers, then one small layer applied at three depths: the planner cuts among the wide
+    ones, so the second stage reads the shared weights at three depths of its input chain. The
+    shared layer is a Linear (whose weight gradients W computes itself) or, with ``gain``, a
+    Linear and an elementwise gain (which W must run through autograd)."""
 
-    def __init__(self):
+    def __init__(self, gain: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.wide = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
         self.shared = nn.Linear(8, 8)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 8)) if gain else None
         self.out = nn.Linear(8, 3)
 
     def forward(self, x):
         h = self.wide(x)
         for _ in range(3):
             h = torch.tanh(self.shared(h))
+            if self.gain is not None:
+                h = h * self.gain
         return self.out(h)
 
 
-def test_a_stage_that_cannot_split_falls_back_to_a_plain_backward_and_says_why():
+@pytest.mark.parametrize("gain", [False, True])
+def test_a_layer_applied_at_three_depths_splits_or_falls_back_to_a_plain_backward_and_says_why(gain):
     from tests.reference import train_flush
 
-    model = _SharedLayer().double()
+    model = _SharedLayer(gain).double()
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
                for _ in range(4)]
@@ -278,9 +332,14 @@ def test_a_stage_that_cannot_split_falls_back_to_a_plain_backward_and_says_why()
         losses = [pipe.step(*b) for b in batches]
     unsplit = {w.index: w.store.unsplit for w in pipe.workers.values()}
     said = [str(c.message) for c in caught if "runs unsplit" in str(c.message)]
-    assert unsplit[0] is None and "read at two depths of the input-gradient chain" in unsplit[1]
-    assert len(said) == 1 and said[0].startswith("fxpipe: zb on stage 1: its backward runs unsplit in I (W is empty)")
-    ref_losses, ref = train_flush(_SharedLayer().double(), batches, 4, loss_fn, opt)
+    assert unsplit[0] is None
+    if gain:
+        assert "read at two depths of the input-gradient chain" in unsplit[1]
+        assert len(said) == 1 and said[0].startswith("fxpipe: zb on stage 1: its backward runs unsplit in I (W is "
+                                                     "empty)")
+    else:
+        assert unsplit[1] is None and said == []
+    ref_losses, ref = train_flush(_SharedLayer(gain).double(), batches, 4, loss_fn, opt)
     assert losses == pytest.approx(ref_losses, rel=1e-10)
     for k, v in ref.state_dict().items():
         assert torch.allclose(pipe.state_dict()[k], v, rtol=1e-10, atol=1e-12), k
@@ -336,13 +395,13 @@ def test_calibration_times_the_split_against_a_whole_backward():
     i, w = _time_split(gm, _timing_setup(gm, (x,), None)[2], lambda: None, 3)
     assert i > 0 and w > 0  # split (the fallback is (1, 0)); on so small a model the graph walk dominates
 
-    class Twice(nn.Module):  # the second half applies one layer at two depths
+    class Twice(nn.Module):  # the second half applies one elementwise gain at two depths
         def __init__(self):
             super().__init__()
-            self.first, self.shared = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), nn.Linear(8, 8)
+            self.first, self.gain = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), nn.Parameter(torch.ones(8))
 
         def forward(self, x):
-            return self.shared(torch.tanh(self.shared(self.first(x))))
+            return torch.tanh(self.first(x) * self.gain) * self.gain
 
     twice = fxpipe.trace(Twice(), (torch.randn(4, 8),))
     assert _time_split(twice, _timing_setup(twice, (torch.randn(4, 8),), None)[2], lambda: None, 1) == (1.0, 0.0)
@@ -581,12 +640,15 @@ def _live_microbatches(schedule, recompute=False):
             peak[r] = max(peak[r], len(held))
             ctx_peak[r] = max(ctx_peak[r], len(wk.ctx))
             if a.kind in (Kind.I, Kind.B):
-                kept[r, a.index] = {id(b) for b, owner in live.items() if owner == (r, a.index)}
                 weights = {t.untyped_storage().data_ptr() for v in wk.store.leaves for t in v.values()}
+                # the weights themselves (an anchor saves its weight for I's input gradient) cost nothing
+                kept[r, a.index] = {id(b) for b, owner in live.items() if owner == (r, a.index)
+                                    and b.t.untyped_storage().data_ptr() not in weights}
                 storages = {b.t.untyped_storage().data_ptr(): b.t.untyped_storage().nbytes()
                             for b, owner in live.items() if owner == (r, a.index)}
                 pending = wk.ctx.get(a.index, {}).get("pending")  # PendingWeights where I split
-                for _, grads, _ in getattr(pending, "calls", ()):
+                for call in getattr(pending, "calls", ()):
+                    grads = [*call.grads, *(g for _, _, g in call.direct)]
                     storages.update((g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()) for g in grads)
                 kept_bytes[r, a.index] = sum(n for ptr, n in storages.items() if ptr not in weights)
 
