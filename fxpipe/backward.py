@@ -508,26 +508,21 @@ def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor],
             continue
         (g.roots if is_root else g.anchors).append(what)
         g.weights |= below
-    for g, _ in groups.values():
-        # an autograd call from an anchor runs every node below it that leads to the call's
-        # weights: a chain node above another anchor of those weights would run again
-        if g.anchors:
+    reach = {what: below for what, is_root, below, _ in found if not is_root}
+    for g, direct in groups.values():
+        # an autograd call from an anchor runs every chain node below it that leads to the call's
+        # weights: one above another anchor of those weights would run that part of the chain again
+        if g.anchors and len(g.anchors) + len(direct) > 1:
+            members = set(g.anchors) | {d for d, _ in direct if reach[d] & g.weights}
             for a in g.anchors:
-                for other in _below_in(a, chain):
-                    if _weights_below_anchor(other, chain, accs, memo) & g.weights:
-                        names = sorted(acc[w] for w in g.weights)
-                        return (f"a weight ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is read at "
-                                f"two depths of the input-gradient chain (e.g. a layer applied twice) by an operator "
-                                f"fxpipe has no weight-gradient formula for, so a separate weight pass would run "
-                                f"part of that chain again")
+                if members & _below_in(a, chain):
+                    names = sorted(acc[w] for w in g.weights)
+                    return (f"a weight ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) is read at "
+                            f"two depths of the input-gradient chain (e.g. a layer applied twice) by an operator "
+                            f"fxpipe has no weight-gradient formula for, so a separate weight pass would run "
+                            f"part of that chain again")
     return ([i for i, e in enumerate(root_edges) if e.node in chain],
             [(g.anchors, g.roots, sorted(acc[w] for w in g.weights), direct) for g, direct in groups.values()])
-
-
-def _weights_below_anchor(node, chain: set, accs: set, memo: dict) -> frozenset:
-    """The weights a chain node reaches through its children outside the chain."""
-    return frozenset().union(*(_weights_below(c, accs, memo) for c, _ in node.next_functions
-                               if c is not None and c not in chain))
 
 
 def _plan(root_edges: list[GradientEdge], inputs: list[torch.Tensor], weights: dict[str, torch.Tensor],

@@ -195,6 +195,19 @@ def test_a_weight_read_at_two_depths_splits_where_w_has_its_formula_and_not_othe
     reason = backward_input([((x[0] * w["c"][0]).relu() * w["c"][0]).sum()], [None], x, w)
     assert isinstance(reason, str) and "read at two depths of the input-gradient chain" in reason
     assert "no weight-gradient formula" in reason
+    # one weight read by both kinds: the autograd call (for ``*``) must not lie above the ``mm``
+    below = backward_input([(_Counted.apply(x[0] @ w["a"]).relu() * w["a"][0]).sum()], [None], x, w)
+    assert isinstance(below, str) and "read at two depths" in below
+
+    def above(xs):  # the ``*`` below the ``mm``: its call runs nothing of the chain
+        return [(_Counted.apply((xs[0] * w["a"][0]).relu()) @ w["a"]).sum()]
+
+    ref = torch.autograd.grad(above(x), [x[0], w["a"]])
+    _Counted.calls = 0
+    input_grads, pending = backward_input(above(x), [None], x, w)
+    assert [(len(c.edges), len(c.direct)) for c in pending.calls] == [(1, 1)]
+    assert torch.allclose(input_grads[0], ref[0]) and torch.allclose(pending.run()["a"], ref[1])
+    assert _Counted.calls == 1, "W ran an op of the input-gradient chain again"
     assert "no trainable weight" in backward_input([(x[0] * 2).sum()], [None], x, {})
 
 
