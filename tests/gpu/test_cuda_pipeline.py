@@ -39,6 +39,13 @@ def test_cuda_pipeline_matches_the_reference_on_the_gpu(name):
     assert not mismatches, "\n".join(mismatches)
 
 
+def test_cuda_zb_weight_pass_computes_linear_and_layer_norm_gradients_bit_for_bit_as_autograd():
+    # W computes these on the calling thread and its current stream, not on autograd's device thread
+    from tests.unit.test_zero_bubble import check_w_formulas
+
+    check_w_formulas("cuda")
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 @pytest.mark.timeout(600)
 def test_nccl_ranks_match_the_reference():

@@ -211,19 +211,19 @@ def test_a_weight_read_at_two_depths_splits_where_w_has_its_formula_and_not_othe
     assert "no trainable weight" in backward_input([(x[0] * 2).sum()], [None], x, {})
 
 
-def test_w_computes_linear_and_layer_norm_weight_gradients_bit_for_bit_as_autograd():
+def check_w_formulas(device: str) -> None:
     """The anchors W computes itself (``mm``, ``addmm``, ``layer_norm``) give exactly the
-    gradients a plain backward gives, whatever the layout of the weight (``x @ W.T`` and
-    ``x @ W``), the scalars of ``addmm``, an affine layer norm with or without its bias, and the
-    dtype; a weight reached through anything more than a ``t`` (here ``W * 2``) goes through
-    autograd, and so does an operator without a formula."""
+    gradients a plain backward gives on ``device``, whatever the layout of the weight
+    (``x @ W.T`` and ``x @ W``), the scalars of ``addmm``, an affine layer norm with or without
+    its bias, and the dtype; a weight reached through anything more than a ``t`` (here
+    ``W * 2``) goes through autograd, and so does an operator without a formula."""
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         w = {"lin": torch.randn(6, 5), "b": torch.randn(6), "rowmajor": torch.randn(6, 4), "ln": torch.randn(4),
              "ln_b": torch.randn(4), "ln2": torch.randn(4), "scaled": torch.randn(4, 4), "doubled": torch.randn(4, 4),
              "mul": torch.randn(4)}
-        w = {n: t.to(dtype).requires_grad_() for n, t in w.items()}
-        x = [torch.randn(2, 3, 5, dtype=dtype, requires_grad=True)]
+        w = {n: t.to(device, dtype).requires_grad_() for n, t in w.items()}
+        x = [torch.randn(2, 3, 5, dtype=dtype, device=device, requires_grad=True)]
 
         def graph(xs):
             h = torch.nn.functional.linear(xs[0], w["lin"], w["b"]).tanh()  # 3-D: addmm on a view
@@ -241,6 +241,10 @@ def test_w_computes_linear_and_layer_norm_weight_gradients_bit_for_bit_as_autogr
         got = pending.run()
         for (name, _), r in zip(w.items(), ref[1:]):
             assert got[name].dtype == dtype and torch.equal(got[name], r), (dtype, name)
+
+
+def test_w_computes_linear_and_layer_norm_weight_gradients_bit_for_bit_as_autograd():
+    check_w_formulas("cpu")
 
 
 def test_the_analysis_is_done_once_per_graph_shape_and_redone_when_the_shape_changes():
