@@ -196,7 +196,8 @@ class SavedTensors:
 class _Group:
     anchors: list = field(default_factory=list)  # C nodes whose incoming gradient I records
     roots: list = field(default_factory=list)  # (GradientEdge, seed) of roots outside C
-    weights: set = field(default_factory=set)  # accumulator nodes of the weights it reaches
+    weights: set = field(default_factory=set)  # accumulator nodes of the weights the autograd call reaches
+    direct: list = field(default_factory=list)  # (anchor, its sinks): anchors W computes itself
 
 
 @dataclass
@@ -343,8 +344,7 @@ def _sinks(node, children: list[tuple[int, object]], acc: dict) -> tuple | None:
     than a ``t``."""
     if type(node) not in _FORMULAS:
         return None
-    saved = [getattr(node, a) for a in ("_saved_self", "_saved_mat1", "_saved_mat2", "_saved_input")
-             if hasattr(node, a)]
+    saved = [getattr(node, a, None) for a in ("_saved_self", "_saved_mat1", "_saved_mat2", "_saved_input")]
     if any(t is not None and (t.layout != torch.strided or t.is_complex()) for t in saved):
         return None
     sinks = []
@@ -500,20 +500,20 @@ def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor],
         for w in below:
             j = owner.setdefault(w, i)
             parent[top(i)] = top(j)
-    groups: dict[int, tuple[_Group, list]] = {}
+    groups: dict[int, _Group] = {}
     for i, (what, is_root, below, sinks) in enumerate(found):
-        g, direct = groups.setdefault(top(i), (_Group(), []))
+        g = groups.setdefault(top(i), _Group())
         if sinks is not None:
-            direct.append((what, sinks))
+            g.direct.append((what, sinks))
             continue
         (g.roots if is_root else g.anchors).append(what)
         g.weights |= below
     reach = {what: below for what, is_root, below, _ in found if not is_root}
-    for g, direct in groups.values():
+    for g in groups.values():
         # an autograd call from an anchor runs every chain node below it that leads to the call's
         # weights: one above another anchor of those weights would run that part of the chain again
-        if g.anchors and len(g.anchors) + len(direct) > 1:
-            members = set(g.anchors) | {d for d, _ in direct if reach[d] & g.weights}
+        if g.anchors and len(g.anchors) + len(g.direct) > 1:
+            members = set(g.anchors) | {d for d, _ in g.direct if reach[d] & g.weights}
             for a in g.anchors:
                 if members & _below_in(a, chain):
                     names = sorted(acc[w] for w in g.weights)
@@ -522,7 +522,7 @@ def _analyse(root_edges: list[GradientEdge], inputs: list[torch.Tensor],
                             f"fxpipe has no weight-gradient formula for, so a separate weight pass would run "
                             f"part of that chain again")
     return ([i for i, e in enumerate(root_edges) if e.node in chain],
-            [(g.anchors, g.roots, sorted(acc[w] for w in g.weights), direct) for g, direct in groups.values()])
+            [(g.anchors, g.roots, sorted(acc[w] for w in g.weights), g.direct) for g in groups.values()])
 
 
 def _plan(root_edges: list[GradientEdge], inputs: list[torch.Tensor], weights: dict[str, torch.Tensor],
