@@ -195,7 +195,7 @@ class SavedTensors:
 @dataclass
 class _Group:
     anchors: list = field(default_factory=list)  # C nodes whose incoming gradient I records
-    roots: list = field(default_factory=list)  # (GradientEdge, seed) of roots outside C
+    roots: list = field(default_factory=list)  # indices of the roots outside C
     weights: set = field(default_factory=set)  # accumulator nodes of the weights the autograd call reaches
     direct: list = field(default_factory=list)  # (anchor, its sinks): anchors W computes itself
 
