@@ -19,14 +19,16 @@ skips the split and ``W`` runs the plain backward). During I a pre-hook on each 
 outputs only (``mm``'s input gradient).
 
 W computes the rest without running the chain between anchors again. An anchor of a type with a
-formula here (``mm``, ``addmm``, ``native_layer_norm``: the Linear and LayerNorm of a transformer
-stack) whose weight lies right below it, or below a ``t``, gets its weight outputs from the
-formula autograd's own node applies (``mm_mat2_backward``, ``native_layer_norm_backward`` with
-only the weight and bias asked for) on the recorded gradient and the tensors it saved, added into
+formula here (``mm``, ``addmm``, ``native_layer_norm``, ``mul``, ``convolution``: the Linear and
+LayerNorm of a transformer stack, RMSNorm's gain, a convolution) whose weight lies right below it,
+or below a ``t``, gets its weight outputs from the formula autograd's own node applies
+(``mm_mat2_backward``, ``native_layer_norm_backward`` or ``convolution_backward`` with only the
+weight and bias asked for, the other operand of a product) on the recorded gradient and the
+tensors it saved, added into
 the weight's gradient with no call of the engine: the engine's start-up and its walk of the graph
 cost about 90 us a call on the AMD EPYC host, a call per group of anchors. Each such anchor adds
-its own share, so a layer applied at two depths splits too. The other anchors (an elementwise
-gain, a convolution, a weight behind a cast or a view) and roots outside C go through autograd:
+its own share, so a layer applied at two depths splits too. The other anchors (a division or
+any other operator, a weight behind a cast or a view) and roots outside C go through autograd:
 started at those anchors with the recorded gradients and asked for the weights only, the engine
 runs each anchor for its weight outputs only and the N nodes below it. Anchors that reach a
 common weight run in one call (a *group*); groups share no node. Every micro-batch of a stage
@@ -50,7 +52,7 @@ saved-tensor hooks at run time (an opaque leaf module of the ``symbolic_trace`` 
 ``torch.func``, say) makes torch raise under zb: use 1f1b for it.
 
 Where an autograd call of W would run part of the chain again — an anchor W must run through
-autograd lies above another anchor of that call's weights (an elementwise gain applied twice, say)
+autograd lies above another anchor of that call's weights (a learnt divisor applied twice, say)
 — :func:`backward_input` returns the reason instead, and the caller runs the plain backward in
 ``I`` (``W`` is then empty). A stage without trainable weights falls back the same way: there is
 nothing to defer.
@@ -271,6 +273,8 @@ def _node_type(make) -> type:
 _Mm = _node_type(lambda w: torch.ones(2, 2).mm(w))
 _Addmm = _node_type(lambda w: torch.addmm(torch.ones(2), torch.ones(2, 2), w))
 _LayerNorm = _node_type(lambda w: torch.native_layer_norm(w, (2,), None, None, 1e-5)[0])
+_Mul = _node_type(lambda w: torch.ones(2, 2) * w)
+_Convolution = _node_type(lambda w: torch.nn.functional.conv1d(torch.ones(1, 2, 3), w.unsqueeze(-1)))
 _T = _node_type(lambda w: w.t())
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 
@@ -318,7 +322,30 @@ def _layer_norm_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, to
     return {i: got[i] for i in slots}
 
 
-_FORMULAS = {_Mm: _mm_grads, _Addmm: _mm_grads, _LayerNorm: _layer_norm_grads}
+def _mul_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
+    """``mul(self, other)`` of two tensors (an elementwise gain: RMSNorm's weight, a learnt
+    scale): each slot's gradient is the incoming one times the other operand (``mul_tensor_backward``
+    for real tensors), in the result's shape; :func:`_run_direct` sums it to the weight's."""
+    got: dict[int, torch.Tensor] = {}
+    if 0 in slots:
+        got[0] = grad * node._saved_other
+    if 1 in slots:
+        got[1] = grad * node._saved_self
+    return got
+
+
+def _convolution_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
+    """``convolution(input, weight, bias, ...)`` (every ``conv1d/2d/3d`` and transposed one):
+    ``convolution_backward`` asked for the slots in ``slots`` only, as autograd's node calls it."""
+    got = torch.ops.aten.convolution_backward(
+        grad, node._saved_input, node._saved_weight, node._saved_bias_sym_sizes_opt, node._saved_stride,
+        node._saved_padding, node._saved_dilation, node._saved_transposed, node._saved_output_padding,
+        node._saved_groups, [i in slots for i in range(3)])
+    return {i: got[i] for i in slots}
+
+
+_FORMULAS = {_Mm: _mm_grads, _Addmm: _mm_grads, _LayerNorm: _layer_norm_grads, _Mul: _mul_grads,
+             _Convolution: _convolution_grads}
 
 
 def _run_direct(node, sinks: tuple, grad: torch.Tensor, add) -> None:
@@ -344,7 +371,8 @@ def _sinks(node, children: list[tuple[int, object]], acc: dict) -> tuple | None:
     than a ``t``."""
     if type(node) not in _FORMULAS:
         return None
-    saved = [getattr(node, a, None) for a in ("_saved_self", "_saved_mat1", "_saved_mat2", "_saved_input")]
+    saved = [getattr(node, a, None) for a in ("_saved_self", "_saved_other", "_saved_mat1", "_saved_mat2",
+                                                "_saved_input", "_saved_weight")]
     if any(t is not None and (t.layout != torch.strided or t.is_complex()) for t in saved):
         return None
     sinks = []

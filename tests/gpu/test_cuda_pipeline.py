@@ -39,7 +39,7 @@ def test_cuda_pipeline_matches_the_reference_on_the_gpu(name):
     assert not mismatches, "\n".join(mismatches)
 
 
-def test_cuda_zb_weight_pass_computes_linear_and_layer_norm_gradients_bit_for_bit_as_autograd():
+def test_cuda_zb_weight_pass_computes_its_anchors_gradients_bit_for_bit_as_autograd():
     # W computes these on the calling thread and its current stream, not on autograd's device thread
     from tests.unit.test_zero_bubble import check_w_formulas
 

@@ -212,16 +212,19 @@ def test_a_weight_read_at_two_depths_splits_where_w_has_its_formula_and_not_othe
 
 
 def check_w_formulas(device: str) -> None:
-    """The anchors W computes itself (``mm``, ``addmm``, ``layer_norm``) give exactly the
-    gradients a plain backward gives on ``device``, whatever the layout of the weight
-    (``x @ W.T`` and ``x @ W``), the scalars of ``addmm``, an affine layer norm with or without
-    its bias, and the dtype; a weight reached through anything more than a ``t`` (here
-    ``W * 2``) goes through autograd, and so does an operator without a formula."""
+    """The anchors W computes itself (``mm``, ``addmm``, ``layer_norm``, an elementwise gain,
+    ``convolution``) give exactly the gradients a plain backward gives on ``device``, whatever
+    the layout of the weight (``x @ W.T`` and ``x @ W``), the scalars of ``addmm``, an affine
+    layer norm with or without its bias, a gain on either side of ``*`` and broadcast, a
+    convolution with or without bias (strided, padded, grouped, transposed), and the dtype; a
+    weight reached through anything more than a ``t`` (here ``W * 2``) goes through autograd,
+    and so does an operator without a formula (``/``)."""
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         w = {"lin": torch.randn(6, 5), "b": torch.randn(6), "rowmajor": torch.randn(6, 4), "ln": torch.randn(4),
              "ln_b": torch.randn(4), "ln2": torch.randn(4), "scaled": torch.randn(4, 4), "doubled": torch.randn(4, 4),
-             "mul": torch.randn(4)}
+             "mul": torch.randn(4), "gain_left": torch.randn(6, 1), "conv": torch.randn(4, 2, 3), "conv_b": torch.randn(4),
+             "grouped": torch.randn(4, 2, 1), "up": torch.randn(4, 3, 2), "up_b": torch.randn(3), "div": torch.rand(4) + 1}
         w = {n: t.to(device, dtype).requires_grad_() for n, t in w.items()}
         x = [torch.randn(2, 3, 5, dtype=dtype, device=device, requires_grad=True)]
 
@@ -231,19 +234,25 @@ def check_w_formulas(device: str) -> None:
             h = torch.nn.functional.layer_norm(h, (4,), w["ln2"])  # no bias
             h = torch.addmm(h, h, w["scaled"], beta=0.5, alpha=2.0)
             h = torch.nn.functional.layer_norm(h @ (w["doubled"] * 2), (4,))  # not affine
-            return [(h * w["mul"]).square().sum()]
+            h = w["gain_left"] * (h * w["mul"])  # gains, broadcast, on both sides of *
+            c = torch.nn.functional.conv1d(h.reshape(3, 2, 4), w["conv"], w["conv_b"], stride=2, padding=1)
+            c = torch.nn.functional.conv1d(c, w["grouped"], groups=2)  # no bias
+            c = torch.nn.functional.conv_transpose1d(c, w["up"], w["up_b"], stride=2)
+            return [(c.sum() + (h / w["div"]).square().sum()).reshape(1)]
 
-        ref = torch.autograd.grad(graph(x), [x[0], *w.values()])
-        input_grads, pending = backward_input(graph(x), [None], x, w)
-        direct = {name for call in pending.calls for _, sinks, _ in call.direct for _, name, _ in sinks}
-        assert direct == {"lin", "b", "rowmajor", "ln", "ln_b", "ln2", "scaled"}, direct
-        assert torch.equal(input_grads[0], ref[0])
-        got = pending.run()
+        # bit for bit needs cuDNN's deterministic algorithms: some of its weight gradients use atomics
+        with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+            ref = torch.autograd.grad(graph(x), [x[0], *w.values()])
+            input_grads, pending = backward_input(graph(x), [None], x, w)
+            direct = {name for call in pending.calls for _, sinks, _ in call.direct for _, name, _ in sinks}
+            assert direct == set(w) - {"doubled", "div"}, direct
+            assert torch.equal(input_grads[0], ref[0])
+            got = pending.run()
         for (name, _), r in zip(w.items(), ref[1:]):
             assert got[name].dtype == dtype and torch.equal(got[name], r), (dtype, name)
 
 
-def test_w_computes_linear_and_layer_norm_weight_gradients_bit_for_bit_as_autograd():
+def test_w_computes_its_anchors_weight_gradients_bit_for_bit_as_autograd():
     check_w_formulas("cpu")
 
 
@@ -312,31 +321,34 @@ def test_a_graph_shape_tells_shared_nodes_and_input_slots_apart():
 class _SharedLayer(nn.Module):
     """Wide layers, then one small layer applied at three depths: the planner cuts among the wide
     ones, so the second stage reads the shared weights at three depths of its input chain. The
-    shared layer is a Linear (whose weight gradients W computes itself) or, with ``gain``, a
-    Linear and an elementwise gain (which W must run through autograd)."""
+    shared layer is a Linear, a Linear and an elementwise gain (whose weight gradients W computes
+    itself), or a Linear and a learnt divisor (which W must run through autograd)."""
 
-    def __init__(self, gain: bool = False):
+    def __init__(self, extra: str | None = None):
         super().__init__()
         torch.manual_seed(0)
         self.wide = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8))
         self.shared = nn.Linear(8, 8)
-        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 8)) if gain else None
+        self.extra = extra
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 8)) if extra else None
         self.out = nn.Linear(8, 3)
 
     def forward(self, x):
         h = self.wide(x)
         for _ in range(3):
             h = torch.tanh(self.shared(h))
-            if self.gain is not None:
-                h = h * self.gain
+            if self.extra == "gain":
+                h = h * self.scale
+            elif self.extra == "divisor":
+                h = h / self.scale
         return self.out(h)
 
 
-@pytest.mark.parametrize("gain", [False, True])
-def test_a_layer_applied_at_three_depths_splits_or_falls_back_to_a_plain_backward_and_says_why(gain):
+@pytest.mark.parametrize("extra", [None, "gain", "divisor"])
+def test_a_layer_applied_at_three_depths_splits_or_falls_back_to_a_plain_backward_and_says_why(extra):
     from tests.reference import train_flush
 
-    model = _SharedLayer(gain).double()
+    model = _SharedLayer(extra).double()
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
                for _ in range(4)]
@@ -350,13 +362,13 @@ def test_a_layer_applied_at_three_depths_splits_or_falls_back_to_a_plain_backwar
     unsplit = {w.index: w.store.unsplit for w in pipe.workers.values()}
     said = [str(c.message) for c in caught if "runs unsplit" in str(c.message)]
     assert unsplit[0] is None
-    if gain:
+    if extra == "divisor":
         assert "read at two depths of the input-gradient chain" in unsplit[1]
         assert len(said) == 1 and said[0].startswith("fxpipe: zb on stage 1: its backward runs unsplit in I (W is "
                                                      "empty)")
     else:
         assert unsplit[1] is None and said == []
-    ref_losses, ref = train_flush(_SharedLayer(gain).double(), batches, 4, loss_fn, opt)
+    ref_losses, ref = train_flush(_SharedLayer(extra).double(), batches, 4, loss_fn, opt)
     assert losses == pytest.approx(ref_losses, rel=1e-10)
     for k, v in ref.state_dict().items():
         assert torch.allclose(pipe.state_dict()[k], v, rtol=1e-10, atol=1e-12), k
@@ -412,13 +424,13 @@ def test_calibration_times_the_split_against_a_whole_backward():
     i, w = _time_split(gm, _timing_setup(gm, (x,), None)[2], lambda: None, 3)
     assert i > 0 and w > 0  # split (the fallback is (1, 0)); on so small a model the graph walk dominates
 
-    class Twice(nn.Module):  # the second half applies one elementwise gain at two depths
+    class Twice(nn.Module):  # the second half divides by one learnt scale at two depths
         def __init__(self):
             super().__init__()
-            self.first, self.gain = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), nn.Parameter(torch.ones(8))
+            self.first, self.scale = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]), nn.Parameter(torch.ones(8))
 
         def forward(self, x):
-            return torch.tanh(self.first(x) * self.gain) * self.gain
+            return torch.tanh(self.first(x) / self.scale) / self.scale
 
     twice = fxpipe.trace(Twice(), (torch.randn(4, 8),))
     assert _time_split(twice, _timing_setup(twice, (torch.randn(4, 8),), None)[2], lambda: None, 1) == (1.0, 0.0)
