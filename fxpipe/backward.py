@@ -19,11 +19,12 @@ skips the split and ``W`` runs the plain backward). During I a pre-hook on each 
 outputs only (``mm``'s input gradient).
 
 W computes the rest without running the chain between anchors again. An anchor of a type with a
-formula here (``mm``, ``addmm``, ``native_layer_norm``, ``mul``, ``convolution``: the Linear and
-LayerNorm of a transformer stack, RMSNorm's gain, a convolution) whose weight lies right below it,
-or below a ``t``, gets its weight outputs from the formula autograd's own node applies
-(``mm_mat2_backward``, ``native_layer_norm_backward`` or ``convolution_backward`` with only the
-weight and bias asked for, the other operand of a product) on the recorded gradient and the
+formula here (``mm``, ``addmm``, ``native_layer_norm``, ``mul``, ``convolution``,
+``native_batch_norm``: the Linear and LayerNorm of a transformer stack, RMSNorm's gain, a
+convolution and the CPU's BatchNorm) whose weight lies right below it, or below a ``t``, gets its
+weight outputs from the formula autograd's own node applies (``mm_mat2_backward``, or the norm's
+or convolution's backward operator with only the weight and bias asked for, the other operand of
+a product) on the recorded gradient and the
 tensors it saved, added into
 the weight's gradient with no call of the engine: the engine's start-up and its walk of the graph
 cost about 90 us a call on the AMD EPYC host, a call per group of anchors. Each such anchor adds
@@ -275,6 +276,7 @@ _Addmm = _node_type(lambda w: torch.addmm(torch.ones(2), torch.ones(2, 2), w))
 _LayerNorm = _node_type(lambda w: torch.native_layer_norm(w, (2,), None, None, 1e-5)[0])
 _Mul = _node_type(lambda w: torch.ones(2, 2) * w)
 _Convolution = _node_type(lambda w: torch.nn.functional.conv1d(torch.ones(1, 2, 3), w.unsqueeze(-1)))
+_BatchNorm = _node_type(lambda w: torch.native_batch_norm(w, None, None, None, None, True, 0.1, 1e-5)[0])
 _T = _node_type(lambda w: w.t())
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 
@@ -344,8 +346,18 @@ def _convolution_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, t
     return {i: got[i] for i in slots}
 
 
+def _batch_norm_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
+    """``native_batch_norm(input, weight, bias, running_mean, running_var, training, ...)`` (the
+    CPU's BatchNorm; cuDNN's has a node of its own, which goes through autograd)."""
+    got = torch.ops.aten.native_batch_norm_backward(
+        grad, node._saved_input, node._saved_weight, node._saved_running_mean, node._saved_running_var,
+        node._saved_result1, node._saved_result2, node._saved_training, node._saved_eps,
+        [i in slots for i in range(3)])
+    return {i: got[i] for i in slots}
+
+
 _FORMULAS = {_Mm: _mm_grads, _Addmm: _mm_grads, _LayerNorm: _layer_norm_grads, _Mul: _mul_grads,
-             _Convolution: _convolution_grads}
+             _Convolution: _convolution_grads, _BatchNorm: _batch_norm_grads}
 
 
 def _run_direct(node, sinks: tuple, grad: torch.Tensor, add) -> None:

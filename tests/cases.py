@@ -240,6 +240,9 @@ CASES = {
         Case("resnet_2bw_recompute", model="resnet", schedule="2bw", optimizer="sgd", recompute=True, steps=6),
         Case("resnet_1f1b_recompute", model="resnet", schedule="1f1b", optimizer="sgd", recompute=True, steps=6),
         Case("resnet_gpipe_recompute", model="resnet", schedule="gpipe", optimizer="sgd", recompute=True, steps=6),
+        # zb splits their backwards: convolutions' and gains' weight gradients computed by W itself
+        Case("cnn_zb", model="cnn", schedule="zb", optimizer="adamw", steps=6),
+        Case("resnet_zb", model="resnet", schedule="zb", optimizer="sgd", steps=6),
         Case("bert_2bw_recompute", model="bert", schedule="2bw", optimizer="sgd", recompute=True, steps=6),
         Case("bert_1f1b_recompute", model="bert", schedule="1f1b", optimizer="sgd", recompute=True, steps=6),
         Case("bert_gpipe_recompute", model="bert", schedule="gpipe", optimizer="sgd", recompute=True, steps=6),

@@ -213,7 +213,7 @@ def test_a_weight_read_at_two_depths_splits_where_w_has_its_formula_and_not_othe
 
 def check_w_formulas(device: str) -> None:
     """The anchors W computes itself (``mm``, ``addmm``, ``layer_norm``, an elementwise gain,
-    ``convolution``) give exactly the gradients a plain backward gives on ``device``, whatever
+    ``convolution``, ``batch_norm`` in training) give exactly the gradients a plain backward gives on ``device``, whatever
     the layout of the weight (``x @ W.T`` and ``x @ W``), the scalars of ``addmm``, an affine
     layer norm with or without its bias, a gain on either side of ``*`` and broadcast, a
     convolution with or without bias (strided, padded, grouped, transposed), and the dtype; a
@@ -224,7 +224,8 @@ def check_w_formulas(device: str) -> None:
         w = {"lin": torch.randn(6, 5), "b": torch.randn(6), "rowmajor": torch.randn(6, 4), "ln": torch.randn(4),
              "ln_b": torch.randn(4), "ln2": torch.randn(4), "scaled": torch.randn(4, 4), "doubled": torch.randn(4, 4),
              "mul": torch.randn(4), "gain_left": torch.randn(6, 1), "conv": torch.randn(4, 2, 3), "conv_b": torch.randn(4),
-             "grouped": torch.randn(4, 2, 1), "up": torch.randn(4, 3, 2), "up_b": torch.randn(3), "div": torch.rand(4) + 1}
+             "grouped": torch.randn(4, 2, 1), "up": torch.randn(4, 3, 2), "up_b": torch.randn(3), "bn": torch.randn(3),
+             "bn_b": torch.randn(3), "div": torch.rand(4) + 1}
         w = {n: t.to(device, dtype).requires_grad_() for n, t in w.items()}
         x = [torch.randn(2, 3, 5, dtype=dtype, device=device, requires_grad=True)]
 
@@ -238,6 +239,9 @@ def check_w_formulas(device: str) -> None:
             c = torch.nn.functional.conv1d(h.reshape(3, 2, 4), w["conv"], w["conv_b"], stride=2, padding=1)
             c = torch.nn.functional.conv1d(c, w["grouped"], groups=2)  # no bias
             c = torch.nn.functional.conv_transpose1d(c, w["up"], w["up_b"], stride=2)
+            stats = torch.zeros(3, dtype=dtype, device=device), torch.ones(3, dtype=dtype, device=device)
+            c = torch.nn.functional.batch_norm(c, *stats, w["bn"], w["bn_b"], training=True)  # updates stats
+            c = torch.nn.functional.batch_norm(c, None, None, training=True)  # no weight, no statistics
             return [(c.sum() + (h / w["div"]).square().sum()).reshape(1)]
 
         # bit for bit needs cuDNN's deterministic algorithms: some of its weight gradients use atomics
