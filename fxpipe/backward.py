@@ -24,9 +24,8 @@ formula here (``mm``, ``addmm``, ``native_layer_norm``, ``mul``, ``convolution``
 convolution and the CPU's BatchNorm) whose weight lies right below it, or below a ``t``, gets its
 weight outputs from the formula autograd's own node applies (``mm_mat2_backward``, or the norm's
 or convolution's backward operator with only the weight and bias asked for, the other operand of
-a product) on the recorded gradient and the
-tensors it saved, added into
-the weight's gradient with no call of the engine: the engine's start-up and its walk of the graph
+a product) on the recorded gradient and the tensors it saved, added into the weight's gradient
+with no call of the engine: the engine's start-up and its walk of the graph
 cost about 90 us a call on the AMD EPYC host, a call per group of anchors. Each such anchor adds
 its own share, so a layer applied at two depths splits too. The other anchors (a division or
 any other operator, a weight behind a cast or a view) and roots outside C go through autograd:
@@ -261,8 +260,9 @@ class PendingWeights:
 
 
 # Anchors whose weight-side outputs W computes itself, with the formulas autograd's own nodes use
-# (torch/csrc/autograd/FunctionsManual.cpp: mm_mat1_backward, mm_mat2_backward; layer_norm's
-# backward is an aten op), so the numbers are autograd's to the bit (tests check this). Each
+# (torch/csrc/autograd/FunctionsManual.cpp: mm_mat1_backward, mm_mat2_backward,
+# mul_tensor_backward; the norms' and the convolution's backwards are aten ops), so the numbers are
+# autograd's to the bit (tests check this). Each
 # call of the engine costs its start-up and a walk of the graph below its roots (about 90 us on
 # the AMD EPYC host even for one node): for the 26 groups of the pinned GPT's last stage this
 # was most of what the split added to a plain backward.
