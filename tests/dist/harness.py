@@ -60,7 +60,19 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
             torch.save(result, os.path.join(out_dir, f"{name}.rank{rank}.pt"))
             dist.barrier()
     finally:
-        dist.destroy_process_group()
+        _destroy(rank, world, timeout, wait=sys.exc_info()[0] is None)
+
+
+def _destroy(rank: int, world: int, timeout: float, wait: bool = True) -> None:
+    """Tear the group down once every rank is done with it. A rank can leave its last collective
+    while a peer is still reading what it sent (gloo completes a send once its bytes are out), and
+    destroying the group then can abort that peer ("terminate called without an active
+    exception"): so the ranks meet in the group's store first, as fxpipe's own teardown does
+    (``pipeline._destroy_process_group``)."""
+    from fxpipe.pipeline import _meet_at_exit
+
+    _meet_at_exit(dist.distributed_c10d._get_default_store(), rank, world, timeout, wait=wait)
+    dist.destroy_process_group()
 
 
 def _function_main(rank: int, world: int, store: str, out_dir: str, target: str, timeout: float) -> None:
@@ -75,7 +87,7 @@ def _function_main(rank: int, world: int, store: str, out_dir: str, target: str,
     except Exception:
         result = {"value": None, "error": traceback.format_exc()}
     torch.save(result, os.path.join(out_dir, f"fn.rank{rank}.pt"))
-    dist.destroy_process_group()
+    _destroy(rank, world, timeout)
 
 
 def _spawn(main, world: int, args: tuple, what: str, timeout: float, tmp: str) -> None:
