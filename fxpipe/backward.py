@@ -316,12 +316,18 @@ def _mm_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tens
     return got
 
 
+def _asked(backward_op, slots: set[int], *args) -> dict[int, torch.Tensor]:
+    """An aten backward of a three-input operator (input, weight, bias) called with ``args`` and
+    the output mask of ``slots``, as autograd's node calls it: the gradients of those slots."""
+    got = backward_op(*args, [i in slots for i in range(3)])
+    return {i: got[i] for i in slots}
+
+
 def _layer_norm_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
     """``native_layer_norm(input, shape, weight, bias)``: the gradients of the slots in ``slots``."""
-    got = torch.ops.aten.native_layer_norm_backward(
-        grad, node._saved_input, node._saved_normalized_shape, node._saved_result1, node._saved_result2,
-        node._saved_weight, node._saved_bias, [i in slots for i in range(3)])
-    return {i: got[i] for i in slots}
+    return _asked(torch.ops.aten.native_layer_norm_backward, slots, grad, node._saved_input,
+                  node._saved_normalized_shape, node._saved_result1, node._saved_result2, node._saved_weight,
+                  node._saved_bias)
 
 
 def _mul_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
@@ -338,22 +344,18 @@ def _mul_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Ten
 
 def _convolution_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
     """``convolution(input, weight, bias, ...)`` (every ``conv1d/2d/3d`` and transposed one):
-    ``convolution_backward`` asked for the slots in ``slots`` only, as autograd's node calls it."""
-    got = torch.ops.aten.convolution_backward(
-        grad, node._saved_input, node._saved_weight, node._saved_bias_sym_sizes_opt, node._saved_stride,
-        node._saved_padding, node._saved_dilation, node._saved_transposed, node._saved_output_padding,
-        node._saved_groups, [i in slots for i in range(3)])
-    return {i: got[i] for i in slots}
+    ``convolution_backward`` asked for the slots in ``slots`` only."""
+    return _asked(torch.ops.aten.convolution_backward, slots, grad, node._saved_input, node._saved_weight,
+                  node._saved_bias_sym_sizes_opt, node._saved_stride, node._saved_padding, node._saved_dilation,
+                  node._saved_transposed, node._saved_output_padding, node._saved_groups)
 
 
 def _batch_norm_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
     """``native_batch_norm(input, weight, bias, running_mean, running_var, training, ...)`` (the
     CPU's BatchNorm; cuDNN's has a node of its own, which goes through autograd)."""
-    got = torch.ops.aten.native_batch_norm_backward(
-        grad, node._saved_input, node._saved_weight, node._saved_running_mean, node._saved_running_var,
-        node._saved_result1, node._saved_result2, node._saved_training, node._saved_eps,
-        [i in slots for i in range(3)])
-    return {i: got[i] for i in slots}
+    return _asked(torch.ops.aten.native_batch_norm_backward, slots, grad, node._saved_input, node._saved_weight,
+                  node._saved_running_mean, node._saved_running_var, node._saved_result1, node._saved_result2,
+                  node._saved_training, node._saved_eps)
 
 
 _FORMULAS = {_Mm: _mm_grads, _Addmm: _mm_grads, _LayerNorm: _layer_norm_grads, _Mul: _mul_grads,

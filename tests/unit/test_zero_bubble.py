@@ -246,14 +246,12 @@ def check_w_formulas(device: str) -> None:
             c = torch.nn.functional.batch_norm(c, None, None, training=True)  # no weight, no statistics
             return [(c.square().sum() + (h / w["div"]).square().sum()).reshape(1)]
 
-        # cuDNN's BatchNorm has a node of its own, which W leaves to autograd
-        probe = torch.ones(2, 3, 4, dtype=dtype, device=device)
-        with torch.enable_grad(), torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
-            native_bn = type(torch.nn.functional.batch_norm(probe, None, None, w["bn"], training=True).grad_fn) \
-                is backward._BatchNorm
-
         # bit for bit needs cuDNN's deterministic algorithms: some of its weight gradients use atomics
         with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
+            # cuDNN's BatchNorm has a node of its own, which W leaves to autograd
+            probe = torch.ones(2, 3, 4, dtype=dtype, device=device)
+            native_bn = type(torch.nn.functional.batch_norm(probe, None, None, w["bn"], training=True).grad_fn) \
+                is backward._BatchNorm
             ref = torch.autograd.grad(graph(x), [x[0], *w.values()])
             input_grads, pending = backward_input(graph(x), [None], x, w)
             direct = {name for call in pending.calls for _, sinks, _ in call.direct for _, name, _ in sinks}
