@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -24,3 +25,34 @@ def pytest_configure(config):
     paths = [Path(str(a).split("::")[0]).resolve() for a in config.args]
     if not paths or not all(p == GPU_TESTS or GPU_TESTS in p.parents for p in paths):
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before anything asks CUDA for its devices
+
+
+def _torch_state() -> dict:
+    """What one test could leave set for the next in this process: modes on the dispatch and
+    function stacks, default saved-tensor hooks (zb's ``I`` installs some), autocast, grad
+    mode, the thread's dispatch-key sets and the default dtype."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return {
+        "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
+        "torch function modes": torch._C._len_torch_function_stack(),
+        "default saved-tensor hooks": None if hooks is None else tuple(map(repr, hooks)),
+        "autocast": torch._C._is_any_autocast_enabled(),
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "dispatch keys excluded": repr(torch._C._dispatch_tls_local_exclude_set()),
+        "dispatch keys included": repr(torch._C._dispatch_tls_local_include_set()),
+        "default dtype": torch.get_default_dtype(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "intra-op threads": torch.get_num_threads(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _leaves_torch_as_it_found_it():
+    """Fails the test that leaves global torch state changed, naming what it left, instead of
+    letting a later test fail for a reason of its own that it does not have."""
+    before = _torch_state()
+    yield
+    after = _torch_state()
+    left = {k: (before[k], after[k]) for k in before if before[k] != after[k]}
+    assert not left, "the test left torch's global state changed (before, after): " + repr(left)
