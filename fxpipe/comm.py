@@ -61,10 +61,12 @@ class Handle:
 
 
 class _DistHandle(Handle):
-    def __init__(self, works, tensors=(), *, comm: "DistComm | None" = None, label: str = "", peer: str = ""):
+    def __init__(self, works, tensors=(), *, comm: "DistComm | None" = None, label: str = "", peer: str = "",
+                 unpack: "tuple[torch.Tensor, Sequence[torch.Tensor]] | None" = None):
         self.works = [w for w in works if w is not None]
         self.tensors = tensors  # kept alive until the operation completed
         self.comm, self.label, self.peer = comm, label, peer
+        self.unpack = unpack  # a receive of several tensors: (the message, the tensors it fills)
 
     def ready(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -79,7 +81,9 @@ class _DistHandle(Handle):
                 raise self.comm.failure(self.label, self.peer, time.perf_counter() - start, e) from e
         if self.comm is not None:
             self.comm.waited += time.perf_counter() - start
-        self.works, self.tensors = [], ()
+        if self.unpack is not None:
+            _unpack(*self.unpack)
+        self.works, self.tensors, self.unpack = [], (), None
 
 
 class Comm:
@@ -157,16 +161,32 @@ class DistComm(Comm):
         except (AttributeError, RuntimeError, ValueError):
             self.store = None
 
+    # One message per send or receive, whatever the number of tensors: several are packed into
+    # one byte buffer (a boundary's tensors, a gradient and its reached flags). Each message posted
+    # costs the sender a post and the receiver one; on gloo a receive posted once its peer's send
+    # is waiting can cost milliseconds (benchmarks/README.md, "A receive posted after its send").
+
     def isend(self, tensors, peer, label=""):
-        tensors = [t.contiguous() for t in tensors]
+        if not tensors:
+            return Handle()
+        message = _pack(tensors)
         self.last_posted = label
-        return _DistHandle([dist.isend(t, peer, tag=self.tag) for t in tensors], tensors, comm=self, label=label,
+        return _DistHandle([dist.isend(message, peer, tag=self.tag)], (message,), comm=self, label=label,
                            peer=f"to rank {peer}")
 
     def irecv(self, tensors, peer, label=""):
+        if not tensors:
+            return Handle()
+        if any(not t.is_contiguous() for t in tensors):
+            raise RuntimeError("internal: fxpipe receives only into contiguous tensors")
+        if len(tensors) == 1:
+            message, unpack = tensors[0], None
+        else:
+            message = torch.empty(sum(_nbytes(t) for t in tensors), dtype=torch.uint8, device=tensors[0].device)
+            unpack = (message, tensors)
         self.last_posted = label
-        return _DistHandle([dist.irecv(t, peer, tag=self.tag) for t in tensors], comm=self, label=label,
-                           peer=f"from rank {peer}")
+        return _DistHandle([dist.irecv(message, peer, tag=self.tag)], comm=self, label=label,
+                           peer=f"from rank {peer}", unpack=unpack)
 
     def all_reduce(self, tensor, group, label=""):
         g, ranks = self.groups[group]
@@ -235,6 +255,32 @@ class _LocalHandle(Handle):
                 f"{self.op} waited on before it could complete: in one process this would block forever "
                 f"(a schedule whose wait comes before its peer's post); this is a bug in fxpipe's schedule"
             )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes, as a flat uint8 view of its storage."""
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """What one message carries: a lone tensor as it is (contiguous), several as their bytes
+    one after the other (what :func:`_unpack` splits on the receiving rank)."""
+    if len(tensors) == 1:
+        return tensors[0].contiguous()
+    return torch.cat([_bytes(t.contiguous()) for t in tensors])
+
+
+def _unpack(message: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Fill the (contiguous) ``tensors`` from a received message of their bytes, in order."""
+    offset = 0
+    for t in tensors:
+        n = _nbytes(t)
+        _bytes(t).copy_(message[offset:offset + n])
+        offset += n
 
 
 def _signature(tensors: Sequence[torch.Tensor]) -> tuple:

@@ -232,3 +232,47 @@ def test_the_check_finds_what_nccl_cannot_pair():
     assert any("posted with different (size, dtype)" in p for p in check(2, sizes))
     groups = [[("cfg", [norm(3, "0"), norm(3, "1")])], [("cfg", [norm(3, "1"), norm(3, "0")])]]
     assert any("cycle" in p for p in check(2, groups))
+
+
+def _message_tensors() -> list:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(3, 4, generator=g), torch.tensor([1, 0, 1], dtype=torch.uint8),
+            torch.randn(5, generator=g).to(torch.bfloat16), torch.tensor(2.5, dtype=torch.float64)]
+
+
+def one_message(rank: int, world: int) -> dict:
+    """Rank 0 sends a gradient-like message of four tensors (mixed dtypes, a scalar among them)
+    and then a lone tensor through DistComm; rank 1 receives both. Returns what rank 1 received
+    and every torch.distributed post of each rank."""
+    from fxpipe.comm import EVERY_RANK, DistComm
+
+    comm = DistComm({EVERY_RANK: list(range(world))}, timeout=60)
+    log: list = []
+    saved = {name: getattr(dist, name) for name in ("isend", "irecv") + _COLLECTIVES}
+    _record_posts(log)
+    try:
+        if rank == 0:
+            for h in (comm.isend(_message_tensors(), 1, "SEND_GRAD1"), comm.isend([torch.ones(6)], 1, "SEND_ACT2")):
+                h.wait()
+            return {"log": log}
+        got = [torch.empty(t.shape, dtype=t.dtype) for t in _message_tensors()]
+        alone = [torch.empty(6)]
+        for h in (comm.irecv(got, 0, "RECV_GRAD1"), comm.irecv(alone, 0, "RECV_ACT2")):
+            h.wait()
+        return {"log": log, "got": got, "alone": alone}
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def test_an_action_of_several_tensors_is_one_message():
+    # A gradient and its reached flags were two messages, so two posts on each side; on gloo a
+    # receive posted after its send can cost milliseconds. Now each action is one message.
+    sender, receiver = run_function(2, "tests.dist.test_post_order:one_message", timeout=120)
+    assert sender["error"] is None and receiver["error"] is None, (sender["error"], receiver["error"])
+    packed = sum(t.numel() * t.element_size() for t in _message_tensors())  # 48 + 3 + 10 + 8 bytes
+    assert sender["value"]["log"] == [("isend", 1, packed, "torch.uint8"), ("isend", 1, 6, "torch.float32")]
+    assert receiver["value"]["log"] == [("irecv", 0, packed, "torch.uint8"), ("irecv", 0, 6, "torch.float32")]
+    for got, sent in zip(receiver["value"]["got"], _message_tensors()):
+        assert got.dtype == sent.dtype and torch.equal(got, sent)
+    assert torch.equal(receiver["value"]["alone"][0], torch.ones(6))
