@@ -29,18 +29,17 @@ def _case(model_name, poisoned):
 
 def _train_cases(cases, adama=()):
     def run(rank, world):
-        import torch.distributed as dist
-
         import fxpipe
+        from fxpipe import comm
 
-        sent = []  # (dtype, numel) of every tensor this rank sent to its peer
-        real = dist.isend
+        sent = []  # (dtype, numel) of every tensor this rank sent to its peer, as packed into its message
+        real = comm._pack
 
-        def isend(tensor, dst, *args, **kwargs):
-            sent.append((tensor.dtype, tensor.numel()))
-            return real(tensor, dst, *args, **kwargs)
+        def pack(tensors):
+            sent.extend((t.dtype, t.numel()) for t in tensors)
+            return real(tensors)
 
-        dist.isend = isend
+        comm._pack = pack
         out = {}
         try:
             for model_name, schedule, precision, poisoned in cases:
@@ -64,7 +63,7 @@ def _train_cases(cases, adama=()):
                 out["adama", schedule] = {"losses": [float(pipe.step(*b)) for b in batches],
                                           "state": pipe.state_dict()}
         finally:
-            dist.isend = real
+            comm._pack = real
         return out
     return run
 
