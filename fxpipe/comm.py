@@ -182,7 +182,7 @@ class DistComm(Comm):
         if len(tensors) == 1:
             message, unpack = tensors[0], None
         else:
-            message = torch.empty(sum(_nbytes(t) for t in tensors), dtype=torch.uint8, device=tensors[0].device)
+            message = torch.empty(sum(t.nbytes for t in tensors), dtype=torch.uint8, device=tensors[0].device)
             unpack = (message, tensors)
         self.last_posted = label
         return _DistHandle([dist.irecv(message, peer, tag=self.tag)], comm=self, label=label,
@@ -257,10 +257,6 @@ class _LocalHandle(Handle):
             )
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes, as a flat uint8 view of its storage."""
     return t.detach().reshape(-1).view(torch.uint8)
@@ -278,9 +274,8 @@ def _unpack(message: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
     """Fill the (contiguous) ``tensors`` from a received message of their bytes, in order."""
     offset = 0
     for t in tensors:
-        n = _nbytes(t)
-        _bytes(t).copy_(message[offset:offset + n])
-        offset += n
+        _bytes(t).copy_(message[offset:offset + t.nbytes])
+        offset += t.nbytes
 
 
 def _signature(tensors: Sequence[torch.Tensor]) -> tuple:

@@ -270,7 +270,7 @@ def test_an_action_of_several_tensors_is_one_message():
     # receive posted after its send can cost milliseconds. Now each action is one message.
     sender, receiver = run_function(2, "tests.dist.test_post_order:one_message", timeout=120)
     assert sender["error"] is None and receiver["error"] is None, (sender["error"], receiver["error"])
-    packed = sum(t.numel() * t.element_size() for t in _message_tensors())  # 48 + 3 + 10 + 8 bytes
+    packed = sum(t.nbytes for t in _message_tensors())  # 48 + 3 + 10 + 8 bytes
     assert sender["value"]["log"] == [("isend", 1, packed, "torch.uint8"), ("isend", 1, 6, "torch.float32")]
     assert receiver["value"]["log"] == [("irecv", 0, packed, "torch.uint8"), ("irecv", 0, 6, "torch.float32")]
     for got, sent in zip(receiver["value"]["got"], _message_tensors()):
