@@ -222,15 +222,16 @@ def _moments(schedule: str, stages: int, microbatches: int, s: int, recompute: b
         return (steady, Held(n - 1, 0, 0, inputs - 1, 1, n - 1, x)) if n >= 4 else (steady,)
     if schedule == "zb" and s > 0:
         top = min(d, m)  # ZB-H1: at most min(d, m) micro-batches between F and W
-        if recompute:  # R k, I k, W k together: one recomputed, between I and W none whole
+        # the inputs held and the next one's receive, posted early while more follow
+        if recompute:  # R k with B k, or I k and W k: one recomputed, between I and W none whole
             if not split:
-                return (Held(1, 0, n, n + min(2, m - n), 1, n, m),)
-            return (Held(1, 0, n, n + min(2, m - n), 1, n, m), Held(0, 1, n, n + min(2, m - n), 1, n, m))
+                return (Held(1, 0, n, n + min(1, m - n), 1, n, m),)
+            return (Held(1, 0, n, n + min(1, m - n), 1, n, m), Held(0, 1, n, n + min(1, m - n), 1, n, m))
         if not split:
-            return (Held(top, 0, 0, top + min(2, m - top), 1, n, m),)
+            return (Held(top, 0, 0, top + min(1, m - top), 1, n, m),)
         e = top - n
         return (Held(n, e, 0, top + min(1, m - top), 1, n, m),
-                Held(n - 1, e + 1, 0, top + min(2, m - top), 1, n - 1, m))
+                Held(n - 1, e + 1, 0, top + min(1, m - top), 1, n - 1, m))
     # 1f1b, and zb's first stage (its I is empty: 1f1b's numbers)
     inputs = min(inputs, m)
     if recompute:
@@ -1857,8 +1858,9 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
     cores than there are ranks (CPU processes on one host, :attr:`DeviceModel.host_cores`)
     compute faster while others wait, and a calibrated zb split can cost more than a backward.
     With ``move`` (such a split), its cuts first move to lower that time: the exact solver's
-    balanced stages are then not the shortest step, since zb's first stage runs its whole
-    backward as ``W`` and pays no split, so it should take more of the graph than the others.
+    balanced stages may then not be the shortest step, since zb's first stage runs its whole
+    backward as ``W`` and pays no split, so it may take more of the graph than the others (the
+    more backwards the later stages split, :func:`fxpipe.schedule.zb_split`, the more it gains).
     (Cores shared among the ranks slow every stage alike; on ``benchmarks/limit.py`` moving 2bw's
     cut for them made its step slower, so there the cuts stay.)
 

@@ -251,7 +251,7 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             bad("schedule", ", ".join(map(repr, SCHEDULES[:-1])) + f" or {SCHEDULES[-1]!r}", self.schedule,
                 "'2bw' is PipeDream-2BW (the default), '1f1b' PipeDream-Flush, 'gpipe' GPipe, "
-                "'zb' zero-bubble ZB-H1 (1f1b's numbers, each backward split into I and a deferred W)")
+                "'zb' zero-bubble ZB-H1 (1f1b's numbers, the drain's backwards split into I and a deferred W)")
         for name in ("microbatches", "stages"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -32,7 +32,7 @@ from .backward import SavedTensors, saving_nothing
 from .comm import EVERY_RANK, Comm, Handle, dp_group
 from .device import rng_devices, seed
 from .precision import LossScaler, Precision, fp32_params
-from .schedule import Action, Kind, batch_of, gradient_buffers, waits_for
+from .schedule import Action, Kind, batch_of, gradient_buffers, waits_for, zb_split
 from .trace import alias_base, written_values
 from .weights import WeightStore
 
@@ -281,10 +281,11 @@ class StageWorker:
         del self.inputs[k]
         recompute = self.cfg.recompute
         buffers = {n: b.clone() for n, b in self.buffers.items()} if recompute else None
-        # zb with a split backward (not recomputing, an input chain to split off, the graph
-        # splittable): what autograd saves is kept where I k can free what only the input chain
-        # reads (fxpipe.backward), instead of holding all of it until W k
-        split = self.cfg.schedule == "zb" and not recompute and any(self.float_in) and self.store.unsplit is None
+        # a zb micro-batch whose backward runs split (zb_split; not recomputing, an input chain
+        # to split off, the graph splittable): what autograd saves is kept where I k can free
+        # what only the input chain reads (fxpipe.backward), instead of holding all of it until W k
+        split = (self.cfg.schedule == "zb" and not recompute and any(self.float_in) and self.store.unsplit is None
+                 and zb_split(self.index, self.cfg.stages, self.cfg.microbatches, k))
         saved = SavedTensors() if split else None
         # a forward R will recompute records no saved tensor (saving_nothing: not no_grad, which
         # can pick other kernels than R's and training's)

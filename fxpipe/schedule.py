@@ -66,23 +66,30 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
       stage 0: F1 F2 F3 B1 F4 B2 B3 B4 U1      (1F1B's order: F1 F2 B1 F3 B2 F4 B3 B4 U1)
       stage 1: F1 B1 F2 B2 F3 B3 F4 B4 U1
 * zb (ZB-H1, Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3): 1f1b's
-  order with each ``B k`` split into ``I k`` (input gradient, on the critical path: its
-  ``SEND_GRAD k`` follows) and ``W k`` (weight gradient). After each ``I``, the oldest pending
-  ``W`` runs while more than ``D_i`` are pending; the rest run after the last ``I``, filling
-  the cool-down's bubble. ``D_i = min(d, m) - min(d - i, m)``, so stage ``i`` holds at most
-  ``min(d, m)`` micro-batches in flight (F done, W not yet): 1f1b's first-stage peak, on every
-  stage (:func:`zb_bounds`). A stage with recomputation defers nothing (``R k, I k, W k``
-  adjacent, at most one micro-batch's recomputed activations alive; ``min(d - i, m)`` in
-  flight, as 1f1b). All W's of batch ``t`` precede ``UPDATE t``: a flush, 1f1b's numbers.
-  d=2, m=4 (the first stage's ``I`` is empty: it sends no gradient, its ``W`` is the whole
-  backward)::
+  order, with the backward of some micro-batches split into ``I k`` (input gradient, on the
+  critical path: its ``SEND_GRAD k`` follows) and ``W k`` (weight gradient): on stage ``i``,
+  the first ``D_i = min(d, m) - min(d - i, m)`` of each batch, whose ``W`` waits for the
+  cool-down, and the cool-down's own (the backwards no forward follows), whose ``I`` the
+  previous stage is waiting for (:func:`zb_split`). After each ``I``, the oldest pending ``W``
+  runs while more than ``D_i`` are pending; the rest run after the last ``I``, filling the
+  cool-down's bubble. The steady state's backwards stay whole ``B k``: there 1F1B has no bubble
+  for a ``W`` to fill, and a split backward costs more than a whole one (the gradients ``I``
+  records for ``W`` are read back cold; about 10% on the last stage of ``benchmarks/limit.py``'s
+  GPT). So stage ``i`` holds at most ``min(d, m)`` micro-batches in flight (F done, W or B not
+  yet): 1f1b's first-stage peak, on every stage (:func:`zb_bounds`). A stage with
+  recomputation defers nothing (``R k, B k``, or ``R k, I k, W k`` where it splits, adjacent:
+  at most one micro-batch's recomputed activations alive; ``min(d - i, m)`` in flight, as 1f1b). All backwards of batch
+  ``t`` precede ``UPDATE t``: a flush, 1f1b's numbers. d=2, m=4 (the first stage's ``I`` is
+  empty: it sends no gradient, its ``W`` is the whole backward)::
 
-      stage 0: F1 F2 I1 W1 F3 I2 W2 F4 I3 W3 I4 W4 U1
-      stage 1: F1 I1 F2 I2 W1 F3 I3 W2 F4 I4 W3 W4 U1
-                          ^ W1 deferred past I2: stage 1 holds 2 micro-batches, as stage 0 does
+      stage 0: F1 F2 B1 F3 B2 F4 I3 W3 I4 W4 U1
+      stage 1: F1 I1 F2 B2 F3 B3 F4 I4 W1 W4 U1
+                  ^ W1 deferred to the cool-down: stage 1 holds 2 micro-batches, as stage 0 does
 
   Timed with F = I = W = 1 (simulate's default split of B = 2), a step takes 13 against
-  1f1b's 15: ``m(F+I+W) + (d-1)(F+I-W)`` against ``(m+d-1)(F+B)``.
+  1f1b's 15: ``m(F+I+W) + (d-1)(F+I-W)`` against ``(m+d-1)(F+B)``, as with every backward
+  split; a split that costs more than B is paid on fewer micro-batches (with I = W = 1.1,
+  13.4 against 13.8).
 * 2bw: the 1f1b pattern over all micro-batches at once (no flush), with ``UPDATE t`` after the
   last backward of batch ``t``. The design's example, d=2, m=2::
 
@@ -166,6 +173,7 @@ __all__ = [
     "version_of",
     "waits_for",
     "zb_bounds",
+    "zb_split",
     "LOOKAHEAD_SCHEDULES",
     "check_lookahead",
     "warmup",
@@ -473,26 +481,39 @@ def _one_f_one_b(first: int, last: int, warmup: int) -> list[tuple[Kind, int]]:
     return order
 
 
-def _zero_bubble(first: int, last: int, warmup: int, defer: int) -> list[tuple[Kind, int]]:
-    """ZB-H1 over k=first..last: 1f1b's order with each ``B k`` split into ``I k`` and ``W k``,
-    ``W`` deferred: after each ``I``, the oldest ``W`` runs while more than ``defer`` of them are
-    due; the deferred rest run after the last ``I`` (Qi et al., ICLR 2024, figure 3: they fill
-    the cool-down's bubble). With warmup=1, defer=1, first=1, last=4::
+def _splits(j: int, n: int, warmup: int, defer: int) -> bool:
+    """Whether the ``j``-th backward (from 0) of a batch of ``n`` on a zb stage runs split into
+    ``I`` and ``W`` (:func:`_zero_bubble`): one of the first ``defer``, whose ``W`` waits for the
+    cool-down, or one of the cool-down's (no forward follows it)."""
+    return j < defer or warmup + j >= n
 
-        F1 I1 F2 I2 W1 F3 I3 W2 F4 I4 W3 W4
+
+def _zero_bubble(first: int, last: int, warmup: int, defer: int) -> list[tuple[Kind, int]]:
+    """ZB-H1 over k=first..last: 1f1b's order, with the backwards of the first ``defer``
+    micro-batches and of the cool-down split into ``I k`` and ``W k`` (:func:`_splits`); after
+    each ``I``, the oldest ``W`` runs while more than ``defer`` of them are due, and the rest run
+    after the last ``I`` (Qi et al., ICLR 2024, figure 3: they fill the cool-down's bubble). The
+    steady state's backwards stay whole: there a deferred ``W`` fills no bubble, and a split
+    backward costs more than a whole one. With warmup=1, defer=1, first=1, last=4::
+
+        F1 I1 F2 B2 F3 B3 F4 I4 W1 W4
     """
     n = last - first + 1
     warmup = min(warmup, n)
     order = [(Kind.F, first + j) for j in range(warmup)]
-    w_done = 0
+    due: list[int] = []  # micro-batches past their I, W not yet run
     for j in range(n):
-        order.append((Kind.I, first + j))
-        while j + 1 - w_done > defer:
-            order.append((Kind.W, first + w_done))
-            w_done += 1
+        k = first + j
+        if _splits(j, n, warmup, defer):
+            order.append((Kind.I, k))
+            due.append(k)
+            while len(due) > defer:
+                order.append((Kind.W, due.pop(0)))
+        else:
+            order.append((Kind.B, k))
         if warmup + j < n:
             order.append((Kind.F, first + warmup + j))
-    order += [(Kind.W, first + j) for j in range(w_done, n)]
+    order += [(Kind.W, k) for k in due]
     return order
 
 
@@ -507,6 +528,14 @@ def zb_bounds(stage: int, stages: int, microbatches: int, recompute: bool = Fals
         return warmup, 0
     limit = min(stages, microbatches)
     return limit, limit - warmup
+
+
+def zb_split(stage: int, stages: int, microbatches: int, k: int, recompute: bool = False) -> bool:
+    """Whether micro-batch ``k``'s backward on stage ``stage`` runs split into ``I k`` and
+    ``W k`` under zb (else as one ``B k``): what the runtime's forward prepares for and the
+    validator checks (:func:`_zero_bubble`)."""
+    m = microbatches
+    return _splits((k - 1) % m, m, min(stages - stage, m), zb_bounds(stage, stages, m, recompute)[1])
 
 
 def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int,
@@ -1081,7 +1110,6 @@ class _StageCheck:
         self.limit, deferred = (zb_bounds(s, d, m, self.rc) if self.zb else
                                 (m if schedule == "gpipe" else warmup(schedule, s, d, lookahead), 0))
         self.whole = self.limit - deferred  # between F and I: whole activations
-        self.backward = (Kind.I, Kind.W) if self.zb else (Kind.B,)  # what each micro-batch's backward is here
         self.reduced = {a.index for a in self.lst if a.kind in STARTS}  # batches whose gradient is reduced
         self.max_versions = versions_of(schedule)
         self.pos = 0
@@ -1095,6 +1123,13 @@ class _StageCheck:
 
     def fail(self, message: str, fix: str, pos: int | None = None) -> None:
         self.ck.fail(self.s, self.pos if pos is None else pos, message, fix)
+
+    def backward(self, k: int) -> tuple[Kind, ...]:
+        """What micro-batch k's backward is on this stage: ``I`` and ``W`` where zb splits it
+        (:func:`zb_split`), else ``B``."""
+        if self.zb and zb_split(self.s, self.d, self.m, k, self.rc):
+            return (Kind.I, Kind.W)
+        return (Kind.B,)
 
     def run(self) -> None:
         for self.pos, a in enumerate(self.lst):
@@ -1124,9 +1159,10 @@ class _StageCheck:
             self.fail(f"{a.kind}{a.index} appears twice (first at position {self.done[a.kind, a.index]})", "Drop one")
         self.done[a.kind, a.index] = self.pos
         k, t = a.index, a.index
-        if a.kind in BACKWARDS and a.kind not in self.backward:
-            self.fail(f"{schedule} has no {a.kind} actions (its backward is {' + '.join(map(str, self.backward))})",
-                      f"Use {' and '.join(f'{s}{b}{k}' for b in self.backward)} instead")
+        if a.kind in BACKWARDS and a.kind not in self.backward(k):
+            self.fail(f"{schedule} has no {a.kind}{k} on stage {s} (its backward of micro-batch {k} is "
+                      f"{' + '.join(map(str, self.backward(k)))})",
+                      f"Use {' and '.join(f'{s}{b}{k}' for b in self.backward(k))} instead")
         if a.kind in COMPUTE or a.kind in P2P:
             if not 1 <= k <= self.steps * m:
                 self.fail(f"micro-batch {k} is outside 1..{self.steps * m} (steps={self.steps}, m={m})", "Fix the index")
@@ -1171,7 +1207,7 @@ class _StageCheck:
         if self.recompute is not None and not self.recompute[s]:
             self.fail(f"stage {s} recomputes although recompute[{s}] is False", "Drop the R action")
         if any((b, k) in self.done for b in GRAD_SOURCES):
-            self.fail(f"recompute of micro-batch {k} after its backward", f"Move it right before {s}{self.backward[0]}{k}")
+            self.fail(f"recompute of micro-batch {k} after its backward", f"Move it right before {s}{self.backward(k)[0]}{k}")
 
     def gradient_source(self, a, k: int, t: int) -> None:
         """B, or zb's I: the pass that makes the gradient SEND_GRAD k sends."""
@@ -1216,7 +1252,7 @@ class _StageCheck:
 
     def send(self, a, k: int, t: int) -> None:
         s = self.s
-        source = Kind.F if a.kind is Kind.SEND_ACT else self.backward[0]
+        source = Kind.F if a.kind is Kind.SEND_ACT else self.backward(k)[0]
         if (source, k) not in self.done:
             self.fail(f"sends micro-batch {k} before {s}{source}{k} produced it", f"Move it after {s}{source}{k}")
 
@@ -1291,10 +1327,11 @@ class _StageCheck:
                     self.fail(f"missing {kind}{t} (width={self.width}, tied={self.group}, clip={self.clip})",
                               f"Insert {s}{kind}{t} after the last backward of batch {t}", upd)
         for k in range(1, steps * m + 1):
-            for kind in (Kind.F, *self.backward):
+            for kind in (Kind.F, *self.backward(k)):
                 if (kind, k) not in done:
-                    each = "one F, one I and one W" if self.zb else "one F and one B"
-                    self.fail(f"no {kind}{k}: expected {each} for each of micro-batches 1..{steps * m}",
+                    each = ", ".join(f"{s}{x}{k}" for x in (Kind.F, *self.backward(k)))
+                    self.fail(f"no {kind}{k}: expected {each} for micro-batch {k} of 1..{steps * m}"
+                              + (" (zb_split says which micro-batches zb splits)" if self.zb else ""),
                               f"Insert {s}{kind}{k}", last)
             for kind, present in ((Kind.SEND_ACT, s < d - 1), (Kind.RECV_ACT, s > 0), (Kind.SEND_GRAD, s > 0),
                                   (Kind.RECV_GRAD, s < d - 1)):

@@ -102,9 +102,9 @@ LITERAL = {
         "0F1v0 0F2v0 0B1v0 0B2v0 0UPDATE1 0F3v1 0F4v1 0B3v1 0B4v1 0UPDATE2",
         "1F1v0 1B1v0 1F2v0 1B2v0 1UPDATE1 1F3v1 1B3v1 1F4v1 1B4v1 1UPDATE2",
     ],
-    ("zb", 2, 4, 1): [  # ZB-H1: stage 1 defers one W; the first stage's I, W stay adjacent
-        "0F1v0 0F2v0 0I1v0 0W1v0 0F3v0 0I2v0 0W2v0 0F4v0 0I3v0 0W3v0 0I4v0 0W4v0 0UPDATE1",
-        "1F1v0 1I1v0 1F2v0 1I2v0 1W1v0 1F3v0 1I3v0 1W2v0 1F4v0 1I4v0 1W3v0 1W4v0 1UPDATE1",
+    ("zb", 2, 4, 1): [  # ZB-H1: stage 1 defers W1 to the cool-down; the steady state's backwards whole
+        "0F1v0 0F2v0 0B1v0 0F3v0 0B2v0 0F4v0 0I3v0 0W3v0 0I4v0 0W4v0 0UPDATE1",
+        "1F1v0 1I1v0 1F2v0 1B2v0 1F3v0 1B3v0 1F4v0 1I4v0 1W1v0 1W4v0 1UPDATE1",
     ],
     ("zb", 4, 4, 1): [  # stage i defers up to i weight passes: d = 4 micro-batches in flight on every stage
         "0F1v0 0F2v0 0F3v0 0F4v0 0I1v0 0W1v0 0I2v0 0W2v0 0I3v0 0W3v0 0I4v0 0W4v0 0UPDATE1",
@@ -533,8 +533,8 @@ def test_every_end_step_moved_across_a_forward_is_rejected(schedule):
 
 def test_planted_recompute_long_before_its_backward():
     # R k moved right after F k: every recomputed activation set is alive from F to B. The
-    # compute right before B k (zb: I k) must be R k, whether or not recompute= is passed.
-    for schedule, backward in (("1f1b", "B"), ("2bw", "B"), ("gpipe", "B"), ("zb", "I")):
+    # compute right before B k (zb: B k or I k, zb_split) must be R k, whether or not recompute= is passed.
+    for schedule, backward in (("1f1b", "B"), ("2bw", "B"), ("gpipe", "B"), ("zb", "B")):
         lists = _lists(schedule, d=2, m=4, steps=1, recompute=True)
         early = []
         for a in lists[0]:

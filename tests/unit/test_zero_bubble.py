@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import re
 import warnings
 import weakref
 
@@ -20,7 +21,7 @@ from fxpipe.backward import SavedTensors, SplitCache, _shape, backward_input
 from fxpipe.errors import ScheduleError
 from fxpipe.cost import annotate
 from fxpipe.partition import StageModel, chain_from_graph, pipeline_time, stage_memory
-from fxpipe.schedule import Action, Kind, generate, validate, zb_bounds
+from fxpipe.schedule import Action, Kind, generate, validate, zb_bounds, zb_split
 from fxpipe.simulate import Costs, render_svg, simulate
 from tests.cases import CASES, build
 
@@ -454,9 +455,11 @@ def test_calibration_times_the_split_against_a_whole_backward():
 
 def test_a_costly_split_moves_the_cut_where_the_simulator_says():
     """With I + W dearer than a backward (a calibrated split), zb's first stage, which runs its
-    whole backward as W, should take more of the graph than balanced stages give it: the planner
-    moves the cut to the allowed position of lowest simulated step (the best of every single cut
-    here) and stays within the memory limit."""
+    whole backward as W, should take more of the graph than balanced stages give it where the
+    later stages split most of their backwards: at m = d every one of them (zb_split). The
+    planner moves the cut to the allowed position of lowest simulated step (the best of every
+    single cut here) and stays within the memory limit. At m = 2d only the warm-up's and the
+    cool-down's backwards run split, and the balanced cut is the best there."""
     from fxpipe.cost import DeviceModel
     from fxpipe.simulate import Costs
     from fxpipe.partition import plan
@@ -467,17 +470,17 @@ def test_a_costly_split_moves_the_cut_where_the_simulator_says():
     gm = fxpipe.trace(model, (x,))
     links = dict(p2p_latency=1e-7, p2p_bandwidth=1e12)  # compute-bound: a tiny model's sends would dominate
     dear = DeviceModel(backward_input_share=0.7, backward_weight_share=0.6, **links)
-    lists = generate("zb", 2, 4, 8)
+    lists = generate("zb", 2, 2, 8)
 
     def step(p):  # the simulated step of p's cuts under the dear split
         return simulate(lists, Costs.of_plan(dataclasses.replace(p, device=dear))).step_time
 
-    balanced = plan(gm, stages=2, microbatches=4, schedule="zb", device=DeviceModel(**links), world_size=2)
-    moved = plan(gm, stages=2, microbatches=4, schedule="zb", device=dear, world_size=2)
+    balanced = plan(gm, stages=2, microbatches=2, schedule="zb", device=DeviceModel(**links), world_size=2)
+    moved = plan(gm, stages=2, microbatches=2, schedule="zb", device=dear, world_size=2)
     first = lambda p: p.stage_plans[0].forward_time  # noqa: E731
     assert first(moved) > first(balanced)
     assert moved.step_time == pytest.approx(step(moved)) and moved.step_time < 0.99 * step(balanced)
-    assert plan(gm, stages=2, microbatches=4, schedule="zb", device=dear, world_size=2).assignment_pairs == \
+    assert plan(gm, stages=2, microbatches=2, schedule="zb", device=dear, world_size=2).assignment_pairs == \
         moved.assignment_pairs  # deterministic: every rank plans the same cuts
 
     # every allowed single cut, priced the same way: the planner's is the best of them
@@ -487,8 +490,26 @@ def test_a_costly_split_moves_the_cut_where_the_simulator_says():
 
     # a memory limit the moved first stage breaks keeps the cut where it fits
     tight = moved.stage_plans[0].memory - 1.0
-    fitted = plan(gm, stages=2, microbatches=4, schedule="zb", device=dear, world_size=2, device_memory=tight)
+    fitted = plan(gm, stages=2, microbatches=2, schedule="zb", device=dear, world_size=2, device_memory=tight)
     assert all(sp.memory <= tight for sp in fitted.stage_plans) and first(fitted) < first(moved)
+
+
+
+
+def test_a_costly_split_leaves_the_balanced_cut_where_the_steady_state_runs_whole():
+    """At m = 2d the later stage splits only its first and last backward of a step (zb_split):
+    the balanced cut is the simulator's best, and the planner keeps it."""
+    from fxpipe.cost import DeviceModel
+    from fxpipe.partition import plan
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(8)])
+    gm = fxpipe.trace(model, (torch.randn(8, 64),))
+    links = dict(p2p_latency=1e-7, p2p_bandwidth=1e12)
+    dear = DeviceModel(backward_input_share=0.7, backward_weight_share=0.6, **links)
+    balanced = plan(gm, stages=2, microbatches=4, schedule="zb", device=DeviceModel(**links), world_size=2)
+    kept = plan(gm, stages=2, microbatches=4, schedule="zb", device=dear, world_size=2)
+    assert kept.assignment_pairs == balanced.assignment_pairs
 
 
 def _with_cut(p, gm, chain, c, device):
@@ -513,11 +534,20 @@ def test_peak_in_flight_is_within_the_bound(d, m, recompute):
 
 
 def test_recomputing_stages_run_r_i_w_together():
+    """A recomputing stage defers no W: each backward is ``R k, B k`` or, where zb splits it (the
+    cool-down's, zb_split), ``R k, I k, W k``, adjacent."""
     lists = generate("zb", 3, 6, 2, recompute=[True, True, False])
     for s in (0, 1):
-        compute = [a for a in lists[s] if a.kind in (Kind.R, Kind.I, Kind.W)]
-        assert all(compute[j].kind is Kind.R and compute[j + 1].kind is Kind.I and compute[j + 2].kind is Kind.W
-                   and compute[j].index == compute[j + 1].index == compute[j + 2].index for j in range(0, len(compute), 3))
+        compute = [a for a in lists[s] if a.kind in (Kind.R, Kind.B, Kind.I, Kind.W)]
+        groups, j = [], 0
+        while j < len(compute):
+            n = 2 if compute[j + 1].kind is Kind.B else 3
+            groups.append(compute[j:j + n])
+            j += n
+        assert all([a.kind for a in g] in ([Kind.R, Kind.B], [Kind.R, Kind.I, Kind.W]) and len({a.index for a in g}) == 1
+                   for g in groups)
+        assert {g[0].index for g in groups if len(g) == 3} == {k for k in range(1, 13) if zb_split(s, 3, 6, k, True)}
+        assert any(len(g) == 3 for g in groups) and any(len(g) == 2 for g in groups)
     assert any(a.kind is Kind.W for a in lists[2])  # stage 2 still defers
 
 
@@ -539,10 +569,15 @@ def test_validator_rejects_broken_zb_lists():
 
     with pytest.raises(ScheduleError, match="weight pass of micro-batch 1 before its input-gradient pass"):
         validate(broken(1, swap(Kind.I, Kind.W, 1)), "zb", d, m)
+    def late_b2(lst):  # stage 1: F2 F3 B2 (and its send): micro-batches 1 (past its I), 2 and 3 in flight
+        moved = [a for a in lst if a.index == 2 and a.kind in (Kind.B, Kind.SEND_GRAD)]
+        for a in moved:
+            lst.remove(a)
+        at = lst.index(Action(1, Kind.F, 3, 0)) + 1
+        lst[at:at] = moved
+
     with pytest.raises(ScheduleError, match=r"3 micro-batches of activations in flight, expected at most min\(d, m\) = 2"):
-        validate(broken(1, lambda lst: (lst.remove(Action(1, Kind.W, 1, 0)),
-                                        lst.insert(lst.index(Action(1, Kind.UPDATE, 1)), Action(1, Kind.W, 1, 0)))),
-                 "zb", d, m)
+        validate(broken(1, late_b2), "zb", d, m)
     def late_i1(lst):  # stage 1: F1 F2 I1 (and its send), the last stage holding two whole micro-batches
         moved = [a for a in lst if a.index == 1 and a.kind in (Kind.I, Kind.SEND_GRAD)]
         for a in moved:
@@ -553,9 +588,19 @@ def test_validator_rejects_broken_zb_lists():
     with pytest.raises(ScheduleError, match=r"1F2v0 .*2 micro-batches between their F and their I, expected at most "
                                             r"min\(d - s, m\) = 1 \(zb on stage 1 of 2"):
         validate(broken(1, late_i1), "zb", d, m)
-    with pytest.raises(ScheduleError, match="zb has no B actions"):
-        validate(broken(0, lambda lst: lst.__setitem__(lst.index(Action(0, Kind.W, 1, 0)), Action(0, Kind.B, 1, 0))),
-                 "zb", d, m)
+    # which micro-batches zb splits is fixed (zb_split: the runtime's forward prepares for it)
+    with pytest.raises(ScheduleError, match=re.escape("zb has no B1 on stage 1 (its backward of micro-batch 1 is "
+                                                      "I + W). Use 1I1 and 1W1 instead")):
+        validate(broken(1, lambda lst: (lst.__setitem__(lst.index(Action(1, Kind.I, 1, 0)), Action(1, Kind.B, 1, 0)),
+                                        lst.remove(Action(1, Kind.W, 1, 0)))), "zb", d, m)
+
+    def split_b2(lst):
+        at = lst.index(Action(1, Kind.B, 2, 0))
+        lst[at:at + 1] = [Action(1, Kind.I, 2, 0), Action(1, Kind.W, 2, 0)]
+
+    with pytest.raises(ScheduleError, match=re.escape("zb has no I2 on stage 1 (its backward of micro-batch 2 is B). "
+                                                      "Use 1B2 instead")):
+        validate(broken(1, split_b2), "zb", d, m)
     with pytest.raises(ScheduleError, match=r"1UPDATE1 .*: 2 weight versions alive after it \(W\(0\), W\(1\)\)"):
         validate(broken(1, lambda lst: (lst.remove(Action(1, Kind.W, 4, 0)), lst.append(Action(1, Kind.W, 4, 0)))),
                  "zb", d, m)
@@ -568,7 +613,7 @@ def test_validator_rejects_broken_zb_lists():
 
 def test_picture_draws_i_and_w_in_their_own_colours():
     svg = render_svg(simulate(generate("zb", 2, 4, 1), Costs(1.0, 2.0)))
-    assert legend(svg) == {"F forward", "I input-gradient backward", "W weight-gradient backward",
+    assert legend(svg) == {"F forward", "B backward", "I input-gradient backward", "W weight-gradient backward",
                            "U optimizer step (not priced: a tick)", "idle (hatched)"}
     assert "I1v0" in svg and "W1v0" in svg
 
@@ -617,8 +662,8 @@ def test_planner_prices_a_deferred_w_at_the_inputs_its_weights_read():
     assert reads[reader["frozen.weight"]] == 0 and sum(reads.values()) == 2 * h + 2 * y
     # the last of 2 stages, at the fuller of ZB-H1's two moments: one micro-batch whole and one
     # W deferred, with one more received input than 1f1b (ZB-H1 keeps min(d, m) micro-batches'
-    # inputs between F and W); or two W deferred and none whole, with the next two inputs
-    # received (the last stage has no output cut: no gradient receive either way)
+    # inputs between F and W); or two W deferred and none whole, with the next input received
+    # (the last stage has no output cut: no gradient receive either way)
     device = costs.device
     zb, flush = (StageModel.for_schedule(s, 2, 4, False, device) for s in ("zb", "1f1b"))
     n = chain.n
@@ -626,7 +671,7 @@ def test_planner_prices_a_deferred_w_at_the_inputs_its_weights_read():
     assert chain.cross[0] == h and chain.cross_grad[0] == h + 1
     E, A, inp = h + 2 * y, float(chain.act[1:].sum()), chain.cross[0]
     assert stage_memory(chain, zb, 1, 1, n - 1) == stage_memory(chain, flush, 1, 1, n - 1) + max(
-        E + inp, 2 * E + 2 * inp - A)
+        E + inp, 2 * E + inp - A)
     assert stage_memory(chain, zb, 0, 0, n - 1) == stage_memory(chain, flush, 0, 0, n - 1)
     # a stage whose input carries no gradient has an empty I: its W keeps the whole activations
     acts = float(chain.act.sum())
@@ -705,17 +750,21 @@ def test_a_real_zb_step_keeps_at_most_the_bound_alive():
     # what a micro-batch keeps from I to W is only what W reads: I freed what only its input chain saved
     kept, reads, kept_bytes, pipe = detail
     assert len(kept) == 8
-    # the last stage's graph was analysed once, for the first of its 8 micro-batches (2 steps)
+    # the last stage's graph was analysed once, for the first of the 4 micro-batches it split in
+    # 2 steps (zb_split: each step's first and last; the two between run a whole B)
     cache = pipe.workers[1].store.split_cache
-    assert pipe.workers[1].store.unsplit is None and (cache.misses, cache.hits) == (1, 7)
+    assert pipe.workers[1].store.unsplit is None and (cache.misses, cache.hits) == (1, 3)
     for (r, k), ids in kept.items():
-        assert ids and ids <= reads[r, Kind.W, k], (r, k, len(ids - reads[r, Kind.W, k]))
+        if zb_split(r, 2, 4, k):
+            assert ids and ids <= reads[r, Kind.W, k], (r, k, len(ids - reads[r, Kind.W, k]))
+        else:  # a whole B frees its micro-batch's saved tensors, as 1f1b's does
+            assert not ids, (r, k, len(ids))
     # the planner prices a deferred micro-batch on the last stage at what its W reads (the
     # saved tensors and the anchors' gradients): within 5%
     gm = pipe.staged_graph
     chain = chain_from_graph(gm, annotate(gm), pipe.plan.microbatch_size, schedule="zb")
     priced = sum(w for name, w in zip(chain.names, chain.weight_reads) if pipe.plan.assignment[name] == 1)
-    for k in range(5, 9):
+    for k in (5, 8):
         assert priced == pytest.approx(kept_bytes[1, k], rel=0.05), (k, priced, kept_bytes[1, k])
     peak, ctx, left, _ = _live_microbatches("1f1b")
     assert peak == {0: 2, 1: 1} and ctx == {0: 2, 1: 1} and left == 0
