@@ -368,7 +368,8 @@ def saved_peaks() -> None:
                 run(a)
                 mine = {ptr: n for owner, ptr, n in live.values() if owner == r}
                 for ctx in pipe.workers[r].ctx.values():  # zb: the anchors' gradients kept for W
-                    for _, grads, _ in getattr(ctx.get("pending"), "calls", ()):
+                    for call in getattr(ctx.get("pending"), "calls", ()):  # fxpipe.backward._Call
+                        grads = [*call.grads, *(g for _, _, g in call.direct)]
                         mine.update((g.untyped_storage().data_ptr(), g.untyped_storage().nbytes()) for g in grads)
                 peak[r] = max(peak[r], sum(mine.values()))
             worker.run = traced
