@@ -1051,8 +1051,9 @@ def validate(
 
     Checks, per stage: the stage field, one F and one B per micro-batch with F before B (and R
     between them, only where recompute is on, as the compute right before its B or I: one
-    recomputed micro-batch alive) -- under zb one F, I and W each, F before I before W, no B, and
-    on a recomputing stage W directly after its I; each F/R/B/I/W on the version of
+    recomputed micro-batch alive) -- under zb, where :func:`zb_split` says it splits, one F, I
+    and W each, F before I before W, and no B (elsewhere one F and one B, no I or W), and on a
+    recomputing stage W directly after its I; each F/R/B/I/W on the version of
     :func:`version_of`
     (so the same on every stage); SEND after the F/B that produced its tensor and each RECV
     before its consumer; at most ``d - i`` micro-batches in flight on stage i (1f1b, 2bw; plus
