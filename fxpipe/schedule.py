@@ -78,9 +78,9 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
   GPT). So stage ``i`` holds at most ``min(d, m)`` micro-batches in flight (F done, W or B not
   yet): 1f1b's first-stage peak, on every stage (:func:`zb_bounds`). A stage with
   recomputation defers nothing (``R k, B k``, or ``R k, I k, W k`` where it splits, adjacent:
-  at most one micro-batch's recomputed activations alive; ``min(d - i, m)`` in flight, as 1f1b). All backwards of batch
-  ``t`` precede ``UPDATE t``: a flush, 1f1b's numbers. d=2, m=4 (the first stage's ``I`` is
-  empty: it sends no gradient, its ``W`` is the whole backward)::
+  at most one micro-batch's recomputed activations alive; ``min(d - i, m)`` in flight, as
+  1f1b). All backwards of batch ``t`` precede ``UPDATE t``: a flush, 1f1b's numbers. d=2, m=4
+  (the first stage's ``I`` is empty: it sends no gradient, its ``W`` is the whole backward)::
 
       stage 0: F1 F2 B1 F3 B2 F4 I3 W3 I4 W4 U1
       stage 1: F1 I1 F2 B2 F3 B3 F4 I4 W1 W4 U1

@@ -569,25 +569,23 @@ def test_validator_rejects_broken_zb_lists():
 
     with pytest.raises(ScheduleError, match="weight pass of micro-batch 1 before its input-gradient pass"):
         validate(broken(1, swap(Kind.I, Kind.W, 1)), "zb", d, m)
-    def late_b2(lst):  # stage 1: F2 F3 B2 (and its send): micro-batches 1 (past its I), 2 and 3 in flight
-        moved = [a for a in lst if a.index == 2 and a.kind in (Kind.B, Kind.SEND_GRAD)]
-        for a in moved:
-            lst.remove(a)
-        at = lst.index(Action(1, Kind.F, 3, 0)) + 1
-        lst[at:at] = moved
+    def late(kind, k, after):
+        """Stage 1's ``kind k`` and its SEND_GRAD moved to right after its ``F after``."""
+        def edit(lst):
+            moved = [a for a in lst if a.index == k and a.kind in (kind, Kind.SEND_GRAD)]
+            for a in moved:
+                lst.remove(a)
+            at = lst.index(Action(1, Kind.F, after, 0)) + 1
+            lst[at:at] = moved
+        return edit
 
+    # F2 F3 B2: micro-batches 1 (past its I), 2 and 3 in flight
     with pytest.raises(ScheduleError, match=r"3 micro-batches of activations in flight, expected at most min\(d, m\) = 2"):
-        validate(broken(1, late_b2), "zb", d, m)
-    def late_i1(lst):  # stage 1: F1 F2 I1 (and its send), the last stage holding two whole micro-batches
-        moved = [a for a in lst if a.index == 1 and a.kind in (Kind.I, Kind.SEND_GRAD)]
-        for a in moved:
-            lst.remove(a)
-        at = lst.index(Action(1, Kind.F, 2, 0)) + 1
-        lst[at:at] = moved
-
+        validate(broken(1, late(Kind.B, 2, after=3)), "zb", d, m)
+    # F1 F2 I1: the last stage holding two whole micro-batches
     with pytest.raises(ScheduleError, match=r"1F2v0 .*2 micro-batches between their F and their I, expected at most "
                                             r"min\(d - s, m\) = 1 \(zb on stage 1 of 2"):
-        validate(broken(1, late_i1), "zb", d, m)
+        validate(broken(1, late(Kind.I, 1, after=2)), "zb", d, m)
     # which micro-batches zb splits is fixed (zb_split: the runtime's forward prepares for it)
     with pytest.raises(ScheduleError, match=re.escape("zb has no B1 on stage 1 (its backward of micro-batch 1 is "
                                                       "I + W). Use 1I1 and 1W1 instead")):
