@@ -152,19 +152,21 @@ def _held(pipe) -> dict[str, int]:
     for r, wk in pipe.workers.items():
         for name in ("inputs", "targets", "recv_act", "recv_grad", "ctx", "sends", "reductions", "norm_sq",
                      "clip_coef", "losses", "eval_weights", "batch_loss", "loss_posts", "loss_check", "nonfinite", "dropped",
-                     "batch_scale", "updated_flags"):
+                     "reached_counts", "batch_scale", "updated_flags"):
             sizes[f"{r}.{name}"] = len(getattr(wk, name))
     return sizes
 
 
-def test_state_is_the_same_after_30_and_300_steps():
-    # 2bw, d = 2, w = 2 (4 ranks in this process), clipping, a tied embedding on both stages
+@pytest.mark.parametrize("schedule, m", [("2bw", 2), ("1f1b", 2), ("zb", 4)])
+def test_state_is_the_same_after_30_and_300_steps(schedule, m):
+    # d = 2, w = 2 (4 ranks in this process), clipping, a tied embedding on both stages; zb at m = 4,
+    # where its last stage runs whole backwards (B) between split ones (I, W)
     model, example = gpt2_tiny(batch=1, seq=4, labels=True)
-    plan = fxpipe.plan(model, example, stages=2, microbatches=2, schedule="2bw", world_size=4, clip=True)
+    plan = fxpipe.plan(model, example, stages=2, microbatches=m, schedule=schedule, world_size=4, clip=True)
     pipe = fxpipe.compile(model, example, plan=plan, optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
-                          microbatches=2, schedule="2bw", max_grad_norm=1.0, verbose=False)
+                          microbatches=m, schedule=schedule, max_grad_norm=1.0, verbose=False)
     assert (pipe.plan.stages, pipe.plan.width, pipe.topology.tied_stages) == (2, 2, [0, 1])
-    ids = torch.randint(0, 100, (4, 4))
+    ids = torch.randint(0, 100, (2 * m, 4))
     batch = {"input_ids": ids, "labels": ids}
     held = {}
     for t in range(1, 301):
