@@ -34,7 +34,9 @@ round by round, each system's samples/s, share and the two limit runs around it.
 fxpipe schedule it prints the simulator's prediction of the step time (the plan's costs through
 :func:`fxpipe.simulate.simulate`), the error of the same schedule replayed at the run's own mean
 action times (:meth:`fxpipe.simulate.Costs.measured`: the schedule model alone, apart from the
-cost model) and, per rank, where the step went (:mod:`fxpipe.profile`).
+cost model) and, per rank, where the step went (:mod:`fxpipe.profile`). From that replay it
+prints each schedule's own bubble (a rank's idle share of a steady step), the share of the limit
+it leaves, and what that makes of issue #15's 1.10x for fxpipe 1f1b over PiPPy's 1F1B.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ VOCAB, WIDTH, LAYERS, HEADS, SEQ = 512, 256, 8, 4, 64
 M, MB = 4, 8
 BATCH = M * MB
 
+STEPS_SIMULATED = 8  # steps of a schedule replayed or predicted
 FXPIPE = ("2bw", "1f1b", "gpipe", "zb")
 PIPPY = ("pippy gpipe", "pippy 1f1b", "pippy interleaved zb")
 #: 2bw in 1F1B's own order beside the planner's (which runs one forward ahead: docs/design.md,
@@ -193,7 +196,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     pipe.flush()
     plan = pipe.plan
     costs = Costs.of_plan(plan)
-    actions = generate(schedule, plan.stages, plan.microbatches, 8, lookahead=plan.lookahead)
+    actions = generate(schedule, plan.stages, plan.microbatches, STEPS_SIMULATED, lookahead=plan.lookahead)
     times: list = [None] * dist.get_world_size()  # every rank's own stages' action times
     dist.all_gather_object(times, profile.action_times())
     by_stage: dict = {}  # one rank per stage here (width 1); replicas' times would be averaged
@@ -201,13 +204,16 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
         for key, took in t.items():
             by_stage.setdefault(key, []).append(took)
     measured = {k: statistics.mean(v) for k, v in by_stage.items()}
-    replayed = simulate(actions, costs.measured(measured)).step_time
+    replay = simulate(actions, costs.measured(measured))
+    replayed = replay.step_time
+    # the schedule's own bubble at this run's action times: a rank's idle share of a steady step
+    idle = 1 - statistics.mean(replay.busy(r) for r in replay.ranks) / STEPS_SIMULATED / replayed
     predicted = simulate(actions, costs)
     simulated = predicted.action_times()  # the simulator's, the cores' sharing included
     per_action = [(s, k.value, 1e3 * simulated[s, k], 1e3 * measured[s, k])
                   for s, k in sorted(measured) if (s, k) in simulated]
     return {"seconds": seconds, "samples": samples, "profile": profile.summary(), "cpu": cpu,
-            "predicted": predicted.step_time, "replayed": replayed, "per_action": per_action,
+            "predicted": predicted.step_time, "replayed": replayed, "idle": idle, "per_action": per_action,
             "lookahead": plan.lookahead, "cores": costs.cores, "stages": [(sp.first_module or "<input>", 1e3 * costs.per_stage("forward", i),
                                                 1e3 * costs.per_stage("backward", i), 1e3 * costs.per_stage("update", i))
                                                for i, sp in enumerate(plan.stage_plans)]}
@@ -559,6 +565,17 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
     print("\nsim error: the plan's predicted step time against the measured one. replay error: the same "
           "schedule simulated at the run's own mean action times (fxpipe.profile's, F/B/I/W/UPDATE per "
           "stage), against that run: the schedule model alone, without the cost model's prediction.")
+    idle = {n: 100 * m[0]["idle"] for n, m in medians.items() if m[0].get("idle") is not None}
+    if idle:
+        print("\nthe schedules' own bubble: in that replay a rank is idle, on average, for this share of a steady "
+              "step: " + "; ".join(f"{_LABELS.get(n, n)} {pct:.1f}%" for n, pct in idle.items())
+              + ". Its ranks computing at a limit trainer's pace, a schedule reaches at most 100% less that "
+              "share of the limit.")
+        if "fxpipe 1f1b" in idle and limit and base:
+            ceiling = 100 - idle["fxpipe 1f1b"]
+            print(f"So fxpipe 1f1b reaches at most about {ceiling:.1f}% of the limit here, and 1.10x PiPPy 1F1B "
+                  f"needs PiPPy's at or below {ceiling / 1.10:.1f}% (it read "
+                  f"{100 * statistics.median(share['pippy 1f1b']):.1f}%).")
     if limit:
         print("\nthe limit, every run in order: summed rates while both trainers ran (the table's), and each "
               "trainer's rate over its own whole run, summed (the runs before 2026-11-27): "

@@ -225,6 +225,11 @@ class Timeline:
         t0 = min((e.start for e in self.events), default=0.0)
         return self.starts.get(rank, t0), t0 + self.makespan
 
+    def busy(self, rank: int) -> float:
+        """The time ``rank`` spends computing (forward, backward and update work): the rest of its
+        window is its share of the bubble."""
+        return sum(e.end - e.start for e in self.events if e.rank == rank and _is_busy(e))
+
     def action_times(self) -> dict[tuple[int, Kind], float]:
         """The mean time of one action per (stage, kind) of training's compute kinds (F, R, B, I,
         W) and ``UPDATE``: what :meth:`fxpipe.profile.Profile.action_times` measures in a run,
@@ -241,6 +246,10 @@ class Timeline:
 _BUSY = COMPUTE | {Kind.UPDATE, Kind.EVAL}
 
 
+def _is_busy(e: Event) -> bool:
+    return e.stream == "compute" and e.kind in _BUSY
+
+
 def _derive(events: list[Event]) -> Timeline:
     """Makespan, steady-state step time, bubble and peak in-flight micro-batches of a set of events."""
     if not events:
@@ -248,7 +257,7 @@ def _derive(events: list[Event]) -> Timeline:
     t0 = min(e.start for e in events)
     makespan = max(e.end for e in events) - t0
     ranks = sorted({e.rank for e in events})
-    busy = sum(e.end - e.start for e in events if e.stream == "compute" and e.kind in _BUSY)
+    busy = sum(e.end - e.start for e in events if _is_busy(e))
     bubble = 1.0 - busy / (len(ranks) * makespan) if makespan > 0 else 0.0
     # Steady-state time per batch: the median spacing of the first rank's updates (on shared
     # cores the steps that fill or drain the pipeline run faster than the steady ones).
@@ -397,8 +406,7 @@ def timeline_from_events(events: Iterable[tuple[int, str, float, float]], *, apa
         for e in tl.events:  # sorted by start
             tl.starts.setdefault(e.rank, e.start)
     spans = sum(b - a for a, b in map(tl.window, tl.ranks))
-    busy = sum(e.end - e.start for e in out if e.stream == "compute" and e.kind in _BUSY)
-    tl.bubble = 1.0 - busy / spans if spans > 0 else 0.0
+    tl.bubble = 1.0 - sum(map(tl.busy, tl.ranks)) / spans if spans > 0 else 0.0
     return tl
 
 
@@ -593,8 +601,7 @@ def _describe(a: Action, m: int | None) -> str:
 def _idle(timeline: Timeline, rank: int) -> tuple[float, list[tuple[float, float]]]:
     """Idle time of ``rank`` over its window (no F, R, B, UPDATE or EVAL running) and its gaps."""
     t0, t1 = timeline.window(rank)
-    spans = sorted((e.start, e.end) for e in timeline.events
-                   if e.rank == rank and e.stream == "compute" and e.kind in _BUSY)
+    spans = sorted((e.start, e.end) for e in timeline.events if e.rank == rank and _is_busy(e))
     gaps, at = [], t0
     for s, e in spans:
         if s > at:
@@ -779,7 +786,7 @@ def render_svg(
         for e, a in sorted(drawn, key=lambda ea: ea[0].end == ea[0].start):  # ticks on top of boxes
             if e.rank != r:
                 continue
-            box = e.stream == "compute" and a.kind in _BUSY
+            box = _is_busy(e)
             x, w = x_of(e.start), max((e.end - e.start) * scale, 2.5 if box else 0.5)
             yy, hh = (y, row_h) if box else (y + row_h + 1, comm_h)
             fill = _LOOK[a.kind].fill

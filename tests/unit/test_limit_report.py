@@ -90,3 +90,21 @@ def test_the_cpu_table_sets_all_ranks_main_threads_against_one_limit_trainer(lim
     assert "all ranks / a limit trainer" in out
     assert re.search(r"PiPPy Schedule1F1B \(baseline\)\s+740 / 750\s+782 / 792\s+1\.050", out)  # 1522.5 / 1450
     assert re.search(r"physical limit.*1400 / 1400\s+1500 / 1500\s+1\.000", out)
+
+
+def test_the_report_turns_1f1b_s_replayed_bubble_into_its_ceiling_and_what_pippy_would_have_to_read(limit, capsys):
+    def fxpipe_run(rate: float, idle: float) -> list[dict]:
+        ranks = _system(limit, rate)
+        for r in ranks:
+            r.update(predicted=1.0, replayed=1.0, idle=idle, profile={"step": 1.0}, per_action=[], lookahead=0,
+                     cores=None, stages=[])
+        return ranks
+
+    results = {"limit": [_limit_run(limit, 40.0)], "fxpipe 2bw": [fxpipe_run(38.0, 0.005)],
+               "fxpipe 1f1b": [fxpipe_run(31.0, 0.2)], "pippy 1f1b": [_system(limit, 30.0)]}
+    limit.report(results, {n: [(40.0, 40.0)] for n in ("fxpipe 2bw", "fxpipe 1f1b", "pippy 1f1b")})
+    out = capsys.readouterr().out
+    assert "fxpipe 2bw 0.5%; fxpipe 1f1b 20.0%." in out
+    # 1F1B's bubble leaves it 80% of the limit; 1.10x PiPPy's 75% would need 82.5%
+    assert "fxpipe 1f1b reaches at most about 80.0% of the limit here" in out
+    assert "needs PiPPy's at or below 72.7% (it read 75.0%)" in out

@@ -30,6 +30,15 @@ def test_flush_bubble_is_exact(schedule, d, m, fwd, bwd):
     assert tl.makespan == pytest.approx((m + d - 1) * (fwd + bwd))
 
 
+@pytest.mark.parametrize("schedule, idle", [("1f1b", 0.2), ("gpipe", 0.2), ("2bw", 0.0)])
+def test_each_rank_s_busy_time_over_the_steady_step_is_the_schedule_s_own_bubble(schedule, idle):
+    # d = 2, m = 4, F = 1, B = 2: every rank computes 12 a step; 1F1B's flush idles each for one F + B
+    steps = 8
+    tl = simulate(generate(schedule, 2, 4, steps), Costs(1.0, 2.0))
+    assert [tl.busy(r) for r in tl.ranks] == [12.0 * steps] * 2
+    assert 1 - tl.busy(0) / steps / tl.step_time == pytest.approx(idle)
+
+
 def test_2bw_bubble_vanishes_with_steps():
     bubbles = [simulate(generate("2bw", 4, 4, steps), Costs(1.0, 2.0)).bubble for steps in (2, 5, 10, 50)]
     assert bubbles == sorted(bubbles, reverse=True) and len(set(bubbles)) == 4
