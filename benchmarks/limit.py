@@ -565,7 +565,7 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
     print("\nsim error: the plan's predicted step time against the measured one. replay error: the same "
           "schedule simulated at the run's own mean action times (fxpipe.profile's, F/B/I/W/UPDATE per "
           "stage), against that run: the schedule model alone, without the cost model's prediction.")
-    idle = {n: 100 * m[0]["idle"] for n, m in medians.items() if m[0].get("idle") is not None}
+    idle = {n: 100 * middle[0]["idle"] for n, middle in medians.items() if middle[0].get("idle") is not None}
     if idle:
         print("\nthe schedules' own bubble: in that replay a rank is idle, on average, for this share of a steady "
               "step: " + "; ".join(f"{_LABELS.get(n, n)} {pct:.1f}%" for n, pct in idle.items())

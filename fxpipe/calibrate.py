@@ -337,8 +337,8 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
     on the last stage (:func:`fxpipe.schedule.zb_split`), ``F k+1, I k+1, W k``: ``I`` while an
     earlier micro-batch's weight pass is pending, ``W`` after a later micro-batch's forward and
     ``I``, so what a deferred micro-batch holds weighs on both as in training; the whole
-    backward as 1f1b runs it, with nothing pending. (1, 0) where the graph cannot be split (the runtime then runs the whole
-    backward in ``I``)."""
+    backward as 1f1b runs it, with nothing pending. (1, 0) where the graph cannot be split (the
+    runtime then runs the whole backward in ``I``)."""
     floats = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
               and n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 2]
     weights = {name: p for name, p in gm.named_parameters() if p.requires_grad}
