@@ -86,3 +86,17 @@ def max_rel_diff(a: dict, b: dict) -> float:
         x, y = a["state"][k], b["state"][k]
         worst = max(worst, float(((x - y).abs().max() / y.abs().max().clamp_min(1e-12))))
     return worst
+
+
+def poisoning(backward, batch: int = 3):
+    """``backward`` (``StageWorker._do_b``, or zb's ``_do_w``, which accumulates a split backward's
+    weight gradients) that then, after stage 1's first backward of ``batch``, writes a NaN into one
+    of that stage's weight gradients of ``batch``."""
+
+    def run(self, a):
+        backward(self, a)
+        if self.index == 1 and a.index == (batch - 1) * self.cfg.microbatches + 1:
+            views = self.store.grad_views_of(batch)
+            views[next(s.name for s in self.store.layout.slots if s.requires_grad)].view(-1)[0] = float("nan")
+
+    return run

@@ -30,14 +30,14 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 # "branch": a leaf module whose backward reaches data-dependent weights (the reached flags in
 # each gradient message; with w = 2 the reached counts summed with the gradients)
 CONFIGS = {
-    2: [("gpt2", s, 2, True, r) for s in ("2bw", "1f1b", "gpipe") for r in (False, True)]
-    + [("rms", "2bw", 2, False, False), ("gpt2", "zb", 2, True, False), ("branch", "2bw", 2, True, False)]
+    2: [("gpt2", s, 2, True, r) for s in ("2bw", "1f1b", "gpipe", "zb") for r in (False, True)]
+    + [("rms", "2bw", 2, False, False), ("branch", "2bw", 2, True, False)]
     + [("gpt2", "2bw", 2, True, False, 1), ("gpt2", "1f1b", 2, True, True, 1), ("rms", "2bw", 2, False, False, 2)],
-    3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")] + [("rms", "2bw", 3, True, False)]
+    3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe", "zb")] + [("rms", "2bw", 3, True, False)]
     + [("gpt2", "2bw", 3, True, True, 1)],
-    4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe") for d in (2, 4)] + [("rms", "2bw", 2, True, False)]
+    4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe", "zb") for d in (2, 4)] + [("rms", "2bw", 2, True, False)]
     + [("branch", s, 2, True, False) for s in ("2bw", "1f1b", "zb")] + [("gpt2", "2bw", 2, True, True, 1)],
-    6: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe")],
+    6: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe", "zb")],
 }
 
 _COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier")

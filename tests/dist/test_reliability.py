@@ -22,7 +22,7 @@ from tests.dist.harness import run_function
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
 
-SCHEDULES = ("2bw", "1f1b", "gpipe")
+SCHEDULES = ("2bw", "1f1b", "gpipe", "zb")
 DIR = "FXPIPE_TEST_CHECKPOINTS"  # where the ranks write (the spawned ranks inherit the environment)
 
 
@@ -463,18 +463,6 @@ def test_torchrun_restarts_a_killed_rank_and_the_job_ends_as_if_uninterrupted(tm
 # --------------------------------------------------------------------------- non-finite values
 
 
-def _poisoning(backward):
-    """``StageWorker._do_b`` that then writes a NaN into one of stage 1's weight gradients of batch 3."""
-
-    def do_b(self, a):
-        backward(self, a)
-        if self.index == 1 and a.index == 2 * self.cfg.microbatches + 1:  # batch 3's first backward
-            views = self.store.grad_views_of(3)
-            views[next(s.name for s in self.store.layout.slots if s.requires_grad)].view(-1)[0] = float("nan")
-
-    return do_b
-
-
 def nonfinite_on_the_middle_stage(rank: int, world: int) -> dict:
     """3 ranks, d = 3: rank 1 poisons one weight gradient of batch 3. Per policy, the step at
     which this rank raised or warned, and the skipped steps."""
@@ -483,9 +471,10 @@ def nonfinite_on_the_middle_stage(rank: int, world: int) -> dict:
     from fxpipe.errors import NonFiniteError
     from fxpipe.runtime import StageWorker
 
-    StageWorker._do_b = _poisoning(StageWorker._do_b)
+    StageWorker._do_b = resume.poisoning(StageWorker._do_b)
+    StageWorker._do_w = resume.poisoning(StageWorker._do_w)  # zb's split backwards accumulate in W
     out = {}
-    for schedule in ("2bw", "1f1b"):
+    for schedule in ("2bw", "1f1b", "zb"):
         pipe = resume.compile(schedule, 3, 4, dropout=0.0, world=world)
         try:
             for t in range(1, 8):
@@ -511,14 +500,14 @@ def test_every_rank_raises_or_skips_at_the_same_step(monkeypatch):
     results = run_function(3, "tests.dist.test_reliability:nonfinite_on_the_middle_stage", timeout=200)
     values = [r["value"] for r in results]
     assert all(r["error"] is None for r in results), [r["error"] for r in results]
-    for schedule in ("2bw", "1f1b"):
+    for schedule in ("2bw", "1f1b", "zb"):
         raised = {v[schedule][0] for v in values}
         assert len(raised) == 1 and all("in step 3: stage(s) [1]" in v[schedule][1] for v in values), schedule
     assert all(v["skip"][:2] == values[0]["skip"][:2] for v in values) and values[0]["skip"][1] == [3]
     # the ranks trained on after the skip exactly as all three stages do in one process
     from fxpipe.runtime import StageWorker
 
-    monkeypatch.setattr(StageWorker, "_do_b", _poisoning(StageWorker._do_b))
+    monkeypatch.setattr(StageWorker, "_do_b", resume.poisoning(StageWorker._do_b))
     pipe = resume.compile("2bw", 3, 4, dropout=0.0, nonfinite="skip")
     with pytest.warns(RuntimeWarning):
         for t in range(1, 8):

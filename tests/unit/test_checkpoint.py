@@ -17,7 +17,7 @@ def _equal(a: dict, b: dict) -> None:
         assert torch.equal(a["state"][k], b["state"][k]), k
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe", "zb"])
 def test_resume_is_bitwise_the_uninterrupted_run(tmp_path, schedule):
     # dropout, AdamW, a LambdaLR schedule and clipping; the resumed pipeline is compiled lazily
     full = resume.run(resume.compile(schedule, 2, 2), 0, 6)

@@ -28,17 +28,11 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.fixture
 def poisoned_gradient(monkeypatch):
-    """Stage 1 (of 3) writes a NaN into one weight gradient of batch BAD after its first backward
-    of that batch; every UPDATE BAD records the store before and after."""
+    """Stage 1 (of 3) writes a NaN into one weight gradient of batch BAD once its first backward
+    of that batch has accumulated (after ``B``, or after ``W`` where zb split it:
+    :func:`tests.resume.poisoning`); every UPDATE BAD records the store before and after."""
     seen = {}
-    backward, update = StageWorker._do_b, WeightStore.update
-
-    def do_b(self, a):
-        backward(self, a)
-        if self.index == 1 and a.index == (BAD - 1) * self.cfg.microbatches + 1:
-            views = self.store.grad_views_of(BAD)
-            name = next(s.name for s in self.store.layout.slots if s.requires_grad)
-            views[name].view(-1)[0] = float("nan")
+    update = WeightStore.update
 
     def record(self, t, coef, *, skip=False):
         before = _snapshot(self, t - 1)
@@ -46,12 +40,13 @@ def poisoned_gradient(monkeypatch):
         if t == BAD:
             seen.setdefault("updates", []).append((before, _snapshot(self, t)))
 
-    monkeypatch.setattr(StageWorker, "_do_b", do_b)
+    monkeypatch.setattr(StageWorker, "_do_b", resume.poisoning(StageWorker._do_b, BAD))
+    monkeypatch.setattr(StageWorker, "_do_w", resume.poisoning(StageWorker._do_w, BAD))
     monkeypatch.setattr(WeightStore, "update", record)
     return seen
 
 
-@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["2bw", "1f1b", "gpipe", "zb"])
 def test_raise_stops_every_rank_before_the_bad_update(poisoned_gradient, schedule):
     pipe = resume.compile(schedule, 3, 4, dropout=0.0)
     with pytest.raises(NonFiniteError, match=rf"in step {BAD}: stage\(s\) \[1\]\. No weight or optimizer state took it in"):
@@ -71,7 +66,7 @@ def test_raise_stops_every_rank_before_the_bad_update(poisoned_gradient, schedul
         assert _same(_snapshot(wk.store, wk.store.updates), _snapshot(ref.store, ref.store.updates))
 
 
-@pytest.mark.parametrize("schedule, where", [("2bw", "flush"), ("1f1b", "eval_step"), ("gpipe", "save")])
+@pytest.mark.parametrize("schedule, where", [("2bw", "flush"), ("1f1b", "eval_step"), ("gpipe", "save"), ("zb", "flush")])
 def test_a_bad_batch_found_by_a_flush_then_load_resumes(poisoned_gradient, schedule, where, tmp_path):
     # The bad batch is the last before a flush, so its check runs in the drain: flush (or
     # eval_step, save, state_dict) raises. The drain was not marked done, and the load the

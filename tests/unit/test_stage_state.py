@@ -64,7 +64,7 @@ class RunningMean(nn.Module):
         return self.l4(h + self.ema)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw", "zb"])
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_buffer_sent_to_the_next_stage_keeps_its_micro_batchs_value(schedule, recompute):
     # sent by reference, the next forward's update reached it before the receive copied it
