@@ -314,11 +314,6 @@ class Action(NamedTuple):
             return None
         return self.stage + _COUNTERPART[self.kind][1]
 
-    @property
-    def produces(self) -> int | None:
-        """The weight version an UPDATE produces (``UPDATE t`` produces ``W(t)``)."""
-        return self.index if self.kind is Kind.UPDATE else None
-
     def counterpart(self) -> Action:
         """The matching half of a SEND/RECV on the peer stage (``0SEND_ACT3`` -> ``1RECV_ACT3``)."""
         if self.kind not in P2P:

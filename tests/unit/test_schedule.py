@@ -43,7 +43,7 @@ def test_action_fields():
     a = Action.parse("1F3v0")
     assert (a.stage, a.kind, a.index, a.version) == (1, Kind.F, 3, 0)
     assert a.microbatch == 3 and a.batch is None
-    assert Action.parse("0UPDATE2").produces == 2 and Action.parse("0UPDATE2").batch == 2
+    assert Action.parse("0UPDATE2").batch == 2 and Action.parse("0UPDATE2").microbatch is None
     assert Action.parse("0SEND_ACT3").peer == 1 and Action.parse("1SEND_GRAD3").peer == 0
     assert Action.parse("0SEND_ACT3").counterpart() == Action.parse("1RECV_ACT3")
     assert Action.parse("0RECV_GRAD3").counterpart() == Action.parse("1SEND_GRAD3")
