@@ -39,6 +39,12 @@ def test_a_hugging_face_architecture_trains_as_eager_does(name):
     for key, p in ref.named_parameters():
         assert torch.allclose(sd[key].double(), p, rtol=0, atol=2e-5), (key, (sd[key].double() - p).abs().max())
     assert len(pipe.plan.stage_plans) == 2
+    # eval_step: the trained stages run the model's eval-mode graph (a trace of its own, cut as
+    # the training graph was), as the trained reference does in eval mode, micro-batch by micro-batch
+    ref.eval()
+    with torch.no_grad():
+        want = sum(float(ref(**{k: v[j * b:(j + 1) * b] for k, v in in64[0].items()}).loss) for j in range(m)) / m
+    assert pipe.eval_step(batches[0]) == pytest.approx(want, rel=1e-5)
 
 
 
