@@ -42,7 +42,7 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
                 pipe = fxpipe.compile(
                     model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
                     schedule=case.schedule, stages=case.stages, max_grad_norm=case.max_grad_norm,
-                    recompute=case.recompute or None, verbose=False,
+                    recompute=case.recompute or None, verbose=False, lookahead=case.lookahead,
                 )
                 # every other step without a host sync: the loss comes back as a tensor
                 losses = [pipe.step(x, y, sync=i % 2 == 0) for i, (x, y) in enumerate(batches)]
@@ -53,7 +53,7 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
                 local_ok = all(torch.equal(v, state[k]) for k, v in local.items())
                 evaluated = pipe.eval_step(*batches[0])
                 result = {"losses": losses, "state": state if rank == 0 else None, "eval": evaluated, "error": None,
-                          "local_state": (sorted(local), local_ok)}
+                          "local_state": (sorted(local), local_ok), "lookahead": pipe.plan.lookahead}
             except Exception:  # report, and keep the ranks in step for the next case
                 result = {"losses": None, "state": None, "error": traceback.format_exc()}
                 print(f"rank {rank} case {name} failed:\n{result['error']}", flush=True)
