@@ -9,6 +9,7 @@ the same things), and :func:`reference` trains the same model with the independe
 from __future__ import annotations
 
 import functools
+import random
 from dataclasses import dataclass
 
 import torch
@@ -256,6 +257,47 @@ CASES = {
     ]
 }
 
+
+MODELS = ("rmsnorm", "gpt2", "llama", "bert", "cnn", "resnet")
+
+
+def draw(seed: int, count: int, world: int = 1) -> list[Case]:
+    """``count`` seeded random combinations of model, schedule, depth, micro-batch count,
+    optimizer, clipping, recomputation and lookahead, each a :class:`Case` named by its draw.
+    ``world`` 1: every stage in one process, d of 2-4; else d divides ``world`` and the width is
+    ``world / d``. With w > 1 no BatchNorm model is drawn: each replica keeps its own running
+    statistics, as DDP without buffer broadcast, which no single-device reference does."""
+    from fxpipe.schedule import LOOKAHEAD_SCHEDULES, SCHEDULES, min_microbatches
+
+    rng = random.Random(seed)
+    depths = (2, 3, 4) if world == 1 else tuple(d for d in (2, 3, 4) if world % d == 0)
+    cases = []
+    for i in range(count):
+        schedule, d = rng.choice(SCHEDULES), rng.choice(depths)
+        w = 1 if world == 1 else world // d
+        model = rng.choice(MODELS if w == 1 else tuple(m for m in MODELS if m not in ("cnn", "resnet")))
+        lookahead = rng.choice((None, 0, 1)) if schedule in LOOKAHEAD_SCHEDULES else None
+        least = min_microbatches(schedule, d, lookahead or 0)
+        m = rng.choice(sorted({least, d + 1, 2 * d} - set(range(least))))
+        optimizer = rng.choice(("sgd", "adamw", "groups"))
+        clip, recompute = rng.choice((None, 0.5)), rng.choice((False, True))
+        # Adam turns float32 rounding of zero gradients (GPT-2's key bias, a bias feeding a
+        # BatchNorm) into lr-sized steps: those runs compare in float64 (see Case.dtype)
+        dtype = torch.float32 if optimizer == "sgd" else torch.float64
+        name = f"random{world}-{i}-{model}-{schedule}-d{d}" + (f"w{w}" if w > 1 else "") + f"-m{m}-{optimizer}"
+        name += ("-clip" if clip else "") + ("-recompute" if recompute else "")
+        name += "" if lookahead is None else f"-lookahead{lookahead}"
+        cases.append(Case(name, model=model, schedule=schedule, stages=d, width=w, microbatches=m,
+                          optimizer=optimizer, max_grad_norm=clip, recompute=recompute, steps=4, dtype=dtype,
+                          lookahead=lookahead))
+    return cases
+
+
+# Drawn cases for gloo ranks (tests/dist/test_pipeline_dist.py): registered here, since every
+# spawned rank looks its cases up by name.
+RANDOM_SEED = 2026
+RANDOM = {world: draw(RANDOM_SEED + world, count, world) for world, count in ((2, 12), (4, 12))}
+CASES.update((c.name, c) for cases in RANDOM.values() for c in cases)
 
 def eval_loss(case: Case, state) -> float:
     """Mean loss of the first batch's micro-batches under ``state``, model in eval mode."""

@@ -9,7 +9,7 @@ import pytest
 
 import torch
 
-from tests.cases import CASES, compare, eval_loss, single_process
+from tests.cases import CASES, RANDOM, compare, eval_loss, single_process
 from tests.dist.harness import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]  # the harness kills ranks at 300 s
@@ -94,3 +94,15 @@ def test_three_ranks():
 @pytest.mark.slow  # the default suite's time budget holds 2-rank worlds
 def test_four_ranks_two_replicas_or_four_stages():
     check_cases(4, ["w2_2bw_adamw", "w2_1f1b_sgd", "w2_gpt2_2bw", "w2_gpipe_recompute", "d4_gpt2_2bw"], 300)
+
+
+def test_random_combinations_on_two_ranks():
+    # tests/cases.py's seeded draws: model, schedule, micro-batches, optimizer, clipping,
+    # recomputation and lookahead together, as tests/unit/test_combinations.py does in one process
+    check_cases(2, [c.name for c in RANDOM[2]], 300)
+
+
+@pytest.mark.slow  # the default suite's time budget holds 2-rank worlds
+def test_random_combinations_on_four_ranks():
+    # d = 4, or d = 2 with w = 2 replicas
+    check_cases(4, [c.name for c in RANDOM[4]], 300)
