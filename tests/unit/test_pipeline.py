@@ -16,11 +16,13 @@ import torch.nn.functional as F
 
 import fxpipe
 from fxpipe.errors import ConfigError, FxpipeError, RuntimeMismatchError
-from tests.cases import CASES, build, compare
+from tests.cases import CASES, RANDOM, build, compare
 from tests.models import BranchNet, TwoBranches, gpt2_tiny, rmsnorm_residual, t5_tiny
 from tests.reference import train_2bw, train_flush
 
-SINGLE = [name for name, c in CASES.items() if c.width == 1 and not c.dropout]
+# the named cases (the drawn ones for ranks are tests/unit/test_combinations.py's kind in one process)
+DRAWN = {c.name for cases in RANDOM.values() for c in cases}
+SINGLE = [name for name, c in CASES.items() if c.width == 1 and not c.dropout and name not in DRAWN]
 
 
 def _compile(case, **extra):
