@@ -774,7 +774,9 @@ def test_a_cpu_rank_reuses_its_heap_instead_of_faulting_pages_in_every_pass():
         return float(out.stdout.split()[-1])
 
     fresh, settled = faults("none"), faults("cpu")
-    assert fresh > 2000, fresh  # 4,096 pages of 4 KiB a pass (the CI host, huge pages not off, once counted 1,981)
+    # the unsettled heap faults its pages in again every pass: 4,096 of 4 KiB, fewer where transparent
+    # huge pages back part of it (the CI host counted 1,981 once and 1,677 once)
+    assert fresh > 1000, fresh
     assert settled < 0.05 * fresh, (settled, fresh)
 
 
