@@ -299,6 +299,7 @@ RANDOM_SEED = 2026
 RANDOM = {world: draw(RANDOM_SEED + world, count, world) for world, count in ((2, 12), (4, 12))}
 CASES.update((c.name, c) for cases in RANDOM.values() for c in cases)
 
+
 def eval_loss(case: Case, state) -> float:
     """Mean loss of the first batch's micro-batches under ``state``, model in eval mode."""
     import torch

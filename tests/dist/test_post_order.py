@@ -35,7 +35,8 @@ CONFIGS = {
     + [("gpt2", "2bw", 2, True, False, 1), ("gpt2", "1f1b", 2, True, True, 1), ("rms", "2bw", 2, False, False, 2)],
     3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe", "zb")] + [("rms", "2bw", 3, True, False)]
     + [("gpt2", "2bw", 3, True, True, 1)],
-    4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe", "zb") for d in (2, 4)] + [("rms", "2bw", 2, True, False)]
+    4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe", "zb") for d in (2, 4)]
+    + [("rms", "2bw", 2, True, False)]
     + [("branch", s, 2, True, False) for s in ("2bw", "1f1b", "zb")] + [("gpt2", "2bw", 2, True, True, 1)],
     6: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe", "zb")],
 }
