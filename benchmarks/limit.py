@@ -206,8 +206,7 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     measured = {k: statistics.mean(v) for k, v in by_stage.items()}
     replay = simulate(actions, costs.measured(measured))
     replayed = replay.step_time
-    # the schedule's own bubble at this run's action times: a rank's idle share of a steady step
-    idle = 1 - statistics.mean(replay.busy(r) for r in replay.ranks) / STEPS_SIMULATED / replayed
+    idle = statistics.mean(map(replay.steady_idle, replay.ranks))  # the schedule's own bubble at these times
     predicted = simulate(actions, costs)
     simulated = predicted.action_times()  # the simulator's, the cores' sharing included
     per_action = [(s, k.value, 1e3 * simulated[s, k], 1e3 * measured[s, k])

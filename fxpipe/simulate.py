@@ -230,6 +230,15 @@ class Timeline:
         window is its share of the bubble."""
         return sum(e.end - e.start for e in self.events if e.rank == rank and _is_busy(e))
 
+    def steady_idle(self, rank: int) -> float:
+        """``rank``'s idle share of a steady step: 1 less its busy time per step (over its
+        ``UPDATE``s, one a step) over :attr:`step_time`. A schedule whose ranks compute at a given
+        pace reaches at most 1 less this share of that pace's throughput."""
+        steps = sum(1 for e in self.events if e.rank == rank and e.kind is Kind.UPDATE)
+        if steps == 0:
+            raise ValueError(f"rank {rank} runs no UPDATE in this timeline: it has no steps to share its time among")
+        return 1.0 - self.busy(rank) / steps / self.step_time
+
     def action_times(self) -> dict[tuple[int, Kind], float]:
         """The mean time of one action per (stage, kind) of training's compute kinds (F, R, B, I,
         W) and ``UPDATE``: what :meth:`fxpipe.profile.Profile.action_times` measures in a run,

@@ -36,7 +36,7 @@ def test_each_rank_s_busy_time_over_the_steady_step_is_the_schedule_s_own_bubble
     steps = 8
     tl = simulate(generate(schedule, 2, 4, steps), Costs(1.0, 2.0))
     assert [tl.busy(r) for r in tl.ranks] == [12.0 * steps] * 2
-    assert 1 - tl.busy(0) / steps / tl.step_time == pytest.approx(idle)
+    assert [tl.steady_idle(r) for r in tl.ranks] == pytest.approx([idle] * 2)
 
 
 def test_2bw_bubble_vanishes_with_steps():
