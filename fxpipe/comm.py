@@ -5,8 +5,8 @@ between ranks and an asynchronous SUM ``all_reduce`` over a named group of ranks
 a :class:`Handle`. Two implementations share every line of the runtime:
 
 * :class:`DistComm` — ``torch.distributed`` (gloo on CPU, NCCL on CUDA). One process per rank;
-  ``Handle.ready()`` asks the work objects (gloo reports a send complete only once it was waited
-  for), ``wait()`` blocks on them.
+  ``Handle.ready()`` asks the work objects (gloo reports a send or a receive complete only once
+  it was waited for, however long ago its data moved), ``wait()`` blocks on them.
 * :class:`LocalHub` / :class:`LocalComm` — every rank in ONE process (the debugging mode), under
   NCCL's matching rules, which it enforces (:mod:`fxpipe.deps`): an operation completes only
   against its counterpart at the same position of the pair's queue, each rank's posts complete
