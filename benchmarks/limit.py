@@ -16,8 +16,9 @@ gloo ranks with one thread each. Every system below trains exactly this:
   machine;
 * fxpipe ``2bw``, ``1f1b``, ``gpipe`` and ``zb`` (ZB-H1), the split the planner picks;
 * torch.distributed.pipelining (PiPPy) ``ScheduleGPipe`` and ``Schedule1F1B`` split at the same
-  layer boundary, and its ``ScheduleInterleavedZeroBubble``, which needs 2 stages per rank: 4
-  stages on 2 ranks, split every 2 layers.
+  layer boundary, its ``ScheduleInterleavedZeroBubble``, which needs 2 stages per rank (4 stages
+  on 2 ranks, split every 2 layers), and its ``ScheduleInterleaved1F1B`` on the same 4 stages: 1F1B's
+  semantics with a smaller bubble, which no schedule with one stage per rank (fxpipe's) can match.
 
 Every run is a fresh pair of processes (so each one's peak memory is its own, counted from its
 first training step; each settles glibc's heap first, as fxpipe does on a CPU rank:
@@ -60,7 +61,7 @@ BATCH = M * MB
 
 STEPS_SIMULATED = 8  # steps of a schedule replayed or predicted
 FXPIPE = ("2bw", "1f1b", "gpipe", "zb")
-PIPPY = ("pippy gpipe", "pippy 1f1b", "pippy interleaved zb")
+PIPPY = ("pippy gpipe", "pippy 1f1b", "pippy interleaved zb", "pippy interleaved 1f1b")
 #: 2bw in 1F1B's own order beside the planner's (which runs one forward ahead: docs/design.md,
 #: "Lookahead"), measured side by side
 SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + ("fxpipe 2bw lookahead=0",) + PIPPY
@@ -231,12 +232,12 @@ def _calibrated_on_pinned(batches):
 
 
 def _pippy(rank: int, name: str, batches, warmup: int) -> dict:
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble,
-                                              SplitPoint, pipeline)
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble, SplitPoint, pipeline)
 
     from fxpipe.demo import lm_loss
 
-    interleaved = name == "pippy interleaved zb"
+    interleaved = name.startswith("pippy interleaved")
     cuts = (2, 4, 6) if interleaved else (LAYERS // 2,)
     pipe = pipeline(_model(), mb_args=(batches[0][0][:MB],),
                     split_spec={f"blocks.{c}": SplitPoint.BEGINNING for c in cuts})
@@ -246,7 +247,8 @@ def _pippy(rank: int, name: str, batches, warmup: int) -> dict:
     params = [p for s in stages for p in s.submod.parameters()]
     opt = _optimizer(params)
     if interleaved:
-        sched = ScheduleInterleavedZeroBubble(stages, M, loss_fn=lm_loss)
+        kind = ScheduleInterleavedZeroBubble if name == "pippy interleaved zb" else ScheduleInterleaved1F1B
+        sched = kind(stages, M, loss_fn=lm_loss)
     else:
         sched = (ScheduleGPipe if name == "pippy gpipe" else Schedule1F1B)(stages[0], M, loss_fn=lm_loss)
     first, last = 0 in stage_ids, pipe.num_stages - 1 in stage_ids
@@ -575,6 +577,12 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
             print(f"So fxpipe 1f1b reaches at most about {ceiling:.1f}% of the limit here, and 1.10x PiPPy 1F1B "
                   f"needs PiPPy's at or below {ceiling / 1.10:.1f}% (it read "
                   f"{100 * statistics.median(share['pippy 1f1b']):.1f}%).")
+            if "pippy interleaved 1f1b" in share:
+                print("PiPPy's ScheduleInterleaved1F1B has 1F1B's semantics (every micro-batch of a step on the "
+                      "same weights, one update after the flush) with 2 stages per rank, whose bubble is "
+                      f"(d - 1) / (2m + d - 1) = {100 / (2 * M + 1):.1f}% of a step against 1F1B's "
+                      f"{100 / (M + 1):.0f}%: it read {100 * statistics.median(share['pippy interleaved 1f1b']):.1f}% "
+                      "of the limit. fxpipe runs one stage per rank.")
     if limit:
         print("\nthe limit, every run in order: summed rates while both trainers ran (the table's), and each "
               "trainer's rate over its own whole run, summed (the runs before 2026-11-27): "
@@ -626,6 +634,7 @@ _LABELS = {
     "pippy gpipe": "PiPPy ScheduleGPipe",
     "pippy 1f1b": "PiPPy Schedule1F1B (baseline)",
     "pippy interleaved zb": "PiPPy ScheduleInterleavedZeroBubble (4 stages on 2 ranks)",
+    "pippy interleaved 1f1b": "PiPPy ScheduleInterleaved1F1B (4 stages on 2 ranks)",
     "fxpipe zb": "fxpipe zb (ZB-H1)",
     "fxpipe 2bw lookahead=0": "fxpipe 2bw, lookahead=0 (1F1B's order)",
 }
