@@ -508,7 +508,9 @@ def _batch_problem(wrong: list, batched: int, m: int, w: int) -> str:
         k = n0 // (m * w)
         fix += (f"; to train on {n0} samples per step, compile with an example micro-batch of {k} "
                 f"sample{'s' if k != 1 else ''}")
-    return f"{head}pass {b * m * w} samples ({_recipe(b, m, w)}), {got}. {fix}."
+    short = (" If it is the shorter last batch of an epoch, build the DataLoader with drop_last=True: every "
+             "step trains on the same number of samples." if whole and 0 < n0 < b * m * w else "")
+    return f"{head}pass {b * m * w} samples ({_recipe(b, m, w)}), {got}. {fix}.{short}"
 
 
 def _spec(s: InputSpec) -> str:

@@ -332,6 +332,18 @@ def test_batch_of_the_wrong_size_one_replica(pipe):
     assert "replica" not in str(e.value)
 
 
+def test_a_short_batch_points_at_the_data_loaders_last_batch(pipe):
+    hint = ("If it is the shorter last batch of an epoch, build the DataLoader with drop_last=True: every step "
+            "trains on the same number of samples.")
+    for n in (7, 8):  # fewer samples than a step takes, whether or not they split into the micro-batches
+        with pytest.raises(InputError) as e:
+            pipe.step(*_batch(n))
+        assert str(e.value).endswith(hint)
+    with pytest.raises(InputError) as e:  # more than a step takes is no loader's last batch
+        pipe.step(*_batch(32))
+    assert "drop_last" not in str(e.value)
+
+
 def test_batch_of_the_wrong_size_two_replicas():
     model, example = _mlp(), (torch.randn(B, 16),)
     plan = fxpipe.plan(model, example, stages=2, microbatches=M, schedule="1f1b", world_size=4)
