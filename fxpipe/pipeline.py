@@ -831,6 +831,15 @@ class Pipeline:
             raise failed
         return staged
 
+    def __repr__(self) -> str:
+        where = f"rank {self.rank} of {self.world_size}" if self.distributed else "one process"
+        head = f"<fxpipe.Pipeline of {type(self.model).__name__}"
+        if not self._setup_done:
+            return f"{head}: schedule={self.config.schedule}, {where}, planned at its first step>"
+        p = self.plan
+        return (f"{head}: schedule={p.schedule} d={p.stages} w={p.width} b={p.microbatch_size} m={p.microbatches} "
+                f"precision={p.precision}, {where} on {self.device}, {self.steps} step(s)>")
+
     def describe(self) -> str:
         self._require_setup("describe")
         o = self.config

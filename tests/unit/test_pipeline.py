@@ -482,6 +482,19 @@ def test_state_dict_before_any_step_explains():
         pipe.describe()
 
 
+def test_a_pipeline_prints_what_it_runs():
+    model, _ = rmsnorm_residual()
+    lazy = fxpipe.compile(model, stages=2, schedule="1f1b", verbose=False)
+    assert repr(lazy) == "<fxpipe.Pipeline of RMSResidual: schedule=1f1b, one process, planned at its first step>"
+    case = CASES["1f1b_sgd"]
+    pipe, batches = _compile(case)
+    pipe.step(*batches[0])
+    pipe.step(*batches[1])
+    p = pipe.plan
+    assert repr(pipe) == (f"<fxpipe.Pipeline of {type(pipe.model).__name__}: schedule=1f1b d=2 w=1 "
+                          f"b={p.microbatch_size} m={case.microbatches} precision=fp32, one process on cpu, 2 step(s)>")
+
+
 def test_saved_plan_for_another_model_is_rejected():
     case = CASES["1f1b_sgd"]
     pipe, _ = _compile(case)
