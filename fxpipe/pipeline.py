@@ -1328,6 +1328,21 @@ class Pipeline:
         """The number of ``step`` calls so far (restored by :meth:`load`)."""
         return self.t
 
+    @property
+    def grad_norm(self) -> tuple[int, float] | None:
+        """``(step, norm)``: the global L2 norm of the latest step's gradient this rank has reduced,
+        as ``torch.nn.utils.clip_grad_norm_`` returns it (the whole batch's gradient over every
+        stage, a tied weight counted once, before clipping; under fp16 unscaled; NaN or inf for a
+        non-finite step). Every rank reduces the same value for a step, but a step's norm is
+        reduced after the step returns: in the next step on every stage under gpipe, 1f1b and zb
+        (they return after the last backward), in the next on the last stage and the one after
+        on the others under 2bw, and by :meth:`flush`, after which it is the last step
+        given. ``None`` before any, after :meth:`load`, and under ``accumulate="optimizer"``
+        (AdamA holds no whole gradient). Reading it waits for the device (a host sync on CUDA)."""
+        latest = max((wk.grad_norm for wk in self.workers.values() if wk.grad_norm is not None),
+                     key=lambda got: got[0], default=None) if self._setup_done else None
+        return None if latest is None else (latest[0], float(latest[1]))
+
     def save(self, path: str, extra: dict | None = None, *, keep: int | None = None) -> str:
         """Checkpoint the full training state into ``path/step-<steps>`` and, once every rank's
         files are complete, point ``path/latest`` at it; returns that directory. A collective:
@@ -1448,6 +1463,7 @@ class Pipeline:
         self._loss_sums.clear()
         for wk in self.workers.values():
             wk.halted = False
+            wk.grad_norm = None
             wk.nonfinite.clear()
             wk.dropped.clear()
             wk.batch_loss.clear()

@@ -137,6 +137,9 @@ class StageWorker:
         self.loss_posts: deque[tuple[int, Handle]] = deque()  # LOSS all-reduces not yet waited for
         self.reductions: dict[tuple[Kind, int], Handle] = {}
         self.norm_sq: dict[int, torch.Tensor] = {}
+        # (batch, its global gradient norm as a 0-dim device tensor) of the latest NORM_WAIT: what
+        # Pipeline.grad_norm reads, so that only a user who reads it syncs with the device
+        self.grad_norm: tuple[int, torch.Tensor] | None = None
         self.reached_counts: dict[int, torch.Tensor] = {}  # leaf modules, w > 1: batch -> replicas' reached sums
         self.clip_coef: dict[int, torch.Tensor] = {}  # batch -> 0-dim factor on the device
         self.loss_check: dict[int, torch.Tensor] = {}  # last stage: batch -> 0, or NaN if a loss was not
@@ -530,6 +533,9 @@ class StageWorker:
         # sync; on the CPU it costs nothing.
         finite = bool(torch.isfinite(parts).all())
         scale = self.batch_scale.pop(t, 1.0)
+        # this replica's stages, summed in stage order: the same bits in one process and in many
+        total = parts[self.replica * d:(self.replica + 1) * d].sum().sqrt() / scale
+        self.grad_norm = (t, total)
         if self.scaler is not None:  # fp16: an overflow backs the scale off, as GradScaler.update
             self.scaler.update(t, found_inf=not finite)
         if not finite:
@@ -541,8 +547,6 @@ class StageWorker:
             if self.scaler is not None:
                 self.clip_coef[t] = torch.tensor(1.0 / scale, device=self.device)  # unscale
             return
-        # this replica's stages, summed in stage order: the same bits in one process and in many
-        total = parts[self.replica * d:(self.replica + 1) * d].sum().sqrt() / scale
         # torch.nn.utils.clip_grad_norm_'s rule: scale by max_norm / (norm + 1e-6), never up. Kept
         # a device tensor (no host sync on CUDA); multiplying by exactly 1.0 changes no gradient.
         self.clip_coef[t] = torch.clamp(self.cfg.max_grad_norm / (total + 1e-6), max=1.0)

@@ -51,9 +51,11 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
                 # this rank's own stage, on every replica (data-parallel replicas > 0 gave {})
                 local = pipe.state_dict(local=True)
                 local_ok = all(torch.equal(v, state[k]) for k, v in local.items())
+                grad_norm = pipe.grad_norm  # state_dict flushed: the last step's, on every rank
                 evaluated = pipe.eval_step(*batches[0])
                 result = {"losses": losses, "state": state if rank == 0 else None, "eval": evaluated, "error": None,
-                          "local_state": (sorted(local), local_ok), "lookahead": pipe.plan.lookahead}
+                          "local_state": (sorted(local), local_ok), "lookahead": pipe.plan.lookahead,
+                          "grad_norm": grad_norm}
             except Exception:  # report, and keep the ranks in step for the next case
                 result = {"losses": None, "state": None, "error": traceback.format_exc()}
                 print(f"rank {rank} case {name} failed:\n{result['error']}", flush=True)

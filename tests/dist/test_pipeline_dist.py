@@ -45,6 +45,9 @@ def check_cases(world, names, timeout, backend="gloo"):
         assert all(ok for _, ok in local), (name, local)
         assert all(local[r][0] == local[r % d][0] for r in range(world)), (name, local)
         assert set().union(*(keys for keys, _ in local)) == set(per_rank[0]["state"]), name
+        # every rank reduced the last step's gradient norm, to the same value
+        norms = [per_rank[r]["grad_norm"] for r in range(world)]
+        assert all(n[0] == case.steps and n[1] == pytest.approx(norms[0][1], rel=1e-12) for n in norms), (name, norms)
         if case.dropout:
             # the same masks as all ranks in one process, so the same numbers
             losses, state = single_process(case)

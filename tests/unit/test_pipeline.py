@@ -6,6 +6,7 @@ Both references live in tests/reference.py and do not import fxpipe.
 """
 
 import copy
+import dataclasses
 import functools
 import warnings
 import re
@@ -1306,3 +1307,39 @@ def test_the_settings_ranks_compare_tell_functions_apart_by_code_defaults_and_ca
     assert settings(loss_fn=a["scaled"]) != settings(loss_fn=b["scaled"])
     assert settings(loss_fn=ce(label_smoothing=0.1))["loss_fn"] == (
         "a torch.nn.modules.loss.CrossEntropyLoss(ignore_index=-100, label_smoothing=0.1, reduction='mean')")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw", "zb", "gpipe"])
+def test_grad_norm_is_the_whole_batchs_before_clipping(schedule, tmp_path):
+    case = dataclasses.replace(CASES["gpt2_2bw"], schedule=schedule, optimizer="adamw")  # tied weights
+    model, example, batches, loss_fn, opt = build(case)
+    ref = copy.deepcopy(model).double()
+    (x, y), second = batches[0], batches[1]
+    out = ref(**x) if isinstance(x, dict) else ref(x)
+    (out.loss if loss_fn is None else loss_fn(out, y)).backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf")))  # a tied weight once
+    # clipped to a quarter: a norm read after clipping would not pass
+    pipe, _ = _compile(dataclasses.replace(case, max_grad_norm=expected / 4))
+    assert pipe.grad_norm is None
+    pipe.step(x, y)
+    pipe.flush()
+    step, norm = pipe.grad_norm
+    assert step == 1 and norm == pytest.approx(expected, rel=1e-5)
+    pipe.step(*second)
+    # a step's norm is reduced in the next step's segment (the flush schedules at its start: step
+    # returns after the last backward), or by a flush
+    assert pipe.grad_norm[0] == 1
+    pipe.flush()
+    assert pipe.grad_norm[0] == 2
+    if schedule == "1f1b":
+        pipe.save(str(tmp_path))
+        pipe.load(str(tmp_path))
+        assert pipe.grad_norm is None  # nothing of the steps before a load is kept
+
+
+def test_adama_has_no_grad_norm():
+    case = dataclasses.replace(CASES["1f1b_sgd"], optimizer="adamw")
+    pipe, batches = _compile(case, accumulate="optimizer")
+    pipe.step(*batches[0])
+    pipe.flush()
+    assert pipe.grad_norm is None
