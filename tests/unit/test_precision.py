@@ -551,3 +551,18 @@ def test_fp16_resumes_a_checkpoint_of_another_precision_at_its_initial_scale(tmp
     second.flush()
     assert all(abs(a - b) <= 0.05 * abs(b) for a, b in zip(losses, [first.step(*b) for b in batches[3:]]))
     assert second.skipped_steps == []
+
+
+def test_fp16_grad_norm_is_unscaled():
+    """pipe.grad_norm divides the loss scale out: fp16 under a scale of 2**10 reports the fp32 norm."""
+    norms = {}
+    for precision in ("fp32", "fp16"):
+        net, example, batches, loss_fn, opt = build_mixed("gpt", steps=1)
+        extra = {"scaler": torch.amp.GradScaler("cpu", init_scale=SCALER[0])} if precision == "fp16" else {}
+        pipe = fxpipe.compile(net, example, loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2,
+                              schedule="1f1b", precision=precision, verbose=False, **extra)
+        pipe.step(*batches[0])
+        pipe.flush()
+        norms[precision] = pipe.grad_norm
+    assert norms["fp16"][0] == norms["fp32"][0] == 1 and norms["fp32"][1] > 0.1, norms
+    assert norms["fp16"][1] == pytest.approx(norms["fp32"][1], rel=2e-2)
