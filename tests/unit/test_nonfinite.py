@@ -90,9 +90,15 @@ def test_a_bad_batch_found_by_a_flush_then_load_resumes(poisoned_gradient, sched
 def test_skip_drops_the_update_everywhere_and_trains_on(poisoned_gradient):
     pipe = resume.compile("2bw", 3, 4, dropout=0.0, nonfinite="skip")
     with pytest.warns(RuntimeWarning, match=rf"step {BAD}: stage\(s\) \[1\]; that update was skipped on every rank"):
-        losses = [float(pipe.step(*resume.batch(t))) for t in range(1, 8)]
+        losses = [float(pipe.step(*resume.batch(t))) for t in range(1, BAD + 2)]
+        # the last stage reduced batch BAD's norm during the next step: that norm is not finite
+        step, norm = pipe.grad_norm
+        assert step == BAD and math.isnan(norm)
+        losses += [float(pipe.step(*resume.batch(t))) for t in range(BAD + 2, 8)]
     assert pipe.skipped_steps == [BAD]
     assert all(math.isfinite(x) for x in losses)
+    pipe.flush()
+    assert pipe.grad_norm[0] == 7 and math.isfinite(pipe.grad_norm[1])
     assert len(poisoned_gradient["updates"]) == 3 and all(_same(b, a) for b, a in poisoned_gradient["updates"])
     assert all(wk.store.optimizer_steps == wk.store.updates - 1 for wk in pipe.workers.values())
 
