@@ -1674,22 +1674,22 @@ def _init_distributed(requested_device, timeout: float | None) -> tuple[bool, to
         device = choose_device(requested_device, distributed=True)
         check_backend(backend, device)
         timeout = timeout if timeout is not None else _group_timeout(device)
-        if not _MEETS_ON_USERS_GROUP[0] and dist.get_world_size() > 1:
-            _MEETS_ON_USERS_GROUP[0] = True  # once a process, before any pipeline's _drain_at_exit (atexit: LIFO)
-            atexit.register(_meet_on_users_group, timeout)
+        if not _FINISHES_ON_USERS_GROUP[0] and dist.get_world_size() > 1:
+            _FINISHES_ON_USERS_GROUP[0] = True  # once a process, before any pipeline's _drain_at_exit (atexit: LIFO)
+            atexit.register(_finish_at_exit, None, timeout, destroy=False)
         return dist.get_world_size() > 1, device, timeout
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = choose_device(requested_device, distributed=True)
         timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
         span = datetime.timedelta(seconds=timeout)
         # init_process_group's own env:// rendezvous (torchrun's agent store or rank 0's), run
-        # here to keep the store: the ranks meet in it at exit (_destroy_process_group)
+        # here to keep the store: the ranks meet in it at exit (_finish_at_exit)
         store, rank, world = next(dist.rendezvous("env://", timeout=span))
         store.set_timeout(span)
         dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world, timeout=span)
         # The group is fxpipe's, so fxpipe tears it down: a gloo group still alive when the
         # interpreter finalises aborts the process ("terminate called without an active exception").
-        atexit.register(_destroy_process_group, store, timeout)
+        atexit.register(_finish_at_exit, store, timeout, destroy=True)
         return True, device, timeout
     return False, choose_device(requested_device, distributed=False), None
 
@@ -1744,7 +1744,7 @@ def _drain_at_exit(ref: "weakref.ref[Pipeline]", in_flight: list[tuple]) -> None
                       RuntimeWarning, stacklevel=1)
 
 
-#: This process's multi-process pipelines (at exit: whether one failed, see _destroy_process_group)
+#: This process's multi-process pipelines (at exit: whether one failed, see _finish_at_exit)
 _PIPELINES: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
 #: Whether a pipeline of this process failed part-way, even one since collected
 _BROKEN_HERE = [False]
@@ -1756,51 +1756,39 @@ def _exiting_on_error() -> bool:
     return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
-def _destroy_process_group(store, timeout: float) -> None:
-    """At exit, after every pipeline drained (:func:`_drain_at_exit`): destroy the group fxpipe
-    created, once every rank has drained too. A rank whose own operations are complete can
-    still have a peer reading what it sent (gloo completes a send once its bytes are out), and a
-    gloo group torn down then can abort the process at exit ("terminate called without an
-    active exception", in about one run in eight of ``tests/dist/test_reliability.py``'s script
-    that ends without ``flush()``). So each rank says in the group's store that it is done and
-    waits, up to ``timeout``, for the others to say the same: once all have drained, nothing
-    is in flight. The store, not a collective: a peer whose pipeline failed may have left the
-    device communicator with unmatched operations. A rank whose pipeline failed says it is done
-    but waits for no one (its peers may never come), nor does a rank exiting on an uncaught
+def _finish_at_exit(store, timeout: float, *, destroy: bool) -> None:
+    """At exit, after every pipeline drained (:func:`_drain_at_exit`): meet the other ranks, then
+    (``destroy``: the group fxpipe created) destroy the group. A rank whose own operations are
+    complete can still have a peer reading what it sent (gloo completes a send once its bytes
+    are out), and a rank that tears its group down or exits then can abort that peer at exit
+    ("terminate called without an active exception": about one run in eight of
+    ``tests/dist/test_reliability.py``'s script that ends without ``flush()``, and one in twenty
+    of its script on a group of its own, left alive, on a loaded host). So each rank says in the
+    group's store (``store``; None: the default group's, a group the script created) that it is
+    done and waits, up to ``timeout``, for the others to say the same: once all have drained,
+    nothing is in flight. The store, not a collective: a peer whose pipeline failed may have left
+    the device communicator with unmatched operations. A rank whose pipeline failed says it is
+    done but waits for no one (its peers may never come), nor does a rank exiting on an uncaught
     exception (one rank's error, such as an ``InputError`` raised before it communicated: its
-    peers, waiting for it, then fail at once with a ``PeerError`` instead of at the timeout)."""
+    peers, waiting for it, then fail at once with a ``PeerError`` instead of at the timeout). A
+    group the script created stays the script's: it is not destroyed."""
     if not (dist.is_available() and dist.is_initialized()):
         return  # the script destroyed it
+    store = store if store is not None else dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
     waits = not (_BROKEN_HERE[0] or _exiting_on_error() or any(p._broken for p in list(_PIPELINES)))
     missing = _meet_at_exit(store, rank, dist.get_world_size(), timeout, wait=waits)
     if missing:
         warnings.warn(f"fxpipe: at exit, rank {rank} waited {timeout:g} s for rank(s) {missing} to finish "
-                      f"their communication and tears its group down without them; if they are still running, "
-                      f"their pipeline will fail with a PeerError", RuntimeWarning, stacklevel=1)
-    dist.destroy_process_group()
+                      f"their communication and {'tears its group down' if destroy else 'exits'} without them; "
+                      f"if they are still running, their pipeline will fail with a PeerError", RuntimeWarning,
+                      stacklevel=1)
+    if destroy:
+        dist.destroy_process_group()
 
 
-def _meet_on_users_group(timeout: float) -> None:
-    """At exit, after every pipeline drained, on a group the script created and has not destroyed
-    (README: flush, barrier, destroy): the ranks meet in its store as on fxpipe's own group
-    (:func:`_destroy_process_group`), so that no rank exits, closing its connections, while a
-    peer still reads what it sent; that aborted the peer at exit ("terminate called without an
-    active exception") in about one run in twenty of ``tests/dist/test_reliability.py``'s script
-    on its own group, on a loaded host. The group stays the script's: it is not destroyed."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return  # the script destroyed it
-    rank = dist.get_rank()
-    waits = not (_BROKEN_HERE[0] or _exiting_on_error() or any(p._broken for p in list(_PIPELINES)))
-    missing = _meet_at_exit(dist.distributed_c10d._get_default_store(), rank, dist.get_world_size(), timeout,
-                            wait=waits)
-    if missing:
-        warnings.warn(f"fxpipe: at exit, rank {rank} waited {timeout:g} s for rank(s) {missing} to finish their "
-                      f"communication and exits without them", RuntimeWarning, stacklevel=1)
-
-
-#: Whether this process registered :func:`_meet_on_users_group`
-_MEETS_ON_USERS_GROUP = [False]
+#: Whether this process registered :func:`_finish_at_exit` for a group the script created
+_FINISHES_ON_USERS_GROUP = [False]
 
 
 def _meet_at_exit(store, rank: int, world: int, timeout: float, *, wait: bool = True) -> list[int]:

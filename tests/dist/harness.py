@@ -70,7 +70,7 @@ def _destroy(rank: int, world: int, timeout: float, wait: bool = True) -> None:
     while a peer is still reading what it sent (gloo completes a send once its bytes are out), and
     destroying the group then can abort that peer ("terminate called without an active
     exception"): so the ranks meet in the group's store first, as fxpipe's own teardown does
-    (``pipeline._destroy_process_group``)."""
+    (``pipeline._finish_at_exit``)."""
     from fxpipe.pipeline import _meet_at_exit
 
     _meet_at_exit(dist.distributed_c10d._get_default_store(), rank, world, timeout, wait=wait)

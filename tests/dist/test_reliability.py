@@ -354,7 +354,7 @@ def test_a_collected_pipeline_on_the_scripts_own_group_finishes_its_communicatio
 
 
 def test_ranks_meet_in_the_store_before_the_group_is_torn_down(monkeypatch):
-    """The exit rendezvous of fxpipe.pipeline._destroy_process_group: a rank waits (up to the
+    """The exit rendezvous of fxpipe.pipeline._finish_at_exit: a rank waits (up to the
     timeout) for every rank's key, a failed rank only sets its own, and a restarted torchrun
     attempt does not take the keys of the one before for its peers'."""
     import datetime
@@ -388,7 +388,13 @@ def test_a_rank_that_tears_down_without_its_peers_says_so(monkeypatch):
     store = dist.HashStore()
     with pytest.warns(RuntimeWarning, match=r"rank 0 waited 0.2 s for rank\(s\) \[1\] to finish their communication "
                                             r"and tears its group down without them"):
-        pipeline._destroy_process_group(store, 0.2)
+        pipeline._finish_at_exit(store, 0.2, destroy=True)
+    assert destroyed == [None]
+    # a group the script created: the same meeting, and the group stays the script's
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: dist.HashStore())
+    with pytest.warns(RuntimeWarning, match=r"rank 0 waited 0.2 s for rank\(s\) \[1\] to finish their communication "
+                                            r"and exits without them"):
+        pipeline._finish_at_exit(None, 0.2, destroy=False)
     assert destroyed == [None]
 
 

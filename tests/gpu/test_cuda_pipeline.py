@@ -60,7 +60,7 @@ def test_nccl_ranks_match_the_reference():
 def test_nccl_script_that_ends_without_flush_exits_on_every_rank():
     # The exit path under NCCL, as torchrun runs a script: fxpipe creates the group ("auto" picks
     # cuda:LOCAL_RANK), and at exit each rank drains, meets the others in the store and destroys
-    # the group (fxpipe.pipeline._destroy_process_group). On gloo the meeting removed an abort at
+    # the group (fxpipe.pipeline._finish_at_exit). On gloo the meeting removed an abort at
     # exit seen in about one run in eight; five runs here.
     from tests.dist.test_reliability import _run_script
 
