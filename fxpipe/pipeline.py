@@ -1340,7 +1340,7 @@ class Pipeline:
         given. ``None`` before any, after :meth:`load`, and under ``accumulate="optimizer"``
         (AdamA holds no whole gradient). Reading it waits for the device (a host sync on CUDA)."""
         latest = max((wk.grad_norm for wk in self.workers.values() if wk.grad_norm is not None),
-                     key=lambda got: got[0], default=None) if self._setup_done else None
+                     key=lambda got: got[0], default=None)  # no workers before set-up
         return None if latest is None else (latest[0], float(latest[1]))
 
     def save(self, path: str, extra: dict | None = None, *, keep: int | None = None) -> str:
