@@ -838,7 +838,7 @@ class Pipeline:
             return f"{head}: schedule={self.config.schedule}, {where}, planned at its first step>"
         p = self.plan
         return (f"{head}: schedule={p.schedule} d={p.stages} w={p.width} b={p.microbatch_size} m={p.microbatches} "
-                f"precision={p.precision}, {where} on {self.device}, {self.steps} step(s)>")
+                f"precision={_precision_label(p.precision, self.model)}, {where} on {self.device}, {self.steps} step(s)>")
 
     def describe(self) -> str:
         self._require_setup("describe")
@@ -1661,6 +1661,19 @@ class Loss:
 
 # ---------------------------------------------------------------------------------------------
 # helpers
+
+
+_SHORT_DTYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def _precision_label(policy: str, model: nn.Module) -> str:
+    """The precision ``repr`` prints: the policy, except that under ``"fp32"`` (no autocast: the
+    model trains in its own dtypes) a model whose floating parameters are not float32 shows them,
+    e.g. ``fp64 (no autocast)``."""
+    dtypes = {q.dtype for q in model.parameters() if q.is_floating_point()}
+    if policy != "fp32" or dtypes <= {torch.float32}:
+        return policy
+    return "+".join(sorted(_SHORT_DTYPES.get(t, str(t).removeprefix("torch.")) for t in dtypes)) + " (no autocast)"
 
 
 def _init_distributed(requested_device, timeout: float | None) -> tuple[bool, torch.device, float | None]:

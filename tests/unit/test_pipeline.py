@@ -494,6 +494,11 @@ def test_a_pipeline_prints_what_it_runs():
     p = pipe.plan
     assert repr(pipe) == (f"<fxpipe.Pipeline of {type(pipe.model).__name__}: schedule=1f1b d=2 w=1 "
                           f"b={p.microbatch_size} m={case.microbatches} precision=fp32, one process on cpu, 2 step(s)>")
+    # without autocast a model trains in its own dtype, and repr says which
+    model, example = rmsnorm_residual()
+    wide = fxpipe.compile(model.double(), example, loss_fn=lambda out, y: out.pow(2).mean(), stages=2,
+                          schedule="1f1b", microbatches=2, verbose=False)
+    assert "precision=fp64 (no autocast), one process" in repr(wide)
 
 
 def test_saved_plan_for_another_model_is_rejected():
