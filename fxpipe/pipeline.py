@@ -527,7 +527,9 @@ class Pipeline:
         self._stopped: Exception | None = None  # nonfinite="raise" stopped the pipeline
         self._broken = False  # an action raised: what this rank has in flight may never be matched
         self._failure = ""  # what raised then, for the error every later call gets
-        self._saving = None  # (directory, future) of the checkpoint being written, if any
+        # (directory, future, what unclaims its step if writing fails) of the checkpoint being
+        # written, if any
+        self._saving = None
         self._checkpoint_group = None  # the gloo group checkpoint writers coordinate over
         self._saving_registered = False
         # save(keep=)'s lineage: the steps this pipeline saved per root (absolute), and the root and
@@ -1372,10 +1374,11 @@ class Pipeline:
         root = os.path.abspath(path)
         ours = self._saved_steps.setdefault(root, set())  # the step being saved is always kept
         base = self._resumed_from[1] if self._resumed_from and self._resumed_from[0] == root else 0
-        self._saving = checkpoint.save(self, path, extra, self._checkpoint_pg(), keep,
-                                       prunable=lambda t: t in ours or t <= base)
-        ours.add(self.t)  # once save has not refused it
-        return self._saving[0]
+        directory, future = checkpoint.save(self, path, extra, self._checkpoint_pg(), keep,
+                                            prunable=lambda t: t in ours or t <= base)
+        self._saving = (directory, future, None if self.t in ours else functools.partial(ours.discard, self.t))
+        ours.add(self.t)  # once save has not refused it (and until its writing fails)
+        return directory
 
     def wait_for_checkpoint(self) -> str | None:
         """Wait until this rank's part of the checkpoint being written (if any) is written (on rank
@@ -1383,11 +1386,13 @@ class Pipeline:
         writer raised."""
         if self._saving is None:
             return None
-        path, future = self._saving
+        path, future, unclaim = self._saving
         self._saving = None
         try:
             problems = future.result()
         except Exception as e:
+            if unclaim is not None:  # the step's folder holds what it held before: not this run's to prune
+                unclaim()
             raise FxpipeError(f"writing checkpoint {path} failed: {e}") from e
         for problem in problems:  # save(keep=) could not delete an old checkpoint: the new one is whole
             warnings.warn(f"fxpipe save: {problem}", RuntimeWarning, stacklevel=2)

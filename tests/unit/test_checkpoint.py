@@ -2,11 +2,12 @@
 
 import os
 import re
+import warnings
 
 import pytest
 import torch
 
-from fxpipe.errors import CheckpointError
+from fxpipe.errors import CheckpointError, FxpipeError
 from tests import resume
 
 
@@ -152,6 +153,58 @@ def test_a_checkpoint_keep_cannot_delete_is_a_warning_not_a_failed_save(tmp_path
     assert "step-00000001" not in os.listdir(tmp_path)  # renamed aside: no half checkpoint under its name
 
 
+def test_a_save_over_a_rolled_back_runs_checkpoint_replaces_it_only_once_complete(tmp_path, monkeypatch):
+    # a first run saves steps 1 and 2; a second resumes from 1 on other data and saves its own step 2,
+    # which is cut short the first time: the first run's step 2 (which latest names) must stay whole
+    from concurrent.futures import Future
+
+    import fxpipe.checkpoint as ckpt
+
+    def state(path):
+        pipe = resume.compile("1f1b", 2, 2)
+        pipe.load(str(path))
+        return pipe.state_dict()
+
+    first = resume.compile("1f1b", 2, 2)
+    for t in (1, 2):
+        first.step(*resume.batch(t))
+        first.save(str(tmp_path))
+    first.wait_for_checkpoint()
+    old = first.state_dict()
+    second = resume.compile("1f1b", 2, 2)
+    second.load(str(tmp_path / "step-00000001"))
+    second.step(*resume.batch(7))
+
+    def cut_short(state_dict, *, checkpoint_id, **kwargs):  # part of the files, then the disk fills
+        (tmp_path / checkpoint_id / "__0_0.distcp").write_bytes(b"half")
+        (tmp_path / checkpoint_id / ".metadata").write_bytes(b"stale")
+        failed = Future()
+        failed.set_exception(OSError(28, "No space left on device"))
+        return failed
+
+    monkeypatch.setattr(ckpt.dcp, "async_save", cut_short)
+    replaced = r"fxpipe save: .*step-00000002 already holds a checkpoint of this step from another run .*replaces it once"
+    with pytest.warns(RuntimeWarning, match=replaced):
+        second.save(str(tmp_path))
+    with pytest.raises(FxpipeError, match=r"writing checkpoint .*step-00000002 failed: .*No space left on device"):
+        second.wait_for_checkpoint()
+    assert (tmp_path / "latest").read_text().strip() == "step-00000002"
+    assert all(torch.equal(old[k], v) for k, v in state(tmp_path).items())
+    monkeypatch.undo()
+    with pytest.warns(RuntimeWarning, match=replaced) as caught:
+        second.save(str(tmp_path))
+        second.wait_for_checkpoint()
+    assert not [w for w in caught if "Detected an existing checkpoint" in str(w.message)]  # DCP wrote a fresh folder
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002"]
+    new = second.state_dict()
+    assert any(not torch.equal(old[k], new[k]) for k in new)
+    assert all(torch.equal(new[k], v) for k, v in state(tmp_path).items())
+    with warnings.catch_warnings():  # its own checkpoint of a step: saved again without a word
+        warnings.simplefilter("error", RuntimeWarning)
+        second.save(str(tmp_path))
+        second.wait_for_checkpoint()
+
+
 def test_a_lazy_2bw_pipeline_of_more_stages_than_the_checkpoints_micro_batches_says_so(tmp_path):
     import fxpipe
     from fxpipe.demo import lm_loss
@@ -201,8 +254,8 @@ def test_checkpoint_errors_say_what_to_do(tmp_path):
         pipe.save(str(tmp_path), extra={"sampler": lambda: 0})
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    with pytest.raises(CheckpointError, match=rf"save: cannot write a checkpoint into '{a_file}/step-00000000': Not a "
-                                              r"directory\. Pass a directory every rank can create and write"):
+    with pytest.raises(CheckpointError, match=rf"save: cannot write a checkpoint into '{a_file}/\.step-00000000\.partial': "
+                                              r"Not a directory\. Pass a directory every rank can create and write"):
         pipe.save(str(a_file))
     pipe.step(*resume.batch(1))
     pipe.save(str(tmp_path))
