@@ -105,6 +105,10 @@ class Comm:
         """Tell the other ranks why this rank stopped (one line), for the errors their waits on it
         will raise. In one process there is no one else to tell."""
 
+    def withdraw(self) -> None:
+        """Take back this rank's report: it went on (a refused batch it caught), and a later
+        error of a peer must not quote it."""
+
     def reports(self) -> dict[int, str]:
         """Rank -> the reason it reported (:meth:`report`), for every other rank that did."""
         return {}
@@ -171,8 +175,8 @@ class DistComm(Comm):
             return Handle()
         message = _pack(tensors)
         self.last_posted = label
-        return _DistHandle([dist.isend(message, peer, tag=self.tag)], (message,), comm=self, label=label,
-                           peer=f"to rank {peer}")
+        work = self._post(lambda: dist.isend(message, peer, tag=self.tag), label, f"to rank {peer}")
+        return _DistHandle([work], (message,), comm=self, label=label, peer=f"to rank {peer}")
 
     def irecv(self, tensors, peer, label=""):
         if not tensors:
@@ -185,16 +189,25 @@ class DistComm(Comm):
             message = torch.empty(sum(t.nbytes for t in tensors), dtype=torch.uint8, device=tensors[0].device)
             unpack = (message, tensors)
         self.last_posted = label
-        return _DistHandle([dist.irecv(message, peer, tag=self.tag)], comm=self, label=label,
-                           peer=f"from rank {peer}", unpack=unpack)
+        work = self._post(lambda: dist.irecv(message, peer, tag=self.tag), label, f"from rank {peer}")
+        return _DistHandle([work], comm=self, label=label, peer=f"from rank {peer}", unpack=unpack)
 
     def all_reduce(self, tensor, group, label=""):
         g, ranks = self.groups[group]
         if len(ranks) == 1:
             return Handle()
         self.last_posted = label
-        return _DistHandle([dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g, async_op=True)], comm=self,
-                           label=label, peer=f"in an all-reduce over ranks {ranks}")
+        peer = f"in an all-reduce over ranks {ranks}"
+        work = self._post(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g, async_op=True), label, peer)
+        return _DistHandle([work], comm=self, label=label, peer=peer)
+
+    def _post(self, post, label: str, peer: str):
+        """``post()``'s work; a post that fails (gloo: the peer's connection closed, it died) raises
+        the :class:`~fxpipe.errors.PeerError` a failed wait would."""
+        try:
+            return post()
+        except RuntimeError as e:
+            raise self.failure(label, peer, None, e) from e
 
     def _report_key(self, rank: int) -> str:
         return f"fxpipe/{self.tag}/failed/{rank}"  # per pipeline: the same tag on every rank
@@ -205,6 +218,14 @@ class DistComm(Comm):
         try:
             self.store.set(self._report_key(self.rank), error[:_REPORT_CHARS])
         except Exception:  # noqa: BLE001 - the store gone too: the peers' errors say less, nothing worse
+            pass
+
+    def withdraw(self) -> None:
+        if self.store is None:
+            return
+        try:
+            self.store.delete_key(self._report_key(self.rank))
+        except Exception:  # noqa: BLE001 - as in report
             pass
 
     def reports(self) -> dict[int, str]:
@@ -220,11 +241,14 @@ class DistComm(Comm):
             pass
         return found
 
-    def failure(self, label: str, peer: str, waited: float, error: Exception) -> PeerError:
-        """The error a failed wait raises: who waited, for what, from whom, and what to check;
-        where other ranks reported why they stopped (:meth:`report`), their reasons first."""
-        text = str(error).strip().splitlines()[-1]
-        if "timed out" in text.lower() or "timeout" in text.lower():
+    def failure(self, label: str, peer: str, waited: float | None, error: Exception) -> PeerError:
+        """The error a failed wait (``waited`` seconds) or post (``waited`` None) raises: who
+        waited or posted, what, to or from whom, and what to check; where other ranks reported why
+        they stopped (:meth:`report`), their reasons first."""
+        text = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        if waited is None:
+            why = f"posted {label} {peer}, and the connection failed ({text})"
+        elif "timed out" in text.lower() or "timeout" in text.lower():
             why = f"waited {waited:.0f} s for {label} {peer}: no answer within compile(timeout=...)"
         else:
             why = f"waited for {label} {peer}, and the connection failed ({text})"

@@ -546,16 +546,77 @@ class Pipeline:
         if self.distributed:
             _PIPELINES.add(self)
         if example_inputs is not None:
-            self._setup(*normalize_inputs(example_inputs))
+            self._setup(lambda: normalize_inputs(example_inputs))
 
     # ------------------------------------------------------------------ set-up
 
-    def _setup(self, args: tuple, kwargs: dict) -> None:
-        from .materialize import Materializer, has_meta
-
+    def _setup(self, example: Callable[[], tuple[tuple, dict]], *, loading: bool = False) -> None:
+        """Trace ``example()`` (the ``(args, kwargs)`` of one micro-batch), plan and build this
+        rank's stages. What a rank finds wrong on its own while tracing (its example, its model)
+        every rank raises, before the plan is broadcast: a rank never fails alone while its peers
+        wait for it in a collective. ``loading``: a checkpoint's weights replace the model's next,
+        so the ranks' models need not agree."""
         o = self.config
         if self.distributed:
             self._check_settings_agree()
+        try:
+            gm = self._trace_and_check(example)
+            problem = None
+        except Exception as e:  # noqa: BLE001 - raised as it is here, and named on the other ranks
+            problem = e
+        self._raise_agreed(problem, PeerError, "rank {rank} could not set up its pipeline, so no rank does: ")
+        m = o.microbatches or DEFAULT_MICROBATCHES
+        kernels = _kernel_backend(o.kernels, self.device)
+        plan = o.plan if o.plan is not None else self._agreed_plan(gm, m, kernels)
+        self._check_plan_fits(plan, gm)
+        self.plan = plan
+        self._build_workers(plan, gm, kernels)
+        if self.distributed and self._source is None and not loading:  # weights= fills alike everywhere
+            self._check_copies_agree()
+        self._hold_no_weights(gm)
+        self._setup_done = True
+        if self.config.verbose and self.rank == 0:
+            print(self.describe())
+
+    def _check_copies_agree(self) -> None:
+        """Every rank's copy of a tensor several ranks hold (a data-parallel replica's stage, a
+        tied weight's copy on each stage that reads it) starts with the same values, else every
+        rank raises a ConfigError: each rank builds its stages from its own model, and a script
+        that built it without a seed would train its replicas, or a tied weight's copies, apart.
+        Compared by a checksum of each tensor's first 4096 values (one collective of a few
+        numbers per tensor)."""
+        mine: dict[str, tuple[float, float]] = {}
+        for wk in self.workers.values():
+            for name, t in {**wk.newest_weights(), **wk.buffers}.items():
+                head = t.detach().reshape(-1)[:4096].to("cpu", torch.float64)
+                mine[name] = (float(head.sum()), float((head * torch.arange(1, head.numel() + 1)).sum()))
+        gathered: list = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)
+        differ = []
+        for name in sorted({n for g in gathered for n in g}):
+            by_value: dict[tuple, list[int]] = {}
+            for r, g in enumerate(gathered):
+                if name in g:
+                    by_value.setdefault(g[name], []).append(r)
+            if len(by_value) > 1:
+                differ.append(f"{self.staged.originals.get(name, [name])[0]} (rank(s) "
+                              + " against ".join(str(rs) for rs in by_value.values()) + ")")
+        if differ:
+            more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+            raise ConfigError(
+                f"fxpipe.compile: the ranks' models start from different values where several ranks hold a copy "
+                f"(a data-parallel replica's stage, or a tied weight's copy on each stage reading it): "
+                f"{', '.join(differ[:3])}{more}. Those copies must start equal, or they train apart. Build the "
+                f"model alike on every rank: call torch.manual_seed(...) before constructing it, load the same "
+                f"weights on every rank (from_pretrained, load_state_dict), or pass weights= to fxpipe.compile")
+
+    def _trace_and_check(self, example: Callable[[], tuple[tuple, dict]]) -> fx.GraphModule:
+        """This rank's own part of the set-up: the example, its trace and what the trace shows
+        eager PyTorch would refuse; sets what later steps check batches against."""
+        from .materialize import Materializer, has_meta
+
+        o = self.config
+        args, kwargs = example()
         # meta example inputs: CPU zeros of their shapes (batches are checked against them, checkpoints keep them)
         args, kwargs = pytree.tree_map(lambda x: torch.zeros_like(x, device="cpu") if isinstance(x, torch.Tensor)
                                        and x.is_meta else x, (args, kwargs))
@@ -579,16 +640,7 @@ class Pipeline:
                 f"requires_grad=False. Unfreeze the parameters to train (p.requires_grad_(True)); a pipeline "
                 f"trains, and evaluates what it trained (eval_step)")
         self.inputs = InputSignature.record(self.trace_info, args, kwargs)  # checks every later batch
-        m = o.microbatches or DEFAULT_MICROBATCHES
-        kernels = _kernel_backend(o.kernels, self.device)
-        plan = o.plan if o.plan is not None else self._agreed_plan(gm, m, kernels)
-        self._check_plan_fits(plan, gm)
-        self.plan = plan
-        self._build_workers(plan, gm, kernels)
-        self._hold_no_weights(gm)
-        self._setup_done = True
-        if self.config.verbose and self.rank == 0:
-            print(self.describe())
+        return gm
 
     def _hold_no_weights(self, gm: fx.GraphModule) -> None:
         """Let go of the model's weights once the stages hold their own copy, so that ``del model``
@@ -890,6 +942,7 @@ class Pipeline:
         except InputError as e:
             for wk in self.workers.values():
                 wk.comm.report(f"InputError: {str(e).splitlines()[0]}")
+            _REFUSED_HERE.add(id(self))  # its peers may be waiting for it: at exit it does not wait for them
             raise
 
     def _freeze_heap(self) -> None:
@@ -912,9 +965,12 @@ class Pipeline:
         args, kwargs = batch_inputs(inputs, "step()")
         if not self._setup_done:  # the lazy path: the first micro-batch defines the signature
             m, w = self.config.microbatches or DEFAULT_MICROBATCHES, self._width_hint()
-            check_first_batch(args, kwargs, target, microbatches=m, width=w, device=self.device,
-                              needs_target=self.config.loss_fn is not None, what="step()")
-            self._setup(*_split_batch((args, kwargs), m * w)[0])
+            def first_microbatch():
+                check_first_batch(args, kwargs, target, microbatches=m, width=w, device=self.device,
+                                  needs_target=self.config.loss_fn is not None, what="step()")
+                return _split_batch((args, kwargs), m * w)[0]
+
+            self._setup(first_microbatch)
         if not self._heap_frozen:
             self._freeze_heap()
         plan = self.plan
@@ -929,6 +985,7 @@ class Pipeline:
         for r, wk in self.workers.items():
             self._give(wk, wk.stage, chunks, first=(t - 1) * m + 1)
         self._execute(lambda stage: self.program.segment(stage, t, self.epoch_start), f"step {t}")
+        self._stepped_on()
         self._report_nonfinite(t)
         self._check_loss_sums(t)
         return self._batch_loss(t, sync)
@@ -990,6 +1047,14 @@ class Pipeline:
             self._broken, self._failure = True, f"{what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             _BROKEN_HERE[0] = True  # for the exit meeting, however long this pipeline lives
             raise
+
+    def _stepped_on(self) -> None:
+        """A step (or eval_step) ran to its end, with every rank: a batch this rank refused
+        before (caught) stands no more, nor its report to the peers."""
+        if id(self) in _REFUSED_HERE:
+            _REFUSED_HERE.discard(id(self))
+            for wk in self.workers.values():
+                wk.comm.withdraw()
 
     def _run_lists(self, lists: dict[int, list[Action]], what: str) -> None:
         if self.distributed:
@@ -1172,6 +1237,7 @@ class Pipeline:
             self._give(wk, stage, chunks, first=1)
         try:
             self._execute(self.program.eval, "eval_step")
+            self._stepped_on()
             for wk in self.workers.values():
                 wk.drain()
         finally:
@@ -1203,15 +1269,21 @@ class Pipeline:
         exception (None: none found), each rank checking only its own stages. Under torchrun the
         messages are all-gathered on ``group``, so a rank does not raise alone while the others
         wait for it. A rank raises its own problem (an exception as it is, a message as
-        ``kind``), or else ``kind`` with the first rank's message after ``elsewhere`` (formatted
-        with ``rank``)."""
+        ``kind``), or else the first rank's message after ``elsewhere`` (formatted with ``rank``),
+        as that rank's class where it raised an fxpipe error (``except InputError`` then catches it
+        on every rank), else as ``kind``."""
         text = None if problem is None else (f"{type(problem).__name__}: {problem}"
                                              if isinstance(problem, Exception) else problem)
         if self.distributed:
             found: list = [None] * self.world_size
-            dist.all_gather_object(found, text, group=group)
-            if problem is None:
-                text = next((elsewhere.format(rank=r) + p for r, p in enumerate(found) if p is not None), None)
+            name = type(problem).__name__ if isinstance(problem, Exception) else None
+            dist.all_gather_object(found, None if text is None else (name, text), group=group)
+            first = next(((r, p) for r, p in enumerate(found) if p is not None), None)
+            if problem is None and first is not None:  # the first rank's error, as that rank's kind
+                r, (name, message) = first
+                same = getattr(errors_module, name, None) if name else None
+                kind = same if isinstance(same, type) and issubclass(same, FxpipeError) else kind
+                text = elsewhere.format(rank=r) + message
         if isinstance(problem, Exception):
             raise problem
         if text is not None:
@@ -1514,7 +1586,7 @@ class Pipeline:
                     f"another global batch."
                 )
             example = _resize_example(example, batch // (m * w))
-        self._setup(*normalize_inputs(example))
+        self._setup(lambda: normalize_inputs(example), loading=True)
 
     def _checkpoint_pg(self):
         """A gloo group of all ranks for checkpoint writers (None in one process): the writer
@@ -1766,6 +1838,10 @@ def _drain_at_exit(ref: "weakref.ref[Pipeline]", in_flight: list[tuple]) -> None
 _PIPELINES: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
 #: Whether a pipeline of this process failed part-way, even one since collected
 _BROKEN_HERE = [False]
+#: The pipelines (by id) whose latest batch this rank refused (an InputError) and that have not
+#: stepped since: a script that caught it and then ended (``sys.exit(1)``) is ending on an error
+#: its peers may be waiting on
+_REFUSED_HERE: set[int] = set()
 
 
 def _exiting_on_error() -> bool:
@@ -1787,14 +1863,17 @@ def _finish_at_exit(store, timeout: float, *, destroy: bool) -> None:
     nothing is in flight. The store, not a collective: a peer whose pipeline failed may have left
     the device communicator with unmatched operations. A rank whose pipeline failed says it is
     done but waits for no one (its peers may never come), nor does a rank exiting on an uncaught
-    exception (one rank's error, such as an ``InputError`` raised before it communicated: its
-    peers, waiting for it, then fail at once with a ``PeerError`` instead of at the timeout). A
-    group the script created stays the script's: it is not destroyed."""
+    exception, or after a batch it refused alone and has not stepped since (one rank's error,
+    such as an ``InputError`` raised before it communicated, caught or not: its peers, waiting
+    for it, then fail at once with a ``PeerError`` instead of at the timeout). Python does not
+    tell an exit handler the exit status, so a script that catches an error of its own and ends
+    with ``sys.exit(1)`` looks like one that ended well: that rank waits for its peers. A group
+    the script created stays the script's: it is not destroyed."""
     if not (dist.is_available() and dist.is_initialized()):
         return  # the script destroyed it
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
-    waits = not (_BROKEN_HERE[0] or _exiting_on_error() or any(p._broken for p in list(_PIPELINES)))
+    waits = not (_BROKEN_HERE[0] or _REFUSED_HERE or _exiting_on_error() or any(p._broken for p in list(_PIPELINES)))
     missing = _meet_at_exit(store, rank, dist.get_world_size(), timeout, wait=waits)
     if missing:
         warnings.warn(f"fxpipe: at exit, rank {rank} waited {timeout:g} s for rank(s) {missing} to finish "

@@ -192,10 +192,10 @@ def test_a_stage_one_rank_cannot_set_up_stops_every_rank_with_its_reason():
     assert [r["error"] for r in results] == [None, None], results
     (factory0, example0), (factory1, example1) = (r["value"] for r in results)
     assert factory1[0] == "ConfigError" and "the optimizer factory raised KeyError: '0.weight'" in factory1[1]
-    assert factory0[0] == "FxpipeError" and factory0[2] < 30
+    assert factory0[0] == "ConfigError" and factory0[2] < 30  # rank 1's class: `except ConfigError` holds on both
     assert factory0[1] == f"rank 1 could not set up its stage, so no rank goes on: ConfigError: {factory1[1]}"
     assert example1[0] == "ConfigError" and "but the example micro-batch has 1" in example1[1]
-    assert example0[0] == "RuntimeMismatchError" and example0[2] < 30
+    assert example0[0] == "ConfigError" and example0[2] < 30
     assert example0[1] == f"rank 1 cannot run the plan, so no rank does: ConfigError: {example1[1]}"
 
 
@@ -367,3 +367,61 @@ def test_a_lazy_pipeline_deeper_than_its_micro_batches_says_where_its_depth_came
             "2 ranks (stages=None: one stage per rank), and schedule='2bw' needs at least one micro-batch per stage. "
             "Pass microbatches >= 2, or stages= with a data-parallel width (world = stages x width), or "
             "schedule='1f1b' or 'zb', which take fewer"), (r, res["value"])
+
+
+def models_built_apart(rank: int, world: int):
+    """Each rank builds its model from a seed of its own (a script that forgot to seed)."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import fxpipe
+
+    class Tied(nn.Module):  # the output layer reads the embedding's weight, as GPT-2's does
+        def __init__(self):
+            super().__init__()
+            self.emb, self.mid = nn.Embedding(32, 16), nn.Linear(16, 16)
+            self.out = nn.Linear(16, 32, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.out(torch.relu(self.mid(self.emb(ids))))
+
+    def lm_loss(out, ids):
+        return F.cross_entropy(out.flatten(0, 1), ids.flatten())
+
+    def attempt(seed: int, make, example, loss_fn, stages: int):
+        torch.manual_seed(seed)
+        try:
+            pipe = fxpipe.compile(make(), example, loss_fn=loss_fn, microbatches=2, schedule="1f1b", stages=stages,
+                                  verbose=False, timeout=60)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return pipe.plan.width, pipe.plan.stages
+
+    mlp = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))  # noqa: E731
+    ids = torch.randint(0, 32, (2, 6))
+    return {
+        "replicas apart": attempt(rank, mlp, (torch.randn(2, 8),), F.mse_loss, stages=1),
+        "replicas alike": attempt(0, mlp, (torch.randn(2, 8),), F.mse_loss, stages=1),
+        "tied apart": attempt(rank, Tied, (ids,), lm_loss, stages=2),
+        "stages apart": attempt(rank, mlp, (torch.randn(2, 8),), F.mse_loss, stages=2),  # no copies to differ
+    }
+
+
+def test_replicas_and_tied_copies_built_from_different_weights_are_refused_on_every_rank():
+    results = run_function(2, "tests.dist.test_agreed_errors:models_built_apart", timeout=120)
+    assert [r["error"] for r in results] == [None, None], results
+    for r, got in enumerate(r["value"] for r in results):
+        assert got["replicas alike"] == (2, 1) and got["stages apart"] == (1, 2), (r, got)
+        assert re.fullmatch(
+            r"ConfigError: fxpipe\.compile: the ranks' models start from different values where several ranks hold a "
+            r"copy \(a data-parallel replica's stage, or a tied weight's copy on each stage reading it\): 0\.bias "
+            r"\(rank\(s\) \[0\] against \[1\]\), 0\.weight \(rank\(s\) \[0\] against \[1\]\), 2\.bias \(rank\(s\) \[0\] "
+            r"against \[1\]\) and 1 more\. Those copies must start equal, or they train apart\. Build the model alike "
+            r"on every rank: call torch\.manual_seed\(\.\.\.\) before constructing it, load the same weights on every "
+            r"rank \(from_pretrained, load_state_dict\), or pass weights= to fxpipe\.compile", got["replicas apart"]), \
+            (r, got["replicas apart"])
+        assert re.fullmatch(r"ConfigError: fxpipe\.compile: the ranks' models start from different values .*: "
+                            r"emb\.weight \(rank\(s\) \[0\] against \[1\]\)\. Those copies must start equal.*",
+                            got["tied apart"]), (r, got["tied apart"])

@@ -291,26 +291,38 @@ def test_a_plan_rank_0_cannot_make_fails_every_rank_at_once():
 # in a function that returns, so the pipeline is collected before the exit: what it left in
 # flight must still be finished at exit (the group's teardown would otherwise strand rank 1).
 _SCRIPT = """
-import gc, os, time, torch, torch.nn as nn, torch.nn.functional as F, fxpipe
+import gc, os, sys, time, torch, torch.nn as nn, torch.nn.functional as F, fxpipe
 torch.manual_seed(0)
 torch.set_num_threads(1)
-last, fail, bad_input = [False], os.environ["FAIL"] == "1", os.environ["FAIL"] == "input"
+mode, one = os.environ["FAIL"], os.environ["RANK"] == "1"
+last, fail, bad_input = [False], mode == "1", mode in ("input", "caught")
 def loss_fn(out, y):
     if last[0] and fail:
         raise ValueError("a bug in the user's loss")
+    if last[0] and mode == "killed" and one:
+        os._exit(9)  # as if killed: no exit handler, no report
     if last[0]:
         time.sleep(2)
     return F.mse_loss(out, y)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
 x, y = torch.randn(16, 8), torch.randn(16, 8)
+example = x[:8, :7] if mode == "setup" and one else x[:8]  # rank 1's example does not fit its model
 # a failing run ends within its 5 s; a clean one has room for a loaded machine (its exit meeting
-# waits for the slower rank up to the timeout)
+# waits for the slower rank up to the timeout); the runs that must not hang get 120 s, well over
+# what their tests allow
 def train():
-    pipe = fxpipe.compile(model, x[:8], loss_fn=loss_fn, schedule="2bw", stages=2, microbatches=2, verbose=False,
-                          timeout=5 if fail else 120 if bad_input else 30)
+    pipe = fxpipe.compile(model, example, loss_fn=loss_fn, schedule="2bw", stages=2, microbatches=2, verbose=False,
+                          timeout=5 if fail else 30 if mode == "0" else 120)
     for t in range(1, 4):
-        last[0] = t == (2 if fail else 3)
-        loss = pipe.step(x.double() if bad_input and os.environ["RANK"] == "1" else x, y)
+        last[0] = t == (2 if fail or mode == "killed" else 3)
+        bad = bad_input and one and (mode == "input" or t == 2)
+        try:
+            loss = pipe.step(x.double() if bad else x, y)
+        except fxpipe.errors.InputError as e:
+            if mode != "caught":
+                raise
+            print("rank 1 caught", type(e).__name__, flush=True)
+            sys.exit(3)  # the common pattern: log the error, exit with a status
     return type(loss).__name__
 if os.environ.get("OWN_GROUP") == "1":
     torch.distributed.init_process_group("gloo")
@@ -408,6 +420,40 @@ def test_one_ranks_input_error_ends_every_rank_at_once():
     assert rank0.returncode != 0 and "PeerError: rank 0: the first step's check that every rank passed the same " \
                                      "batch failed" in rank0.stdout, rank0.stdout[-2000:]
     assert "; rank(s) [1] failed first (rank 1: InputError: step(): input" in rank0.stdout, rank0.stdout[-2000:]
+
+
+def test_a_rank_that_catches_its_input_error_and_exits_ends_every_rank_at_once():
+    # rank 1 refuses its second batch, logs it and calls sys.exit(3): it used to wait at exit for
+    # rank 0, which waited in step 2 for it, both for the whole timeout (120 s here)
+    start = time.monotonic()
+    rank0, rank1 = _run_script(fail="caught")
+    assert time.monotonic() - start < 60
+    assert rank1.returncode == 3 and "rank 1 caught InputError" in rank1.stdout, rank1.stdout[-2000:]
+    assert rank0.returncode != 0 and "PeerError" in rank0.stdout, rank0.stdout[-2000:]
+    assert "failed first (rank 1: InputError: step(): input" in rank0.stdout, rank0.stdout[-2000:]
+
+
+def test_a_killed_peer_makes_this_rank_raise_a_peer_error_at_once():
+    # whether rank 0 then posts to the closed connection (tests/unit/test_pipeline.py has that
+    # case) or waits on it, it raises a PeerError, not an error of its own action
+    start = time.monotonic()
+    rank0, rank1 = _run_script(fail="killed")
+    assert time.monotonic() - start < 60
+    assert rank1.returncode == 9, rank1.stdout[-2000:]
+    assert re.search(r"fxpipe\.errors\.PeerError: rank 0 (posted|waited for) 0\w+ .*the connection failed",
+                     rank0.stdout), rank0.stdout[-2000:]
+    assert "failed running action" not in rank0.stdout, rank0.stdout[-2000:]
+
+
+def test_a_rank_whose_own_set_up_fails_makes_every_rank_raise_it():
+    # rank 1's example has 7 features for a Linear(8, ...): its trace fails before the plan is
+    # broadcast, where rank 0 used to get gloo's "Connection closed by peer"
+    start = time.monotonic()
+    rank0, rank1 = _run_script(fail="setup")
+    assert time.monotonic() - start < 60
+    assert rank1.returncode != 0 and "fxpipe.errors.TraceError" in rank1.stdout, rank1.stdout[-2000:]
+    assert rank0.returncode != 0 and "fxpipe.errors.TraceError: rank 1 could not set up its pipeline, so no rank " \
+                                     "does: TraceError: " in rank0.stdout, rank0.stdout[-2000:]
 
 
 @pytest.mark.slow

@@ -1124,7 +1124,42 @@ def test_a_batch_refused_on_one_rank_leaves_its_reason_for_the_peers(monkeypatch
             call(x.double(), y)
         assert len(told) == 2 and all(re.match(rf"InputError: {what}\(\): input .*expected torch.float32 as traced, "
                                                rf"got torch.float64", t) for t in told), told
+    # until a step runs, the refusal stands: were the script to end now (having caught it), this
+    # rank would not wait at exit for peers that wait for it; a step takes its report back
+    from fxpipe import pipeline
+
+    withdrawn = []
+    for wk in pipe.workers.values():
+        monkeypatch.setattr(wk.comm, "withdraw", lambda: withdrawn.append(1))
+    assert id(pipe) in pipeline._REFUSED_HERE and not withdrawn
     assert pipe.step(x, y) is not None  # a refused batch leaves the pipeline as it was
+    assert id(pipe) not in pipeline._REFUSED_HERE and len(withdrawn) == 2
+
+
+def test_a_post_to_a_peer_whose_connection_closed_is_a_peer_error(monkeypatch):
+    # gloo refuses a send or receive posted to a peer that died; it is the peer's failure, as a
+    # failed wait is, not an error of the action that posted it
+    import torch.distributed as dist
+
+    from fxpipe.comm import DistComm
+    from fxpipe.errors import PeerError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        comm = DistComm({})
+
+        def closed(*args, **kwargs):
+            raise RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:4242")
+
+        monkeypatch.setattr(dist, "isend", closed)
+        monkeypatch.setattr(dist, "irecv", closed)
+        for post, label, peer in ((comm.isend, "0SEND_ACT3", "to rank 1"), (comm.irecv, "0RECV_GRAD3", "from rank 1")):
+            with pytest.raises(PeerError, match=re.escape(f"rank 0 posted {label} {peer}, and the connection failed "
+                                                          f"([../gloo/transport/tcp/pair.cc:553] Connection closed by "
+                                                          f"peer [127.0.0.1]:4242). The peer died")):
+                post([torch.zeros(2)], 1, label)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_replicas_draw_their_own_dropout_masks_as_one_replica_would():
