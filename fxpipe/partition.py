@@ -1380,7 +1380,8 @@ def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Searc
     if cfg is None:
         return head + "; give more memory or more devices"
     world, d, w, b, m, rc = cfg
-    advice = [f"Give device_memory >= {need} bytes (fxpipe.plan(device_memory=...), fxpipe plan --device-memory; "
+    advice = [f"Give device_memory >= {need} bytes (fxpipe.plan(device_memory=...), fxpipe plan --device-memory, "
+              f"fxpipe.compile(device_model=fxpipe.cost.DeviceModel.for_device(device, memory_bytes=...)); "
               f"it fits d={d}, w={w}, b={b}, m={m} {'with' if rc else 'without'} recomputation)", "more devices"]
     if recompute is False:
         advice.append("recompute=None (recomputation holds one micro-batch's activations, not all in flight)")

@@ -771,11 +771,14 @@ class Pipeline:
             )
         mine = graph_fingerprint(gm)
         if plan.graph_hash != mine:
+            inputs = ", ".join(f"{tuple(x.shape)} {str(x.dtype).removeprefix('torch.')}"
+                               for x in pytree.tree_leaves(self._example) if isinstance(x, torch.Tensor))
             raise RuntimeMismatchError(
                 f"rank {self.rank}: this rank's trace of {self.trace_info.model_class} (fingerprint "
-                f"{mine[:12]}) differs from the plan's (fingerprint {plan.graph_hash[:12]}). Every rank "
-                f"must build the same model with the same example input shapes and dtypes; a saved "
-                f"plan only fits the model and micro-batch size it was made for."
+                f"{mine[:12]}, of an example micro-batch of {inputs or 'no tensors'}) differs from the plan's "
+                f"(fingerprint {plan.graph_hash[:12]}). Every rank must build the same model and pass the same "
+                f"example, or first batch (the same input shapes and dtypes); a saved plan only fits the model "
+                f"and micro-batch size it was made for."
             )
         d, w = plan.stages, plan.width
         if self.distributed and d * w != self.world_size:

@@ -164,7 +164,13 @@ class WeightStore:
                 p.data = steps_on[s.name].detach()
                 self.opt_params[s.name] = p
         self.optimizer = _made_optimizer(optimizer, self.opt_params) if self.opt_params else None
-        self.lr_scheduler = lr_scheduler(self.optimizer) if (lr_scheduler and self.optimizer) else None
+        try:
+            self.lr_scheduler = lr_scheduler(self.optimizer) if (lr_scheduler and self.optimizer) else None
+        except Exception as e:
+            raise ConfigError(
+                f"fxpipe.compile: the lr_scheduler factory raised {type(e).__name__}: {e}. It is called once per "
+                f"stage with that stage's optimizer and must return its scheduler; pass e.g. "
+                f"functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100)") from e
         if lr_scheduler and self.optimizer and not callable(getattr(self.lr_scheduler, "step", None)):
             # found here, at set-up, not at the first UPDATE mid-step
             raise ConfigError(f"fxpipe.compile: the lr_scheduler factory returned {type(self.lr_scheduler).__name__}, "
@@ -178,6 +184,11 @@ class WeightStore:
         if accumulation == "optimizer" and self.optimizer is not None:
             from .kernels import KernelError
 
+            if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+                raise ConfigError(
+                    f"fxpipe.compile: accumulate='optimizer' (AdamA) folds each micro-batch's gradient into Adam's "
+                    f"moments, so it needs torch.optim.AdamW, or Adam without weight decay, but the optimizer factory made "
+                    f"{type(self.optimizer).__name__}. Train it with accumulate='gradients' (the default)")
             try:
                 self.strategy = _AdamA(self, kernels)
             except KernelError as e:

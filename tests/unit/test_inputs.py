@@ -758,6 +758,11 @@ def test_lr_scheduler_factory_must_return_a_scheduler():
         _compile(lr_scheduler=lambda optimizer: 5)
     with pytest.raises(ConfigError, match=re.escape("the lr_scheduler factory returned NoneType, expected a scheduler")):
         _compile(lr_scheduler=lambda optimizer: None)  # forgot return: the lr would never change
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: the lr_scheduler factory raised TypeError: StepLR.__init__() missing 1 required "
+            "positional argument: 'step_size'. It is called once per stage with that stage's optimizer and must "
+            "return its scheduler; pass e.g. functools.partial(torch.optim.lr_scheduler.StepLR, step_size=100)")):
+        _compile(lr_scheduler=torch.optim.lr_scheduler.StepLR)  # its step_size not given
 
 
 def test_input_errors_are_fxpipe_and_value_errors(pipe):

@@ -3,6 +3,7 @@ at once and no gradient buffer — against tests/reference.train_adama (the pape
 
 import copy
 import functools
+import re
 import math
 
 import pytest
@@ -150,7 +151,10 @@ def test_what_adama_cannot_do_is_rejected_at_compile():
         compile_with(accumulate="adam")
     with pytest.raises(ConfigError, match=r"holds torch.float64 weights\. Build the model in float32"):
         compile_adama(copy.deepcopy(net).double(), batches)
-    with pytest.raises(ConfigError, match=r"found sgd.*needs torch.optim.Adam \(without weight decay\) or AdamW"):
+    with pytest.raises(ConfigError, match=re.escape(
+            "fxpipe.compile: accumulate='optimizer' (AdamA) folds each micro-batch's gradient into Adam's moments, so "
+            "it needs torch.optim.AdamW, or Adam without weight decay, but the optimizer factory made SGD. Train it "
+            "with accumulate='gradients' (the default)")):
         compile_with(optimizer=functools.partial(torch.optim.SGD, lr=0.1))
     with pytest.raises(ConfigError, match=r"needs each weight on one stage; 'wte.weight' is read on stages \[0, 1\]"):
         compile_with(model=gpt(tied=True)[0])

@@ -505,7 +505,9 @@ def test_saved_plan_for_another_model_is_rejected():
     case = CASES["1f1b_sgd"]
     pipe, _ = _compile(case)
     model, example = gpt2_tiny(batch=2, seq=8, labels=True)
-    with pytest.raises(RuntimeMismatchError, match="differs from the plan's"):
+    with pytest.raises(RuntimeMismatchError, match=r"rank 0: this rank's trace of GPT2LMHeadModel \(fingerprint "
+                                                   r"\w+, of an example micro-batch of \(2, 8\) int64, \(2, 8\) int64\) "
+                                                   r"differs from the plan's"):
         fxpipe.compile(model, example, plan=pipe.plan, stages=2, schedule="1f1b", microbatches=4, verbose=False)
 
 
