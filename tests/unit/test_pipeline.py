@@ -975,16 +975,6 @@ def test_compile_checks_its_arguments_before_anything_runs(kwargs, message):
         fxpipe.compile(model, example, verbose=False, **kwargs)
 
 
-def test_adama_with_another_optimizer_says_to_accumulate_gradients():
-    model, example = rmsnorm_residual()
-    with pytest.raises(ConfigError, match=re.escape(
-            "found NAdam; use the torch reference path (no fused update) for other optimizers. AdamA runs "
-            "torch.optim.Adam or AdamW (without amsgrad, maximize or differentiable); train this optimizer with "
-            "accumulate='gradients' (the default)")):
-        fxpipe.compile(model, example, loss_fn=lambda out, y: out.float().pow(2).mean(), accumulate="optimizer",
-                       optimizer=functools.partial(torch.optim.NAdam, lr=0.1), stages=2, verbose=False)
-
-
 def test_topology_names_every_group_once():
     from fxpipe.pipeline import Topology
 
