@@ -24,12 +24,12 @@ between ranks would silently keep one rank's value, so :func:`save` checks that 
 ``extra`` agree on every rank and ``optimizer_steps`` and ``lr_scheduler`` on every rank that has
 them (a stage with nothing to train has no optimizer), and keys the RNG state by rank.
 
-``ROOT/latest`` names the newest complete checkpoint. The ranks write into a hidden
-``ROOT/.step-00000120.partial``; DCP writes its ``.metadata`` last, after every rank's data, and
-only then does rank 0 rename the folder to its ``step-*`` name (an older checkpoint of that step,
-from a run this one rolled back from, is renamed aside first and deleted after) and replace
-``latest`` (write a temporary file, rename: atomic on POSIX). So no ``step-*`` folder and no
-``latest`` ever names a partial checkpoint, and a save cut short never damages an older one.
+``ROOT/latest`` names the newest complete checkpoint. DCP writes its ``.metadata`` last, after
+every rank's data, and only then does rank 0 replace ``latest`` (write a temporary file, rename:
+atomic on POSIX), so ``latest`` never names a partial checkpoint. A checkpoint of a step that
+already has one (a run this one rolled back from saved it) is written into a hidden
+``ROOT/.step-00000120.partial`` that rank 0 renames to the step's name once complete (the old
+one renamed aside first, deleted after), so a save cut short never damages the old one.
 With ``keep=k``, rank 0 then deletes this run's checkpoints beyond the k newest: those the
 pipeline saved into ROOT, and, when it resumed from ROOT, those up to the step it resumed from.
 Others (a previous run's, or the later steps of a run it rolled back from) are not its to judge,
@@ -307,11 +307,22 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | Non
                               f"{type(e).__name__}: {e}. Keep plain data in it (numbers, strings, lists, dicts, "
                               f"tensors); save other objects yourself") from e
     steps = pipe.t  # the writer finishes while training goes on
-    path, partial = step_dir(root, steps), _partial_dir(root, steps)
-    if pipe.rank == 0:
-        _prepare_partial(path, partial, ours=prunable(steps))
+    path = step_dir(root, steps)
+    # A step's first checkpoint is written in place (it has no .metadata, so nothing names it,
+    # until it is complete); one that replaces a checkpoint of the step (a run this one rolled
+    # back from saved it) goes through a hidden folder. Rank 0 looks; every rank writes where it says.
+    box = [_replacing(path) if pipe.rank == 0 else None]
+    if pipe.distributed:
+        dist.broadcast_object_list(box, src=0)
+    replacing = box[0]
+    target = _partial_dir(root, steps) if replacing else path
+    # another run's checkpoint is replaced: said once the new one is in place (no rank-0-only
+    # warning before the collectives below, which -W error would turn into a raise)
+    news = [f"replaced {path}, a checkpoint of this step from another run (one this run rolled back from, or an "
+            f"earlier run in this folder); save into another folder to keep both"] \
+        if replacing and pipe.rank == 0 and not prunable(steps) else []
     # every rank creates and writes the directory before any rank enters the writer's collectives
-    pipe._raise_agreed(_unwritable(partial), CheckpointError,
+    pipe._raise_agreed(_unwritable(target), CheckpointError,
                        "rank {rank} cannot write the checkpoint, so no rank saves: ")
     sd = state(pipe, extra)
     check_shared(pipe, sd, os.path.abspath(root))
@@ -322,7 +333,10 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | Non
         try:  # whatever happens, the future completes: every later save, load and exit waits on it
             error = f.exception()
             if error is None and pipe.rank == 0:
-                problems = _install(root, partial, path)
+                if replacing:
+                    _replace(root, target, path)
+                _point_latest(root, path)
+                problems = news + _delete_replaced(root, path)
                 if keep is not None:
                     problems += _prune(root, steps, keep, prunable)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
@@ -330,50 +344,59 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | Non
         finally:
             written.set_exception(error) if error is not None else written.set_result(problems)
 
-    dcp.async_save(sd, checkpoint_id=partial, process_group=group, no_dist=not pipe.distributed).add_done_callback(finish)
+    dcp.async_save(sd, checkpoint_id=target, process_group=group, no_dist=not pipe.distributed).add_done_callback(finish)
     return path, written
 
 
 def _partial_dir(root: str, steps: int) -> str:
-    """Where the checkpoint of step ``steps`` is written before it takes its name (hidden: no
-    ``step-*`` name, so neither ``latest``, loading by step nor ``keep`` ever sees it)."""
+    """Where a checkpoint that replaces one of step ``steps`` is written before it takes its name
+    (hidden: no ``step-*`` name, so neither ``latest``, loading by step nor ``keep`` sees it)."""
     return os.path.join(root, f".{os.path.basename(step_dir(root, steps))}.partial")
 
 
-def _prepare_partial(path: str, partial: str, *, ours: bool) -> None:
-    """Rank 0, before the ranks write: warn when ``path`` already holds a checkpoint that is not
-    this run's (``ours``: saved by it, or the one it resumed from), which the new one replaces
-    once complete; and drop the ``.metadata`` a save cut short may have left in ``partial`` (its
-    other files are overwritten, or not read: the new ``.metadata`` lists what the checkpoint
-    holds)."""
-    if not ours and os.path.exists(os.path.join(path, ".metadata")):
-        warnings.warn(
-            f"fxpipe save: {path} already holds a checkpoint of this step from another run (one this run rolled back "
-            f"from, or an earlier run in this folder); the new checkpoint replaces it once it is complete. Save into "
-            f"another folder to keep both.", RuntimeWarning, stacklevel=4)
+def _replacing(path: str) -> bool:
+    """Rank 0, before the ranks write: whether ``path`` holds a checkpoint already (which the
+    new one must not be written over: cut short, that would pair the old ``.metadata`` with
+    half-written data). Drops the ``.metadata`` a replacement cut short may have left in the
+    hidden folder (its other files are overwritten, or not read: the new ``.metadata`` lists
+    what the checkpoint holds)."""
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        return False
+    root, name = os.path.split(path)
     try:
-        os.remove(os.path.join(partial, ".metadata"))
-    except OSError:  # none there; or ROOT is unusable, which every rank's _unwritable reports next
+        os.remove(os.path.join(root, f".{name}.partial", ".metadata"))
+    except OSError:  # none there
         pass
+    return True
 
 
-def _install(root: str, partial: str, path: str) -> list[str]:
-    """Rank 0, once every rank's files and DCP's ``.metadata`` are in ``partial``: give it the
-    name ``path`` and point ``latest`` at it. An older checkpoint under that name is renamed
-    aside first and deleted last, so ``path`` names a complete checkpoint, the old one or the
-    new one, at every moment but between two renames; a checkpoint written in place over an old
-    one would, if cut short, pair the old ``.metadata`` with half-written data. Returns what
-    could not be deleted (the new checkpoint is complete either way)."""
-    aside = None
-    if os.path.lexists(path):
-        aside = os.path.join(root, f".replaced-{os.path.basename(path)}-{os.getpid()}")
-        os.rename(path, aside)
-    os.rename(partial, path)
-    _point_latest(root, path)
-    if aside is None:
+def _aside(root: str, path: str) -> str:
+    return os.path.join(root, f".replaced-{os.path.basename(path)}")
+
+
+def _replace(root: str, partial: str, path: str) -> None:
+    """Rank 0, once every rank's files and DCP's ``.metadata`` are in ``partial``: rename the
+    old checkpoint ``path`` aside and ``partial`` to ``path`` (putting the old one back if that
+    fails). ``path`` names a complete checkpoint, the old one or the new one, at every moment
+    but between the two renames."""
+    aside = _aside(root, path)
+    shutil.rmtree(aside, ignore_errors=True)  # left by a replacement cut short
+    os.rename(path, aside)
+    try:
+        os.rename(partial, path)
+    except OSError:
+        os.rename(aside, path)
+        raise
+
+
+def _delete_replaced(root: str, path: str) -> list[str]:
+    """Delete the checkpoint :func:`_replace` renamed aside, if any; returns what could not be
+    deleted (the new checkpoint is complete either way)."""
+    aside = _aside(root, path)
+    if not os.path.lexists(aside):
         return []
     try:
-        shutil.rmtree(aside) if os.path.isdir(aside) and not os.path.islink(aside) else os.remove(aside)
+        shutil.rmtree(aside)
     except OSError as e:
         return [f"could not delete the checkpoint {path!r} replaced (renamed to {aside!r}: {e}); delete it yourself"]
     return []

@@ -86,6 +86,10 @@ class _DistHandle(Handle):
         self.works, self.tensors, self.unpack = [], (), None
 
 
+#: What gloo's errors say where a peer's connection failed (it raises a plain RuntimeError)
+_CONNECTION_FAILED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
+
+
 class Comm:
     rank: int
     world_size: int
@@ -202,12 +206,15 @@ class DistComm(Comm):
         return _DistHandle([work], comm=self, label=label, peer=peer)
 
     def _post(self, post, label: str, peer: str):
-        """``post()``'s work; a post that fails (gloo: the peer's connection closed, it died) raises
-        the :class:`~fxpipe.errors.PeerError` a failed wait would."""
+        """``post()``'s work; a post that fails on the connection (gloo: the peer's connection
+        closed, it died) raises the :class:`~fxpipe.errors.PeerError` a failed wait would. Other
+        errors (this rank out of memory, say) stay what they are."""
         try:
             return post()
         except RuntimeError as e:
-            raise self.failure(label, peer, None, e) from e
+            if isinstance(e, dist.DistError) or any(s in str(e) for s in _CONNECTION_FAILED):
+                raise self.failure(label, peer, None, e) from e
+            raise
 
     def _report_key(self, rank: int) -> str:
         return f"fxpipe/{self.tag}/failed/{rank}"  # per pipeline: the same tag on every rank

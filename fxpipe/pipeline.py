@@ -21,6 +21,7 @@ import datetime
 import functools
 import gc
 import hashlib
+import math
 import os
 import socket
 import sys
@@ -526,6 +527,7 @@ class Pipeline:
         self._loss_sums: dict = {}  # AdamA: batch -> (all-reduced loss sum, handle), read a step later
         self._stopped: Exception | None = None  # nonfinite="raise" stopped the pipeline
         self._broken = False  # an action raised: what this rank has in flight may never be matched
+        self._copies_unchecked = False  # the first step compares the ranks' copies of shared weights
         self._failure = ""  # what raised then, for the error every later call gets
         # (directory, future, what unclaims its step if writing fails) of the checkpoint being
         # written, if any
@@ -550,12 +552,11 @@ class Pipeline:
 
     # ------------------------------------------------------------------ set-up
 
-    def _setup(self, example: Callable[[], tuple[tuple, dict]], *, loading: bool = False) -> None:
+    def _setup(self, example: Callable[[], tuple[tuple, dict]]) -> None:
         """Trace ``example()`` (the ``(args, kwargs)`` of one micro-batch), plan and build this
         rank's stages. What a rank finds wrong on its own while tracing (its example, its model)
         every rank raises, before the plan is broadcast: a rank never fails alone while its peers
-        wait for it in a collective. ``loading``: a checkpoint's weights replace the model's next,
-        so the ranks' models need not agree."""
+        wait for it in a collective."""
         o = self.config
         if self.distributed:
             self._check_settings_agree()
@@ -571,44 +572,56 @@ class Pipeline:
         self._check_plan_fits(plan, gm)
         self.plan = plan
         self._build_workers(plan, gm, kernels)
-        if self.distributed and self._source is None and not loading:  # weights= fills alike everywhere
-            self._check_copies_agree()
+        # weights= and a meta model fill alike everywhere; else the first step compares the copies
+        # (after a load or load_state_dict, which may replace what an unseeded model drew)
+        self._copies_unchecked = self.distributed and self._source is None
         self._hold_no_weights(gm)
         self._setup_done = True
         if self.config.verbose and self.rank == 0:
             print(self.describe())
 
     def _check_copies_agree(self) -> None:
-        """Every rank's copy of a tensor several ranks hold (a data-parallel replica's stage, a
-        tied weight's copy on each stage that reads it) starts with the same values, else every
-        rank raises a ConfigError: each rank builds its stages from its own model, and a script
-        that built it without a seed would train its replicas, or a tied weight's copies, apart.
-        Compared by a checksum of each tensor's first 4096 values (one collective of a few
-        numbers per tensor)."""
+        """Every rank's copy of a parameter several ranks hold (a data-parallel replica's stage, a
+        tied weight's copy on each stage that reads it) holds the same values, else every rank
+        raises a ConfigError: each rank builds its stages from its own model, and a script that
+        built it without a seed would train its replicas, or a tied weight's copies, apart. Run
+        at the first step (a collective of a few numbers per parameter), so that weights loaded
+        after compile count. Compared by checksums of a sample of each parameter (its first and
+        last 4096 values and about 16384 spread over the rest), equal up to float rounding."""
+        self._copies_unchecked = False
         mine: dict[str, tuple[float, float]] = {}
         for wk in self.workers.values():
-            for name, t in {**wk.newest_weights(), **wk.buffers}.items():
-                head = t.detach().reshape(-1)[:4096].to("cpu", torch.float64)
-                mine[name] = (float(head.sum()), float((head * torch.arange(1, head.numel() + 1)).sum()))
+            for name, t in wk.newest_weights().items():
+                flat = t.detach().reshape(-1)
+                sample = torch.cat([flat[:4096], flat[4096::max(1, flat.numel() // 16384)], flat[-4096:]])
+                sample = sample.to("cpu", torch.float64)
+                mine[name] = (float(sample.sum()), float((sample * torch.arange(1, sample.numel() + 1)).sum()))
         gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
+        _first_step_collective("the ranks' copies of shared parameters are equal",
+                               next(iter(self.workers.values())).comm, lambda: dist.all_gather_object(gathered, mine))
+
+        def alike(a: tuple, b: tuple) -> bool:
+            return all(x == y or abs(x - y) <= 1e-9 * (abs(x) + abs(y)) or (math.isnan(x) and math.isnan(y))
+                       for x, y in zip(a, b))
+
         differ = []
         for name in sorted({n for g in gathered for n in g}):
-            by_value: dict[tuple, list[int]] = {}
-            for r, g in enumerate(gathered):
-                if name in g:
-                    by_value.setdefault(g[name], []).append(r)
-            if len(by_value) > 1:
-                differ.append(f"{self.staged.originals.get(name, [name])[0]} (rank(s) "
-                              + " against ".join(str(rs) for rs in by_value.values()) + ")")
+            holders = [r for r, g in enumerate(gathered) if name in g]
+            first = gathered[holders[0]][name]
+            apart = [r for r in holders if not alike(gathered[r][name], first)]
+            if apart:
+                alike_first = [r for r in holders if r not in apart]
+                differ.append(f"{(self.staged.originals.get(name) or [name])[0]} (rank(s) {alike_first} against "
+                              f"{apart})")
         if differ:
             more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
             raise ConfigError(
-                f"fxpipe.compile: the ranks' models start from different values where several ranks hold a copy "
-                f"(a data-parallel replica's stage, or a tied weight's copy on each stage reading it): "
+                f"fxpipe: at the first step, the ranks' copies of parameters that several ranks hold (a stage's "
+                f"data-parallel replicas, or a tied weight's copy on each stage reading it) differ: "
                 f"{', '.join(differ[:3])}{more}. Those copies must start equal, or they train apart. Build the "
                 f"model alike on every rank: call torch.manual_seed(...) before constructing it, load the same "
-                f"weights on every rank (from_pretrained, load_state_dict), or pass weights= to fxpipe.compile")
+                f"weights on every rank (from_pretrained, load_state_dict, pipe.load), or pass weights= to "
+                f"fxpipe.compile")
 
     def _trace_and_check(self, example: Callable[[], tuple[tuple, dict]]) -> fx.GraphModule:
         """This rank's own part of the set-up: the example, its trace and what the trace shows
@@ -945,7 +958,7 @@ class Pipeline:
         except InputError as e:
             for wk in self.workers.values():
                 wk.comm.report(f"InputError: {str(e).splitlines()[0]}")
-            _REFUSED_HERE.add(id(self))  # its peers may be waiting for it: at exit it does not wait for them
+            _REFUSED_HERE.add(id(self))  # its peers may be waiting for it: at exit it waits for them briefly
             raise
 
     def _freeze_heap(self) -> None:
@@ -983,6 +996,8 @@ class Pipeline:
         chunks = _split_batch((args, kwargs, target), m * w)
         if self.t == 0 and self.config.check_batch and self.distributed:
             _check_same_batch((args, kwargs, target), self.world_size, self.device, next(iter(self.workers.values())).comm)
+        if self._copies_unchecked:
+            self._check_copies_agree()
         self.t += 1
         t = self.t
         for r, wk in self.workers.items():
@@ -1425,7 +1440,8 @@ class Pipeline:
         files are complete, point ``path/latest`` at it; returns that directory. A collective:
         every rank calls it (with the same ``extra``, e.g. a data loader position). ``keep=k``:
         then delete this run's checkpoints of earlier steps beyond the ``k`` newest (None keeps
-        all; checkpoints another run left in ``path`` are never deleted).
+        all; ``keep`` never deletes checkpoints another run left in ``path``, but a save at a
+        step that has one replaces it, with a warning, once the new one is complete).
 
         The state: both 2bw weight versions, the optimizer state (one format for torch.optim and
         the fused kernels), the lr scheduler, :attr:`steps`, each rank's RNG state, the plan and
@@ -1589,7 +1605,7 @@ class Pipeline:
                     f"another global batch."
                 )
             example = _resize_example(example, batch // (m * w))
-        self._setup(lambda: normalize_inputs(example), loading=True)
+        self._setup(lambda: normalize_inputs(example))
 
     def _checkpoint_pg(self):
         """A gloo group of all ranks for checkpoint writers (None in one process): the writer
@@ -1841,10 +1857,12 @@ def _drain_at_exit(ref: "weakref.ref[Pipeline]", in_flight: list[tuple]) -> None
 _PIPELINES: "weakref.WeakSet[Pipeline]" = weakref.WeakSet()
 #: Whether a pipeline of this process failed part-way, even one since collected
 _BROKEN_HERE = [False]
-#: The pipelines (by id) whose latest batch this rank refused (an InputError) and that have not
-#: stepped since: a script that caught it and then ended (``sys.exit(1)``) is ending on an error
-#: its peers may be waiting on
+#: The pipelines (by id, which outlives a pipeline collected as the script unwinds) whose latest
+#: batch this rank refused (an InputError) and that have not stepped since: a script that caught
+#: it and then ended (``sys.exit(1)``) may be ending on an error its peers are waiting on
 _REFUSED_HERE: set[int] = set()
+#: Seconds a rank with a refused batch (``_REFUSED_HERE``) waits at exit for its peers
+REFUSED_GRACE = 20.0
 
 
 def _exiting_on_error() -> bool:
@@ -1866,17 +1884,20 @@ def _finish_at_exit(store, timeout: float, *, destroy: bool) -> None:
     nothing is in flight. The store, not a collective: a peer whose pipeline failed may have left
     the device communicator with unmatched operations. A rank whose pipeline failed says it is
     done but waits for no one (its peers may never come), nor does a rank exiting on an uncaught
-    exception, or after a batch it refused alone and has not stepped since (one rank's error,
-    such as an ``InputError`` raised before it communicated, caught or not: its peers, waiting
-    for it, then fail at once with a ``PeerError`` instead of at the timeout). Python does not
-    tell an exit handler the exit status, so a script that catches an error of its own and ends
-    with ``sys.exit(1)`` looks like one that ended well: that rank waits for its peers. A group
-    the script created stays the script's: it is not destroyed."""
+    exception (one rank's error, such as an ``InputError`` raised before it communicated: its
+    peers, waiting for it, then fail at once with a ``PeerError`` instead of at the timeout). A
+    rank that refused a batch and has not stepped since (the refusal caught, then the script
+    ended) waits :data:`REFUSED_GRACE` seconds at most: long enough for peers that refused the
+    same batch and end too, short of the timeout where only it refused and its peers wait for
+    it. Python does not tell an exit handler the exit status, so a script that catches an error
+    of its own and ends with ``sys.exit(1)`` looks like one that ended well: that rank waits up
+    to the timeout. A group the script created stays the script's: it is not destroyed."""
     if not (dist.is_available() and dist.is_initialized()):
         return  # the script destroyed it
     store = store if store is not None else dist.distributed_c10d._get_default_store()
     rank = dist.get_rank()
-    waits = not (_BROKEN_HERE[0] or _REFUSED_HERE or _exiting_on_error() or any(p._broken for p in list(_PIPELINES)))
+    waits = not (_BROKEN_HERE[0] or _exiting_on_error() or any(p._broken for p in list(_PIPELINES)))
+    timeout = min(timeout, REFUSED_GRACE) if _REFUSED_HERE else timeout
     missing = _meet_at_exit(store, rank, dist.get_world_size(), timeout, wait=waits)
     if missing:
         warnings.warn(f"fxpipe: at exit, rank {rank} waited {timeout:g} s for rank(s) {missing} to finish "
@@ -1951,10 +1972,21 @@ def _adama_stopped(what: str, data: str) -> NonFiniteError:
         f"or train with accumulate='gradients', which checks every step before updating.")
 
 
+def _first_step_collective(what: str, comm: Comm, collective: Callable[[], None]) -> None:
+    """Run one of the first step's checks across ranks (``collective``). Where it fails, a rank
+    stopped before it, and ``comm`` finds the reason it left (:meth:`fxpipe.comm.Comm.failed_first`)."""
+    try:
+        collective()
+    except RuntimeError as e:  # a rank that stopped before it (its own error, raised there)
+        first = comm.failed_first()
+        raise PeerError(
+            f"rank {dist.get_rank()}: the first step's check that {what} failed: {str(e).strip().splitlines()[-1]}"
+            + (f"; {first}. Fix that error: its traceback is in that rank's log." if first else
+               ". Another rank stopped before it: its log says why (an InputError, a failed compile, ...)")) from e
+
+
 def _check_same_batch(batch, world: int, device: torch.device, comm: Comm) -> None:
-    """Every rank must pass the same global batch; compare cheap checksums across ranks. Where
-    that fails, a rank stopped before it, and ``comm`` finds the reason it left
-    (:meth:`fxpipe.comm.Comm.failed_first`)."""
+    """Every rank must pass the same global batch; compare cheap checksums across ranks."""
     sums = []
     for x in pytree.tree_leaves(batch):
         if isinstance(x, torch.Tensor):
@@ -1963,15 +1995,7 @@ def _check_same_batch(batch, world: int, device: torch.device, comm: Comm) -> No
             sums += [float(flat.numel()), float(flat.sum()), float((flat * weights).sum())]
     mine = torch.tensor(sums, dtype=torch.float64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
-    try:
-        dist.all_gather(everyone, mine)
-    except RuntimeError as e:  # a rank that stopped before it (its own error, raised there)
-        first = comm.failed_first()
-        raise PeerError(
-            f"rank {dist.get_rank()}: the first step's check that every rank passed the same batch failed: "
-            f"{str(e).strip().splitlines()[-1]}"
-            + (f"; {first}. Fix that error: its traceback is in that rank's log." if first else
-               ". Another rank stopped before it: its log says why (an InputError, a failed compile, ...)")) from e
+    _first_step_collective("every rank passed the same batch", comm, lambda: dist.all_gather(everyone, mine))
     bad = [r for r in range(world) if not torch.equal(everyone[r], everyone[0])]
     if bad:
         raise RuntimeMismatchError(

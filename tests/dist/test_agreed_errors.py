@@ -387,25 +387,46 @@ def models_built_apart(rank: int, world: int):
         def forward(self, ids):
             return self.out(torch.relu(self.mid(self.emb(ids))))
 
+    class Grown(nn.Module):  # alike but for rows added at the end (resize_token_embeddings, unseeded)
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(1000, 16)
+            torch.manual_seed(rank)
+            with torch.no_grad():
+                self.emb.weight[-3:].normal_()
+
+        def forward(self, ids):
+            return self.emb(ids).sum(-1)
+
     def lm_loss(out, ids):
         return F.cross_entropy(out.flatten(0, 1), ids.flatten())
 
-    def attempt(seed: int, make, example, loss_fn, stages: int):
+    def attempt(seed: int, make, batch, loss_fn, stages: int, load=None):
         torch.manual_seed(seed)
         try:
-            pipe = fxpipe.compile(make(), example, loss_fn=loss_fn, microbatches=2, schedule="1f1b", stages=stages,
-                                  verbose=False, timeout=60)
+            b = len(batch[0]) // (2 * (world // stages))  # 8 samples a step: m = 2, w = world / stages
+            pipe = fxpipe.compile(make(), (batch[0][:b],), loss_fn=loss_fn, microbatches=2,
+                                  schedule="1f1b", stages=stages, verbose=False, timeout=60)
+            if load is not None:
+                pipe.load_state_dict(load)
+            pipe.step(*batch)
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return pipe.plan.width, pipe.plan.stages
 
     mlp = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))  # noqa: E731
-    ids = torch.randint(0, 32, (2, 6))
+    torch.manual_seed(100)
+    dense, ids, sums = (torch.randn(8, 8), torch.randn(8, 1)), torch.randint(0, 32, (8, 6)), torch.randn(8, 6)
+    torch.manual_seed(0)
+    alike = mlp().state_dict()
     return {
-        "replicas apart": attempt(rank, mlp, (torch.randn(2, 8),), F.mse_loss, stages=1),
-        "replicas alike": attempt(0, mlp, (torch.randn(2, 8),), F.mse_loss, stages=1),
-        "tied apart": attempt(rank, Tied, (ids,), lm_loss, stages=2),
-        "stages apart": attempt(rank, mlp, (torch.randn(2, 8),), F.mse_loss, stages=2),  # no copies to differ
+        "replicas apart": attempt(rank, mlp, dense, F.mse_loss, stages=1),
+        "replicas alike": attempt(0, mlp, dense, F.mse_loss, stages=1),
+        "replicas loaded alike": attempt(rank, mlp, dense, F.mse_loss, stages=1, load=alike),
+        "tied apart": attempt(rank, Tied, (ids, ids), lm_loss, stages=2),
+        "stages apart": attempt(rank, mlp, dense, F.mse_loss, stages=2),  # no copies to differ
+        "rows apart": attempt(0, Grown, (ids, sums), F.mse_loss, stages=1),
     }
 
 
@@ -413,15 +434,17 @@ def test_replicas_and_tied_copies_built_from_different_weights_are_refused_on_ev
     results = run_function(2, "tests.dist.test_agreed_errors:models_built_apart", timeout=120)
     assert [r["error"] for r in results] == [None, None], results
     for r, got in enumerate(r["value"] for r in results):
-        assert got["replicas alike"] == (2, 1) and got["stages apart"] == (1, 2), (r, got)
+        assert got["replicas alike"] == got["replicas loaded alike"] == (2, 1), (r, got)
+        assert got["stages apart"] == (1, 2), (r, got)
         assert re.fullmatch(
-            r"ConfigError: fxpipe\.compile: the ranks' models start from different values where several ranks hold a "
-            r"copy \(a data-parallel replica's stage, or a tied weight's copy on each stage reading it\): 0\.bias "
-            r"\(rank\(s\) \[0\] against \[1\]\), 0\.weight \(rank\(s\) \[0\] against \[1\]\), 2\.bias \(rank\(s\) \[0\] "
-            r"against \[1\]\) and 1 more\. Those copies must start equal, or they train apart\. Build the model alike "
-            r"on every rank: call torch\.manual_seed\(\.\.\.\) before constructing it, load the same weights on every "
-            r"rank \(from_pretrained, load_state_dict\), or pass weights= to fxpipe\.compile", got["replicas apart"]), \
-            (r, got["replicas apart"])
-        assert re.fullmatch(r"ConfigError: fxpipe\.compile: the ranks' models start from different values .*: "
-                            r"emb\.weight \(rank\(s\) \[0\] against \[1\]\)\. Those copies must start equal.*",
-                            got["tied apart"]), (r, got["tied apart"])
+            r"ConfigError: fxpipe: at the first step, the ranks' copies of parameters that several ranks hold \(a "
+            r"stage's data-parallel replicas, or a tied weight's copy on each stage reading it\) differ: 0\.bias "
+            r"\(rank\(s\) \[0\] against \[1\]\), 0\.weight \(rank\(s\) \[0\] against \[1\]\), 2\.bias \(rank\(s\) "
+            r"\[0\] against \[1\]\) and 1 more\. Those copies must start equal, or they train apart\. Build the model "
+            r"alike on every rank: call torch\.manual_seed\(\.\.\.\) before constructing it, load the same weights on "
+            r"every rank \(from_pretrained, load_state_dict, pipe\.load\), or pass weights= to fxpipe\.compile",
+            got["replicas apart"]), (r, got["replicas apart"])
+        for case, key in (("tied apart", "emb\\.weight"), ("rows apart", "emb\\.weight")):
+            assert re.fullmatch(rf"ConfigError: fxpipe: at the first step, the ranks' copies .* differ: {key} "
+                                rf"\(rank\(s\) \[0\] against \[1\]\)\. Those copies must start equal.*", got[case]), \
+                (r, case, got[case])

@@ -170,6 +170,7 @@ def test_a_save_over_a_rolled_back_runs_checkpoint_replaces_it_only_once_complet
         first.step(*resume.batch(t))
         first.save(str(tmp_path))
     first.wait_for_checkpoint()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002"]  # written in place
     old = first.state_dict()
     second = resume.compile("1f1b", 2, 2)
     second.load(str(tmp_path / "step-00000001"))
@@ -183,16 +184,15 @@ def test_a_save_over_a_rolled_back_runs_checkpoint_replaces_it_only_once_complet
         return failed
 
     monkeypatch.setattr(ckpt.dcp, "async_save", cut_short)
-    replaced = r"fxpipe save: .*step-00000002 already holds a checkpoint of this step from another run .*replaces it once"
-    with pytest.warns(RuntimeWarning, match=replaced):
-        second.save(str(tmp_path))
+    second.save(str(tmp_path))
     with pytest.raises(FxpipeError, match=r"writing checkpoint .*step-00000002 failed: .*No space left on device"):
         second.wait_for_checkpoint()
     assert (tmp_path / "latest").read_text().strip() == "step-00000002"
     assert all(torch.equal(old[k], v) for k, v in state(tmp_path).items())
     monkeypatch.undo()
-    with pytest.warns(RuntimeWarning, match=replaced) as caught:
-        second.save(str(tmp_path))
+    second.save(str(tmp_path))
+    with pytest.warns(RuntimeWarning, match=r"fxpipe save: replaced .*step-00000002, a checkpoint of this step from "
+                                            r"another run .*save into another folder to keep both") as caught:
         second.wait_for_checkpoint()
     assert not [w for w in caught if "Detected an existing checkpoint" in str(w.message)]  # DCP wrote a fresh folder
     assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002"]
@@ -203,6 +203,31 @@ def test_a_save_over_a_rolled_back_runs_checkpoint_replaces_it_only_once_complet
         warnings.simplefilter("error", RuntimeWarning)
         second.save(str(tmp_path))
         second.wait_for_checkpoint()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-00000001", "step-00000002"]
+
+
+def test_a_replacement_whose_rename_fails_puts_the_old_checkpoint_back(tmp_path, monkeypatch):
+    pipe = resume.compile("1f1b", 2, 2)
+    pipe.step(*resume.batch(1))
+    pipe.save(str(tmp_path))
+    pipe.wait_for_checkpoint()
+    before = pipe.state_dict()
+    rename = os.rename
+
+    def refuse_the_new(src, dst):  # a filesystem that renames no folder but the one set aside
+        if str(src).endswith(".partial"):
+            raise OSError(95, "Operation not supported", src)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", refuse_the_new)
+    pipe.save(str(tmp_path))  # the same step again: a replacement
+    with pytest.raises(FxpipeError, match=r"writing checkpoint .*step-00000001 failed: .*Operation not supported"):
+        pipe.wait_for_checkpoint()
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text().strip() == "step-00000001"
+    again = resume.compile("1f1b", 2, 2)
+    again.load(str(tmp_path))
+    assert all(torch.equal(before[k], v) for k, v in again.state_dict().items())
 
 
 def test_a_lazy_2bw_pipeline_of_more_stages_than_the_checkpoints_micro_batches_says_so(tmp_path):
@@ -254,8 +279,8 @@ def test_checkpoint_errors_say_what_to_do(tmp_path):
         pipe.save(str(tmp_path), extra={"sampler": lambda: 0})
     a_file = tmp_path / "a_file"
     a_file.write_text("")
-    with pytest.raises(CheckpointError, match=rf"save: cannot write a checkpoint into '{a_file}/\.step-00000000\.partial': "
-                                              r"Not a directory\. Pass a directory every rank can create and write"):
+    with pytest.raises(CheckpointError, match=rf"save: cannot write a checkpoint into '{a_file}/step-00000000': Not a "
+                                              r"directory\. Pass a directory every rank can create and write"):
         pipe.save(str(a_file))
     pipe.step(*resume.batch(1))
     pipe.save(str(tmp_path))

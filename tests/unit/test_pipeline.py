@@ -1150,6 +1150,13 @@ def test_a_post_to_a_peer_whose_connection_closed_is_a_peer_error(monkeypatch):
                                                           f"([../gloo/transport/tcp/pair.cc:553] Connection closed by "
                                                           f"peer [127.0.0.1]:4242). The peer died")):
                 post([torch.zeros(2)], 1, label)
+
+        def out_of_memory(*args, **kwargs):  # this rank's own failure, not its peer's: left as it is
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+        monkeypatch.setattr(dist, "isend", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+            comm.isend([torch.zeros(2)], 1, "0SEND_ACT3")
     finally:
         dist.destroy_process_group()
 
