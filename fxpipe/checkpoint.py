@@ -336,7 +336,7 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | Non
                 if replacing:
                     _replace(root, target, path)
                 _point_latest(root, path)
-                problems = news + _delete_replaced(root, path)
+                problems = news + (_delete_replaced(root, path) if replacing else [])
                 if keep is not None:
                     problems += _prune(root, steps, keep, prunable)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
@@ -390,11 +390,9 @@ def _replace(root: str, partial: str, path: str) -> None:
 
 
 def _delete_replaced(root: str, path: str) -> list[str]:
-    """Delete the checkpoint :func:`_replace` renamed aside, if any; returns what could not be
-    deleted (the new checkpoint is complete either way)."""
+    """Delete the checkpoint :func:`_replace` renamed aside; returns what could not be deleted
+    (the new checkpoint is complete either way)."""
     aside = _aside(root, path)
-    if not os.path.lexists(aside):
-        return []
     try:
         shutil.rmtree(aside)
     except OSError as e:

@@ -332,6 +332,14 @@ print("rank", os.environ["RANK"], "ends with", ends_with, flush=True)
 """
 
 
+def _ends_at_once(fail: str) -> list[subprocess.CompletedProcess]:
+    """``_run_script(fail)``, whose failure must end both ranks well within its 120 s timeout."""
+    start = time.monotonic()
+    ranks = _run_script(fail=fail)
+    assert time.monotonic() - start < 60
+    return ranks
+
+
 def _run_script(fail: bool | str, own_group: bool = False) -> list[subprocess.CompletedProcess]:
     import socket
 
@@ -412,10 +420,8 @@ def test_a_rank_that_tears_down_without_its_peers_says_so(monkeypatch):
 
 def test_one_ranks_input_error_ends_every_rank_at_once():
     # rank 1 raises before it communicates; it used to wait at exit for rank 0, and rank 0 for
-    # it, both for the whole timeout (120 s here)
-    start = time.monotonic()
-    rank0, rank1 = _run_script(fail="input")
-    assert time.monotonic() - start < 60
+    # it, both for the whole timeout
+    rank0, rank1 = _ends_at_once("input")
     assert rank1.returncode != 0 and "InputError: step(): input" in rank1.stdout, rank1.stdout[-2000:]
     assert rank0.returncode != 0 and "PeerError: rank 0: the first step's check that every rank passed the same " \
                                      "batch failed" in rank0.stdout, rank0.stdout[-2000:]
@@ -425,9 +431,7 @@ def test_one_ranks_input_error_ends_every_rank_at_once():
 def test_a_rank_that_catches_its_input_error_and_exits_ends_every_rank_at_once():
     # rank 1 refuses its second batch, logs it and calls sys.exit(3): it used to wait at exit for
     # rank 0, which waited in step 2 for it, both for the whole timeout (120 s here)
-    start = time.monotonic()
-    rank0, rank1 = _run_script(fail="caught")
-    assert time.monotonic() - start < 60
+    rank0, rank1 = _ends_at_once("caught")
     assert rank1.returncode == 3 and "rank 1 caught InputError" in rank1.stdout, rank1.stdout[-2000:]
     assert rank0.returncode != 0 and "PeerError" in rank0.stdout, rank0.stdout[-2000:]
     assert "failed first (rank 1: InputError: step(): input" in rank0.stdout, rank0.stdout[-2000:]
@@ -436,9 +440,7 @@ def test_a_rank_that_catches_its_input_error_and_exits_ends_every_rank_at_once()
 def test_a_killed_peer_makes_this_rank_raise_a_peer_error_at_once():
     # whether rank 0 then posts to the closed connection (tests/unit/test_pipeline.py has that
     # case) or waits on it, it raises a PeerError, not an error of its own action
-    start = time.monotonic()
-    rank0, rank1 = _run_script(fail="killed")
-    assert time.monotonic() - start < 60
+    rank0, rank1 = _ends_at_once("killed")
     assert rank1.returncode == 9, rank1.stdout[-2000:]
     assert re.search(r"fxpipe\.errors\.PeerError: rank 0 (posted|waited for) 0\w+ .*the connection failed",
                      rank0.stdout), rank0.stdout[-2000:]
@@ -448,9 +450,7 @@ def test_a_killed_peer_makes_this_rank_raise_a_peer_error_at_once():
 def test_a_rank_whose_own_set_up_fails_makes_every_rank_raise_it():
     # rank 1's example has 7 features for a Linear(8, ...): its trace fails before the plan is
     # broadcast, where rank 0 used to get gloo's "Connection closed by peer"
-    start = time.monotonic()
-    rank0, rank1 = _run_script(fail="setup")
-    assert time.monotonic() - start < 60
+    rank0, rank1 = _ends_at_once("setup")
     assert rank1.returncode != 0 and "fxpipe.errors.TraceError" in rank1.stdout, rank1.stdout[-2000:]
     assert rank0.returncode != 0 and "fxpipe.errors.TraceError: rank 1 could not set up its pipeline, so no rank " \
                                      "does: TraceError: " in rank0.stdout, rank0.stdout[-2000:]
