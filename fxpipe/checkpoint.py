@@ -84,13 +84,18 @@ def step_dir(root: str, steps: int) -> str:
 
 def resolve(path: str) -> str:
     """The checkpoint directory ``path`` names: itself when it holds DCP's ``.metadata``,
-    else the one its ``latest`` file names."""
+    else the one its ``latest`` file names (or, where a crash between :func:`_replace`'s two
+    renames left that name on no checkpoint, the complete replacement in its hidden folder)."""
     if os.path.exists(os.path.join(path, ".metadata")):
         return path
     latest = os.path.join(path, LATEST)
     if os.path.exists(latest):
         with open(latest) as f:
-            return os.path.join(path, f.read().strip())
+            name = f.read().strip()
+        partial = _partial_dir(os.path.join(path, name))
+        if not os.path.exists(os.path.join(path, name, ".metadata")) and os.path.exists(os.path.join(partial, ".metadata")):
+            return partial  # a replacement cut short between its two renames (_replace): the new one, complete
+        return os.path.join(path, name)
     raise CheckpointError(
         f"no checkpoint at {path!r}: expected a checkpoint directory (with a .metadata file) or a "
         f"folder written by Pipeline.save (with a {LATEST!r} file). Check the path, or start from scratch."
@@ -315,7 +320,7 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | Non
     if pipe.distributed:
         dist.broadcast_object_list(box, src=0)
     replacing = box[0]
-    target = _partial_dir(root, steps) if replacing else path
+    target = _partial_dir(path) if replacing else path
     # another run's checkpoint is replaced: said once the new one is in place (no rank-0-only
     # warning before the collectives below, which -W error would turn into a raise)
     news = [f"replaced {path}, a checkpoint of this step from another run (one this run rolled back from, or an "
@@ -348,10 +353,12 @@ def save(pipe: "Pipeline", root: str, extra: dict | None, group, keep: int | Non
     return path, written
 
 
-def _partial_dir(root: str, steps: int) -> str:
-    """Where a checkpoint that replaces one of step ``steps`` is written before it takes its name
-    (hidden: no ``step-*`` name, so neither ``latest``, loading by step nor ``keep`` sees it)."""
-    return os.path.join(root, f".{os.path.basename(step_dir(root, steps))}.partial")
+def _partial_dir(path: str) -> str:
+    """Where a checkpoint that replaces the one at ``path`` (a ``step-*`` folder) is written
+    before it takes that name (hidden: no ``step-*`` name, so neither loading by step nor
+    ``keep`` sees it; ``resolve`` does only where a crash left ``latest`` naming no folder)."""
+    root, name = os.path.split(path)
+    return os.path.join(root, f".{name}.partial")
 
 
 def _replacing(path: str) -> bool:
@@ -362,9 +369,8 @@ def _replacing(path: str) -> bool:
     what the checkpoint holds)."""
     if not os.path.exists(os.path.join(path, ".metadata")):
         return False
-    root, name = os.path.split(path)
     try:
-        os.remove(os.path.join(root, f".{name}.partial", ".metadata"))
+        os.remove(os.path.join(_partial_dir(path), ".metadata"))
     except OSError:  # none there
         pass
     return True

@@ -230,6 +230,32 @@ def test_a_replacement_whose_rename_fails_puts_the_old_checkpoint_back(tmp_path,
     assert all(torch.equal(before[k], v) for k, v in again.state_dict().items())
 
 
+def test_a_crash_between_a_replacements_two_renames_loads_the_new_checkpoint(tmp_path):
+    # the state such a crash leaves: the old step-1 renamed aside, the complete new one still hidden
+    import shutil
+
+    old = resume.compile("1f1b", 2, 2)
+    old.step(*resume.batch(1))
+    old.save(str(tmp_path / "old"))
+    old.wait_for_checkpoint()
+    new = resume.compile("1f1b", 2, 2)
+    new.step(*resume.batch(5))
+    new.save(str(tmp_path / "run"))
+    new.wait_for_checkpoint()
+    shutil.copytree(tmp_path / "old" / "step-00000001", tmp_path / "run" / ".replaced-step-00000001")
+    os.rename(tmp_path / "run" / "step-00000001", tmp_path / "run" / ".step-00000001.partial")
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-00000001"
+    again = resume.compile("1f1b", 2, 2)
+    again.load(str(tmp_path / "run"))
+    assert again.steps == 1
+    want = new.state_dict()
+    assert all(torch.equal(want[k], v) for k, v in again.state_dict().items())
+    again.step(*resume.batch(2))
+    again.save(str(tmp_path / "run"))  # the step's name is free again: written in place, and latest names it
+    again.wait_for_checkpoint()
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-00000002"
+
+
 def test_a_lazy_2bw_pipeline_of_more_stages_than_the_checkpoints_micro_batches_says_so(tmp_path):
     import fxpipe
     from fxpipe.demo import lm_loss
