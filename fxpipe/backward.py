@@ -378,7 +378,7 @@ def _run_direct(node, sinks: tuple, grad: torch.Tensor, add) -> None:
         add(name, g if g.dtype == leaf.dtype else g.to(leaf.dtype))
 
 
-def _sinks(node, children: list[tuple[int, object]], acc: dict) -> tuple | None:
+def _sinks(node, children: list[tuple[int, object]], acc: dict) -> tuple[_Sink, ...] | None:
     """``node``'s :data:`_Sink` per slot in ``children`` ((slot, N node below it that reaches a
     weight)), or None where W must run it through autograd: a type without a formula, operands
     that are not dense real tensors, or a slot whose gradient reaches its weight through more

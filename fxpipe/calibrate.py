@@ -338,7 +338,8 @@ def _time_split(gm: fx.GraphModule, flat: list, sync, repeats: int) -> tuple[flo
     earlier micro-batch's weight pass is pending, ``W`` after a later micro-batch's forward and
     ``I``, so what a deferred micro-batch holds weighs on both as in training; the whole
     backward as 1f1b runs it, with nothing pending. (1, 0) where the graph cannot be split (the
-    runtime then runs the whole backward in ``I``)."""
+    runtime then runs the whole backward in ``I``); (0.5, 0.5), untimed, for a graph with no
+    floating-point node of 2 or more dims or no trainable weight."""
     floats = [n for n in gm.graph.nodes if n.op == "call_function" and isinstance(n.meta.get("val"), torch.Tensor)
               and n.meta["val"].is_floating_point() and n.meta["val"].dim() >= 2]
     weights = {name: p for name, p in gm.named_parameters() if p.requires_grad}
@@ -422,7 +423,7 @@ def _roofs(gm: fx.GraphModule, example_inputs, torch_device, repeats: int, devic
     (how much faster than ``device`` assumes it runs the nodes bound by FLOPs, relative to those
     bound by bytes; the backward over the forward of the nodes bound by bytes, relative to that
     of the nodes bound by FLOPs). Every compute node runs alone forward and backward
-    (:func:`_measure`, less ``op_latency`` each), and the nodes are sorted by the roof that binds
+    (:func:`measure_nodes`, less ``op_latency`` each), and the nodes are sorted by the roof that binds
     them (at ``device``'s figures, then once more at the first answer's). On a CPU a
     transformer's matrix products run near the FLOP roof with a backward of two products, and
     its elementwise passes (a GELU's five, a mask, dropout's multiply) well below the memory roof

@@ -54,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 import torch.utils._pytree as pytree
 
+from .device import rng_state, set_rng_state
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ def state(pipe: "Pipeline", extra: dict | None) -> dict[str, Any]:
     }
     sd["fxpipe"] = _pack(meta)
     sd["extra"] = _pack(extra)
-    sd["rng"] = {f"rank{pipe.rank}": _rng_state(pipe.device)}
+    sd["rng"] = {f"rank{pipe.rank}": rng_state(pipe.device)}
     return sd
 
 
@@ -441,13 +442,6 @@ def _prune(root: str, steps: int, keep: int, prunable: Callable[[int], bool]) ->
     return problems
 
 
-def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        out["cuda"] = torch.cuda.get_rng_state(device)
-    return out
-
-
 # ------------------------------------------------------------------------------------ loading
 
 
@@ -556,10 +550,7 @@ def load(pipe: "Pipeline", path: str, meta: dict, group) -> dict | None:
         if scheduler is not None and scheduler_state is not None:
             _load_scheduler(scheduler, scheduler_state, [g["lr"] for g in wk.store.optimizer.param_groups], path)
     if sd.get("rng", {}).get(f"rank{pipe.rank}"):
-        rng = sd["rng"][f"rank{pipe.rank}"]
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and pipe.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], pipe.device)
+        set_rng_state(sd["rng"][f"rank{pipe.rank}"], pipe.device)
     return _unpack(sd["extra"])
 
 

@@ -122,8 +122,9 @@ class ParamSlot:
 class FlatLayout:
     """The placement of a stage's parameters in flat buffers, one per dtype; pure data.
 
-    The runtime keeps a second weight version for 2BW as another set of flat buffers with the
-    same layout: ``spare = layout.empty_like()``, ``views = layout.views(spare)``.
+    The runtime's other weight versions (2bw's second one, mixed precision's compute copy) are
+    further flat buffers of the same layout (:class:`fxpipe.weights.WeightStore`), whose
+    parameters are ``layout.views(buffers)``.
     """
 
     slots: tuple[ParamSlot, ...]
@@ -271,19 +272,6 @@ class Stage:
     def code(self) -> str:
         return stage_code(self)
 
-    def buffers(self) -> dict[str, torch.Tensor]:
-        return {name: self.module.get_buffer(name) for name in self.buffer_names}
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Canonical name -> tensor (detached, sharing storage) for this stage's parameters and
-        buffers; :meth:`StagedModel.state_dict` merges these under the original keys."""
-        out = {name: p.detach() for name, p in self.flat.params.items()}
-        out.update({name: b.detach() for name, b in self.buffers().items()})
-        return out
-
-    def __call__(self, *args):
-        return self.module(*args)
-
     def __repr__(self) -> str:
         return (
             f"Stage({self.index}/{self.num_stages}: {len(self.nodes)} nodes, model_inputs={self.model_inputs}, "
@@ -333,11 +321,12 @@ class StagedModel:
                     )
         for name, t in self.unused_state.items():
             merged.setdefault(name, t)
-        out: dict[str, torch.Tensor] = {}
-        for name, t in merged.items():
-            for key in self.originals.get(name, [name]):
-                out[key] = t
-        return out
+        return self.to_original(merged)
+
+    def to_original(self, canonical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Canonical names to the original model's keys: a tensor under every key it had (tied
+        or shared weights appear under each)."""
+        return {key: t for name, t in canonical.items() for key in self.originals.get(name, [name])}
 
     def __repr__(self) -> str:
         body = "\n".join(f"  {st!r}" for st in self.stages)

@@ -152,7 +152,7 @@ class DeviceModel:
         return self.op_latency + ratio * (forward - self.op_latency)
 
     def _own_roofs(self) -> tuple[float, float]:
-        """This model's own answer to :func:`_roofs`: the FLOP roof's speed relative to its own
+        """This model's own answer to :func:`fxpipe.calibrate._roofs`: the FLOP roof's speed relative to its own
         (1), and the byte-bound backward ratio over the FLOP-bound one."""
         return 1.0, (self.backward_ratio_bytes or self.backward_ratio) / self.backward_ratio
 

@@ -3,9 +3,10 @@ the single-process driver.
 
 Two things decide when an action of :mod:`fxpipe.schedule` may run or finish:
 
-* **Local waits** (:func:`fxpipe.schedule.waits_for`, beside the kind table it reads): ``F k`` consumes ``RECV_ACT k``, ``B k`` consumes
-  ``RECV_GRAD k``, ``X_WAIT t`` joins ``X_START t``. Nothing else in a rank's list waits: posts
-  return at once, compute runs in list order.
+* **Local waits** (:func:`fxpipe.schedule.waits_for`, beside the kind table it reads): ``F k``
+  and ``EVAL k`` consume ``RECV_ACT k``, ``B k`` and ``I k`` consume ``RECV_GRAD k``, ``X_WAIT t``
+  joins ``X_START t``. Nothing else in a rank's list waits: posts return at once, compute runs
+  in list order.
 * **Communication** (:class:`Rendezvous`): NCCL's matching rules, which fxpipe adopts as its
   contract (docs/design.md, "The NCCL contract"):
 
@@ -153,9 +154,9 @@ class Rendezvous:
         ops = sorted((a, b), key=lambda o: o.rank)
         a.partners = b.partners = ops
 
-    def pump(self) -> bool:
+    def pump(self) -> None:
         """Complete every operation whose participants all have it at the head of their queue."""
-        progress = any_progress = True
+        progress = True
         while progress:
             progress = False
             for key in list(self.queue):
@@ -169,10 +170,9 @@ class Rendezvous:
                         o.done = True
                     if self.on_complete is not None:
                         self.on_complete(ops)
-                    progress = any_progress = True
+                    progress = True
             for key in [k for k, q in self.queue.items() if not q]:
                 del self.queue[key]
-        return any_progress
 
     def blocked(self) -> list[str]:
         """One line per lane (rank) with posts still incomplete: the head op and what it waits for."""

@@ -1,10 +1,14 @@
 """device: where a rank computes — the one seam between fxpipe's CPU and CUDA paths.
 
-Every device-specific decision of the runtime is made here, so the rest of fxpipe reads the same
-on both: which device a rank uses, which process-group backend goes with it, how a batch gets
-there, which RNGs a forked random stream must cover, where collective tensors live, how the
-device arguments a trace on one device baked into a graph follow a stage to another, and how a
-CPU rank's heap is settled (:func:`settle_heap`) and trimmed after a burst (:func:`release_heap`).
+The device-specific mechanics of the runtime live here, so the rest of fxpipe reads the same on
+both: which device a rank uses, which process-group backend goes with it, how a batch gets
+there, which RNGs a forked random stream must cover and a checkpoint keeps, where collective
+tensors live, how the device arguments a trace on one device baked into a graph follow a stage
+to another, and how a CPU rank's heap is settled (:func:`settle_heap`) and trimmed after a burst
+(:func:`release_heap`). A few policies that differ by device stay with the phase they belong to:
+the pipeline runs the Triton kernels only on CUDA, sets no host-side wait timeout there (a wait
+only queues), and counts a CPU host's ranks for the planner; calibration synchronises CUDA
+before reading a clock.
 
 On CUDA the stream scheduling of :func:`fxpipe.schedule.lower_to_streams` is carried out by
 ``torch.distributed``'s NCCL process group itself, which needs no code here: every point-to-point
@@ -38,7 +42,7 @@ from .errors import ConfigError
 from .trace import graph_modules
 
 __all__ = ["choose", "settle_heap", "release_heap", "backend_for", "to_device", "moved_copy", "follow_device", "follow_call",
-           "rng_devices", "seed", "check_backend"]
+           "rng_state", "set_rng_state", "rng_devices", "seed", "check_backend"]
 
 
 def choose(requested: str | torch.device | None, *, distributed: bool) -> torch.device:
@@ -109,7 +113,7 @@ def settle_heap() -> None:
 def release_heap() -> None:
     """Hand back to the system the memory this CPU process has freed (glibc's
     ``malloc_trim(0)``), after a one-off burst that training will not repeat: calibrating a model
-    holds every node's output and backward at once (:func:`fxpipe.cost._roofs`), hundreds of MiB
+    holds every node's output and backward at once (:func:`fxpipe.calibrate._roofs`), hundreds of MiB
     that, once freed, sit between live allocations where ``free`` cannot return them, so the
     rank's resident memory would stay that much higher for good (440 MiB on the pinned GPT of
     ``benchmarks/limit.py``). Training's own working set is then faulted in once, on its first
@@ -143,7 +147,8 @@ def check_backend(backend: str, device: torch.device) -> None:
 
 
 def to_device(tree: Any, device: torch.device) -> Any:
-    """Every tensor of ``tree`` on ``device`` (asynchronous copies from pinned memory on CUDA)."""
+    """Every tensor of ``tree`` on ``device`` (``non_blocking``: asynchronous on CUDA when the
+    caller's batch is in pinned memory, e.g. a ``DataLoader(pin_memory=True)``'s)."""
     return pytree.tree_map(
         lambda x: x.to(device, non_blocking=True) if isinstance(x, torch.Tensor) and x.device != device else x, tree
     )
@@ -192,6 +197,22 @@ def follow_call(target, args: tuple, kwargs: dict, src: torch.device, dst: torch
     if target is torch.ops.higher_order.wrap_with_autocast and args and args[0] == src.type:
         args = (dst.type, *args[1:])
     return args, kwargs
+
+
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """The CPU generator's state and ``device``'s (a checkpoint keeps it per rank)."""
+    out = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        out["cuda"] = torch.cuda.get_rng_state(device)
+    return out
+
+
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what :func:`rng_state` returned; a GPU's state only on a GPU (a CPU resume of a
+    GPU run restores the CPU generator alone)."""
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def rng_devices(device: torch.device) -> list[torch.device]:

@@ -9,8 +9,8 @@
     plan.txt / plan.json     the plan table and the reloadable plan
     stage_{i}.py             each stage's generated code, with a header naming its boundary
     schedule.txt/.json/.svg  the schedule's step x rank grid, Chrome-trace timeline and picture
-                             (simulated from the plan's costs): what a default fxpipe.compile
-                             runs (Program.of_plan), norm all-reduce included
+                             (simulated from the plan's costs): the Program fxpipe.compile
+                             runs for this plan (Program.of_plan), norm all-reduce included
 
 Without ``stages`` only the trace dumps (nodes, graph) are written. A compiled pipeline writes
 the same set, its own Program's schedule and its recorded timeline, with ``pipe.dump(out_dir)``.
@@ -235,7 +235,7 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     os.makedirs(out_dir, exist_ok=True)
     gm = trace(model, example_inputs, leaf_modules=leaf_modules)
     m = microbatches if microbatches is not None else max(2 * stages, 4)
-    # What a default fxpipe.compile plans and runs: its per-step norm all-reduce (2bw: a second gradient buffer).
+    # What fxpipe.compile plans and runs at these stages and micro-batches: its per-step norm all-reduce (2bw: a second gradient buffer).
     p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=stages,
                   clip=norm_every_step(), lookahead=lookahead)
     staged = from_plan(gm, p)

@@ -210,11 +210,11 @@ def _moments(schedule: str, stages: int, microbatches: int, s: int, recompute: b
     d, m = stages, microbatches
     if schedule == "gpipe":
         return (Held(1, 0, m, m, 1, m, m),) if recompute else (Held(m, 0, 0, m, 0, m, m),)
-    n = min(warmup(schedule, s, d, lookahead), m)
+    n = min(warmup(s, d, lookahead), m)
     # inputs received or posted: as many as the previous stage runs ahead of this one's backward
     inputs = d - s + 1 + lookahead
     if schedule == "2bw":
-        n = warmup(schedule, s, d, lookahead)
+        n = warmup(s, d, lookahead)
         x = m + n - 1
         if recompute:
             return (Held(1, 0, n, inputs, 1, min(n, max(2 + lookahead, n - 1)), x),)
@@ -304,7 +304,7 @@ class StageModel:
         d, m, zb = stages, microbatches, schedule == "zb"
         # ZB-H1 holds min(d, m) micro-batches between F and W on every stage, min(d - s, m) of
         # them before their I (1f1b's count, whole activations), the rest deferred past it
-        alive = [zb_bounds(s, d, m)[0] if zb else m if schedule == "gpipe" else warmup(schedule, s, d, lookahead)
+        alive = [zb_bounds(s, d, m)[0] if zb else m if schedule == "gpipe" else warmup(s, d, lookahead)
                  for s in range(d)]
         if isinstance(recompute, bool):
             # With one micro-batch alive (the last stage under 1f1b/2bw) recomputation saves
@@ -2240,7 +2240,7 @@ class BlockCosting:
         return _assemble(parts)
 
     def source(self, layers: int | None = None, **chain_kw) -> "_BlockSource":
-        """What :func:`search` plans from, for ``layers`` blocks."""
+        """What :func:`_search` plans from, for ``layers`` blocks."""
         return _BlockSource(self, self.layers if layers is None else layers, chain_kw)
 
 

@@ -379,7 +379,7 @@ class PipelineConfig:
 
     def check_plan(self) -> None:
         """The arguments a given ``plan`` fixes must not say otherwise (each would be silently
-        overridden): ``stages``, ``recompute`` and ``microbatches`` (the plan's would run),
+        overridden): ``stages``, ``recompute``, ``microbatches`` and ``lookahead`` (the plan's would run),
         ``schedule`` and ``precision`` (compile's would run, on a plan whose cuts, memory and time
         were priced for another)."""
         p = self.plan
@@ -1353,7 +1353,7 @@ class Pipeline:
             merged: dict[str, torch.Tensor] = {}
             for wk in held.values():
                 merged.update(wk.local_state())
-            return self._to_original(merged)
+            return self.staged.to_original(merged)
         parts = {wk.index: wk.local_state() for wk in self.workers.values() if wk.replica == 0}
         if self.distributed:
             gathered: list = [None] * self.world_size
@@ -1362,13 +1362,6 @@ class Pipeline:
             for g in gathered:
                 parts.update(g)
         return self.staged.state_dict([parts[s] for s in range(self.plan.stages)])
-
-    def _to_original(self, canonical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in canonical.items():
-            for key in self.staged.originals.get(name, [name]):
-                out[key] = t
-        return out
 
     def load_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load weights saved under the original model's keys (by fxpipe or plain PyTorch): every

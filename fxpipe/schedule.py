@@ -275,8 +275,8 @@ class Action(NamedTuple):
 
     stage: int
     kind: Kind
-    index: int  # micro-batch k (F, R, B, SEND_*, RECV_*) or batch t (UPDATE, reductions)
-    version: int | None = None  # weight version used by F, R, B; None elsewhere
+    index: int  # micro-batch k (F, R, B, I, W, EVAL, SEND_*, RECV_*) or batch t (UPDATE, reductions, LOSS, END_STEP)
+    version: int | None = None  # weight version used by F, R, B, I, W; None elsewhere
 
     def __str__(self) -> str:
         v = "" if self.version is None else f"v{self.version}"
@@ -324,8 +324,9 @@ class Action(NamedTuple):
 
 def waits_for(a: Action, stages: int) -> Action | None:
     """The action of ``a``'s own list that must have completed before ``a`` runs (its only wait):
-    ``F k`` consumes ``RECV_ACT k`` (not on the first stage), ``B k`` consumes ``RECV_GRAD k``
-    (not on the last), ``X_WAIT t`` joins ``X_START t``; None for everything else."""
+    ``F k`` and ``EVAL k`` consume ``RECV_ACT k`` (not on the first stage), ``B k`` and zb's
+    ``I k`` consume ``RECV_GRAD k`` (not on the last), ``X_WAIT t`` joins ``X_START t`` (as
+    :data:`SPEC` declares); None for everything else."""
     kind = SPEC[a.kind].waits
     if kind is None or (kind is Kind.RECV_ACT and a.stage == 0) or (kind is Kind.RECV_GRAD and a.stage == stages - 1):
         return None
@@ -393,7 +394,7 @@ def actions_by_rank(by_stage: Mapping[int, list[Action]], width: int = 1,
 
 
 def compute_only(actions: Iterable[Action]) -> str:
-    """The F/R/B/UPDATE skeleton of a list as one string, e.g. ``"0F1v0 0F2v0 0B1v0 ..."``."""
+    """The compute (F, R, B, I, W) and UPDATE skeleton of a list as one string, e.g. ``"0F1v0 0F2v0 0B1v0 ..."``."""
     return " ".join(str(a) for a in actions if a.kind in COMPUTE or a.kind is Kind.UPDATE)
 
 
@@ -444,7 +445,7 @@ def check_lookahead(schedule: str, lookahead: int) -> None:
                             f"or schedule='2bw' or '1f1b'")
 
 
-def warmup(schedule: str, stage: int, stages: int, lookahead: int = 0) -> int:
+def warmup(stage: int, stages: int, lookahead: int = 0) -> int:
     """How many forwards stage ``stage`` of ``stages`` runs before its first backward, and so
     how many micro-batches it holds at most (2bw, 1f1b; a flush also stops at m): 1F1B's
     ``d - s``, and ``lookahead`` more on every stage but the last.
@@ -544,12 +545,12 @@ def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int,
     if schedule == "2bw":
         # PipeDream-2BW (arXiv 2006.09503, fig. 3): 1F1B with d - i micro-batches in flight on
         # stage i (plus the lookahead on all but the last), across step boundaries.
-        return _one_f_one_b(1, steps * m, warmup(schedule, stage, d, lookahead))
+        return _one_f_one_b(1, steps * m, warmup(stage, d, lookahead))
     order: list[tuple[Kind, int]] = []
     for t in range(1, steps + 1):
         first, last = (t - 1) * m + 1, t * m
         if schedule == "1f1b":
-            order += _one_f_one_b(first, last, warmup(schedule, stage, d, lookahead))
+            order += _one_f_one_b(first, last, warmup(stage, d, lookahead))
         else:  # gpipe: every forward, then every backward in the same order
             order += [(Kind.F, k) for k in range(first, last + 1)]
             order += [(Kind.B, k) for k in range(first, last + 1)]
@@ -794,10 +795,10 @@ def _core_list(
     reduces = dp or tied or clip
     two_bw = schedule == "2bw"
     order = _compute_order(schedule, stage, d, m, steps, recompute, lookahead)
-    ahead = warmup(schedule, stage, d, lookahead)
+    ahead = warmup(stage, d, lookahead)
     # how many forwards this stage runs behind stage 0 (s in 1F1B's order; the last stage, which
     # takes no lookahead, that many more): 2bw's NORM_START comes that much sooner here
-    behind = warmup(schedule, 0, d, lookahead) - ahead
+    behind = warmup(0, d, lookahead) - ahead
     last_b = {batch_of(k, m): pos for pos, (kind, k) in enumerate(order) if kind in LAST_BACKWARD}
     pending: list[int] = []  # batches whose gradients are handed to reductions, UPDATE still due
     cut_due: list[int] = []  # 2bw: batches done here whose TIED/NORM cuts are still ahead
@@ -1104,7 +1105,7 @@ class _StageCheck:
         self.rc = recompute is not None and recompute[s]
         # micro-batches between F and W (B), and how many of them may have run their I (zb's deferred W)
         self.limit, deferred = (zb_bounds(s, d, m, self.rc) if self.zb else
-                                (m if schedule == "gpipe" else warmup(schedule, s, d, lookahead), 0))
+                                (m if schedule == "gpipe" else warmup(s, d, lookahead), 0))
         self.whole = self.limit - deferred  # between F and I: whole activations
         self.reduced = {a.index for a in self.lst if a.kind in STARTS}  # batches whose gradient is reduced
         self.max_versions = versions_of(schedule)
@@ -1505,7 +1506,7 @@ def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
     * ``compute`` (in list order): F, R, B, zb's I and W, UPDATE and the ``*_WAIT`` joins: each
       waits for the one action ``SPEC`` names (``F k`` for ``RECV_ACT k`` when the stage
       receives, ``B k`` and ``I k`` for ``RECV_GRAD k``, ``X_WAIT t`` for ``X_START t``). Compute never waits for a send: the runtime keeps the sent tensor
-      alive until the send finishes (``Tensor.record_stream`` on CUDA, the work handle on CPU).
+      alive until the send finishes (its work handle holds it, and the runtime keeps the handle until it completes).
     * ``p2p_prev`` / ``p2p_next``: every SEND and RECV with the previous / next stage, both
       directions on one stream in list order, so each matches the peer's op one-for-one (no
       unpaired concurrent NCCL send and receive). ``SEND_ACT k`` waits only for ``F k`` (an eval

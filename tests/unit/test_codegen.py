@@ -143,6 +143,15 @@ def run_stages(staged, *flat_in) -> tuple:
     return tuple(carry)
 
 
+def _buffers(st) -> dict[str, torch.Tensor]:
+    return {name: st.module.get_buffer(name) for name in st.buffer_names}
+
+
+def _stage_state(st) -> dict[str, torch.Tensor]:
+    """A stage's canonical name -> tensor, as the pipeline gathers them for StagedModel.state_dict."""
+    return {**{n: p.detach() for n, p in st.flat.params.items()}, **{n: b.detach() for n, b in _buffers(st).items()}}
+
+
 def call_staged(staged, *args, **kwargs):
     """:func:`run_stages` with the model's own calling convention and output structure."""
     info = staged.trace_info
@@ -200,7 +209,7 @@ def check_transparent(name, staged, flat_in, ref) -> None:
                 f"{(total - g_ref).abs().max().item():.3g}"
             )
     for st in staged.stages:
-        for bname, b in st.buffers().items():
+        for bname, b in _buffers(st).items():
             assert torch.equal(b, ref.buffers[bname]), f"{name}: buffer {bname} on stage {st.index} after forward"
 
 
@@ -404,7 +413,7 @@ def test_functional_call_with_a_second_weight_version_and_batchnorm_stats():
     for st, leaves in zip(staged.stages, versions):
         for name in st.param_names:
             assert torch.equal(leaves[name].grad, ref.grads[name]), name
-        for bname, b in st.buffers().items():
+        for bname, b in _buffers(st).items():
             assert torch.equal(b, ref.buffers[bname]), f"BatchNorm buffer {bname} not updated in place"
     # plain views work too, and a layout mismatch is refused with the numbers
     st = staged.stages[0]
@@ -473,7 +482,7 @@ def test_tied_weights_have_a_copy_per_stage_and_load_into_the_original():
     # Training through the pipeline keeps the copies equal and equals eager training
     # (tests/unit/test_pipeline.py, the gpt2 cases); here: the merged state dict loads strictly
     # into the original and the stages compute what it computes.
-    sd = staged.state_dict([st.state_dict() for st in staged.stages])
+    sd = staged.state_dict([_stage_state(st) for st in staged.stages])
     assert set(sd) == set(model.state_dict())
     fresh, _ = models.gpt2_tiny(seed=1)
     fresh.load_state_dict(sd)  # strict
@@ -482,14 +491,14 @@ def test_tied_weights_have_a_copy_per_stage_and_load_into_the_original():
     with torch.no_grad():
         wte2[0, 0] += 1.0
     with pytest.raises(FxpipeError, match=r"copies of tied tensor 'transformer.wte.weight' on stages 0 and 2 differ"):
-        staged.state_dict([st.state_dict() for st in staged.stages])
+        staged.state_dict([_stage_state(st) for st in staged.stages])
 
 
 @pytest.mark.parametrize("name", list(models.ZOO))
 def test_state_dict_loads_strictly_into_the_original(name):
     model, gm, _, _ = traced(name)
     staged = codegen.split(gm, even_assignment(gm, 3))
-    sd = staged.state_dict([st.state_dict() for st in staged.stages])
+    sd = staged.state_dict([_stage_state(st) for st in staged.stages])
     fresh = copy.deepcopy(model)
     fresh.load_state_dict(sd)
     for k, v in model.state_dict().items():

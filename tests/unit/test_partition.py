@@ -735,7 +735,7 @@ def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule, lookahe
             if m < min_microbatches(schedule, d, lookahead):
                 continue
             alive = [zb_bounds(s, d, m)[0] if schedule == "zb" else m if schedule == "gpipe" else
-                     warmup(schedule, s, d, lookahead) for s in range(d)]
+                     warmup(s, d, lookahead) for s in range(d)]
             for on in (False, True):
                 recompute = [on and n > 1 for n in alive]
                 for split in ((True, False) if schedule == "zb" else (True,)):

@@ -633,7 +633,7 @@ def test_later_stages_post_the_norm_at_an_earlier_consistent_cut(d, m, width, ti
     validate(lists, "2bw", d, m, 4, width=width, tied=tied, clip=True, lookahead=ahead)
     for s, lst in lists.items():
         pos = {str(a): i for i, a in enumerate(lst)}
-        behind = warmup("2bw", 0, d, ahead) - warmup("2bw", s, d, ahead)
+        behind = warmup(0, d, ahead) - warmup(s, d, ahead)
         assert behind == (s if s < d - 1 else d - 1 + ahead)
         for t in (1, 2):
             cut = (t + 1) * m + 1 - behind
