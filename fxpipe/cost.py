@@ -392,7 +392,8 @@ def is_view(node: fx.Node) -> bool:
     ``to`` that changes nothing. Such a node adds no activation memory, moves no bytes and does
     no arithmetic. Torch's own flag (``OpOverload.is_view``) marks every operator that *may*
     alias, ``to`` and ``contiguous`` among them, which copy in practice as often as not; this
-    looks at the node's input and output to tell."""
+    looks at the node's input and output to tell. (Where in-place writes may reach, the question
+    is what *may* alias: :func:`fxpipe.trace.alias_base`.)"""
     if node.op == "call_function" and node.target is operator.getitem:
         return True
     if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):

@@ -244,10 +244,9 @@ class StageModel:
     """How a schedule turns a run of nodes into a stage's time and memory."""
 
     stages: int
-    #: micro-batches whose whole activations a stage holds at once (d - s under 1f1b/2bw, plus the
-    #: lookahead on all but the last stage; m under gpipe, min(d - s, m) under zb)
-    inflight: tuple[int, ...]
     recompute: tuple[bool, ...]
+    #: per stage, the moments whose largest is what its rank holds (:func:`_moments`)
+    moments: tuple[tuple[Held, ...], ...]
     p2p_latency: float = 0.0
     p2p_bandwidth: float = math.inf
     memory_limit: float = math.inf
@@ -257,38 +256,18 @@ class StageModel:
     #: sends overlap compute (a cluster's ``overlap_p2p``): a stage takes the larger of its compute
     #: and each of its cuts' link time per micro-batch; otherwise their sum
     overlap: bool = False
-    #: zb: micro-batches past their ``I`` whose ``W`` is deferred, holding only what ``W`` reads
-    #: (:func:`fxpipe.schedule.zb_bounds`); empty: none
-    deferred: tuple[int, ...] = ()
-    #: per stage, the moments whose largest is what its rank holds (:func:`_moments`); empty:
-    #: derived from ``inflight``, ``recompute`` and ``deferred`` as 1f1b's with one micro-batch
-    #: more per step than in flight
-    moments: tuple[tuple[Held, ...], ...] = ()
     #: zb: the moments of a stage whose input carries no gradient (its ``W`` keeps the whole
     #: activations); empty: ``moments``
     unsplit: tuple[tuple[Held, ...], ...] = ()
     #: 2bw, 1f1b: forwards every stage but the last runs ahead of 1F1B's order
-    #: (:func:`fxpipe.schedule.warmup`), counted in ``inflight`` and ``moments``
+    #: (:func:`fxpipe.schedule.warmup`), counted in ``moments``
     lookahead: int = 0
-
-    def held(self, s: int) -> tuple[int, int, int]:
-        """``(k, j, e)`` of stage ``s``: micro-batches holding whole activations, inputs kept for
-        recomputation and deferred weight passes (the schedule's counts; :meth:`forms` adds the
-        buffers the runtime holds beside them)."""
-        e = self.deferred[s] if s < len(self.deferred) else 0
-        return (1, self.inflight[s], e) if self.recompute[s] else (self.inflight[s], 0, e)
 
     def forms(self, s: int, grad_in: bool = True) -> tuple[Held, ...]:
         """The moments of stage ``s`` (``grad_in``: whether its input cut carries a gradient)."""
         if not grad_in and s < len(self.unsplit):
             return self.unsplit[s]
-        if s < len(self.moments):
-            return self.moments[s]
-        k, j, e = self.held(s)
-        n = self.inflight[s]
-        if self.recompute[s]:
-            return (Held(1, e, n, n + 1, 1, n, n + 1),)
-        return (Held(k, e, 0, n + 1, 1, n, n + 1),)
+        return self.moments[s]
 
     def link(self, boundary: int) -> tuple[float, float]:
         """``(latency, bandwidth)`` between stage ``boundary`` and ``boundary + 1``."""
@@ -311,13 +290,11 @@ class StageModel:
             # nothing and costs a forward: it stays off there.
             recompute = tuple(recompute and alive[s] > 1 for s in range(d))
         recompute = tuple(bool(x) for x in recompute)
-        held = [zb_bounds(s, d, m, recompute[s]) if zb else (alive[s], 0) for s in range(d)]  # (alive, deferred)
-        inflight, deferred = tuple(n - e for n, e in held), tuple(e for _, e in held)
         moments = tuple(_moments(schedule, d, m, s, recompute[s], lookahead=lookahead) for s in range(d))
         unsplit = tuple(_moments(schedule, d, m, s, recompute[s], split=False) for s in range(d)) if zb else ()
-        return cls(d, inflight, recompute, device.p2p_latency, device.p2p_bandwidth,
+        return cls(d, recompute, moments, device.p2p_latency, device.p2p_bandwidth,
                    device.memory_bytes if memory_limit is None else float(memory_limit),
-                   tuple((float(a), float(b)) for a, b in links), bool(overlap), deferred, moments, unsplit, lookahead)
+                   tuple((float(a), float(b)) for a, b in links), bool(overlap), unsplit, lookahead)
 
 
 @dataclass(frozen=True)

@@ -950,7 +950,10 @@ def written_values(nd: fx.Node) -> list[fx.Node]:
 def alias_base(nd: fx.Node) -> fx.Node | None:
     """The node whose storage ``nd``'s output shares, per its schema (a view, or the ``self`` an
     in-place op returns; ``getitem`` of a tuple of views), or on the symbolic_trace path by name
-    (a view method or function, an in-place call), else None."""
+    (a view method or function, an in-place call), else None. This is what *may* share storage,
+    the safe side for tracking in-place writes (``reshape`` of a contiguous input is a view);
+    :func:`fxpipe.cost.is_view` asks whether it does, for memory and time, and so differs for
+    ``reshape``, ``flatten`` and ``contiguous`` of a strided input."""
     if nd.op not in ("call_function", "call_method", "call_module") or not nd.args or not isinstance(nd.args[0], fx.Node):
         return None
     if nd.target is operator.getitem or _writes_first_argument(nd) or _torch_level_name(nd) in _VIEWS:

@@ -12,8 +12,9 @@ from fxpipe.cluster import PRESETS, Cluster, Link
 from fxpipe.cost import DeviceModel
 from fxpipe.errors import PlanError
 from fxpipe.cluster import placement, stage_links
-from fxpipe.partition import Chain, StageModel, reduction_time, stage_time
+from fxpipe.partition import Chain, reduction_time, stage_time
 from fxpipe.schedule import rank_of
+from tests.unit.test_partition import bare_model
 
 TOML = """
 name = "two-by-four"
@@ -127,7 +128,7 @@ def test_a_stage_pair_split_across_nodes_pays_the_slower_link():
     # the same compute on every stage: the two stages beside the border are the slow ones
     n = 8
     chain = Chain([1e-3] * n, [2e-3] * n, [1e6] * n, [64e6] * (n - 1), [64e6] * (n - 1), [True] * (n - 1))
-    sm = StageModel(8, tuple(8 - s for s in range(8)), (False,) * 8, c.intra.latency, c.intra.bandwidth,
+    sm = bare_model(8, tuple(8 - s for s in range(8)), (False,) * 8, c.intra.latency, c.intra.bandwidth,
                     links=links)
     times = [stage_time(chain, sm, s, s, s) for s in range(8)]
     assert times[3] == pytest.approx(times[4]) and times[2] == pytest.approx(times[5])
@@ -182,7 +183,7 @@ def test_cuts_weigh_the_all_reduce_where_it_is_part_of_the_step(schedule):
     param = [1e9] * 6 + [0.0] * 6
     chain = Chain([1e-3] * n, [2e-3] * n, [1.0] * n, [1.0] * (n - 1), [1.0] * (n - 1), [True] * (n - 1),
                   [1.0] * n, tuple([i] for i in range(n)), tensor_param_bytes=param)
-    sm = StageModel(d, (3, 2, 1), (False,) * 3)
+    sm = bare_model(d, (3, 2, 1), (False,) * 3)
 
     def step(bounds):
         pipe = pipeline_time(schedule, d, m, max(stage_time(chain, sm, s, *b) for s, b in enumerate(bounds)),
@@ -337,12 +338,12 @@ def test_a_plan_for_a_cluster_counts_the_fused_kernels_scratch_gradient():
 def test_sends_overlap_compute_on_cluster_presets_not_on_this_machine():
     # NCCL's sends run beside compute on GPUs: a stage costs max(compute, link) per micro-batch;
     # the local machine (CPU ranks, gloo copying on the same cores) keeps the sum.
-    from fxpipe.partition import Chain, StageModel, stage_time
+    from fxpipe.partition import Chain, stage_time
 
     assert Cluster.preset("dgx-a100", nodes=2).overlap_p2p and not Cluster.local().overlap_p2p
     chain = Chain([1.0, 1.0], [2.0, 2.0], [1.0, 1.0], [10.0], [10.0], [True], [], ())
     for overlap, expected in ((False, 3.0 + 0.5), (True, 3.0)):  # one cut: 10 B each way at 40 B/s
-        model = StageModel(2, (2, 1), (False, False), 0.0, 40.0, overlap=overlap)
+        model = bare_model(2, (2, 1), (False, False), 0.0, 40.0, overlap=overlap)
         assert stage_time(chain, model, 0, 0, 0) == expected
 
 

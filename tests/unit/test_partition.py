@@ -14,10 +14,21 @@ from torch import nn
 import fxpipe
 from fxpipe.errors import PlanError
 from fxpipe.partition import (
-    Chain, StageModel, _moments, chain_from_graph, min_memory, partition_chain, plan, stage_memory, stage_time,
+    Chain, Held, StageModel, _moments, chain_from_graph, min_memory, partition_chain, plan, stage_memory, stage_time,
 )
 from fxpipe.plan import Plan, graph_fingerprint
 
+
+
+def bare_model(d: int, inflight, recompute, *args, **kwargs) -> StageModel:
+    """A StageModel of arbitrary counts, no schedule's: stage s holds ``inflight[s]`` micro-batches
+    (their whole activations, or their inputs when it recomputes) and one more micro-batch's
+    receive and model inputs than in flight; the solver must be exact for any such counts."""
+    def held(s):
+        n = inflight[s]
+        return (Held(1, 0, n, n + 1, 1, n, n + 1),) if recompute[s] else (Held(n, 0, 0, n + 1, 1, n, n + 1),)
+
+    return StageModel(d, tuple(recompute), tuple(held(s) for s in range(d)), *args, **kwargs)
 
 def random_chain(rng: random.Random, n: int, *, skips: int = 0, invalid: float = 0.0, tensors: int = 0) -> Chain:
     """A random chain; ``skips`` long-range values (crossing every cut they span), some
@@ -78,25 +89,27 @@ def test_exact_against_brute_force(seed):
     inflight = tuple(d - s for s in range(d))
     lat, bw = rng.choice([(0.0, math.inf), (0.05, 20.0)])
     overlap = seed % 2 == 1  # odd seeds: sends overlap compute (a cluster's GPUs), stage time = max
-    # seeds divisible by 3: zb's deferred weight passes on the stages that do not recompute, with
-    # the moments of its lists (a stage whose input carries no gradient keeps them whole);
-    # seeds 1 mod 3: 2bw's moments; the rest the bare model's
-    deferred = tuple(0 if rc or seed % 3 else s for s, rc in enumerate(recompute))
+    # seeds divisible by 3: zb's moments (deferred weight passes on the stages that do not
+    # recompute; a stage whose input carries no gradient keeps them whole); seeds 1 mod 3: 2bw's;
+    # the rest a bare model's arbitrary counts
     m = d + rng.randint(0, 3)
     named = {0: "zb", 1: "2bw"}.get(seed % 3)
-    moments = tuple(_moments(named, d, m, s, rc) for s, rc in enumerate(recompute)) if named else ()
     unsplit = tuple(_moments("zb", d, m, s, rc, split=False) for s, rc in enumerate(recompute)) if named == "zb" else ()
-    unlimited = StageModel(d, inflight, recompute, lat, bw, overlap=overlap, deferred=deferred, moments=moments,
-                           unsplit=unsplit)
+
+    def model_of(limit: float = math.inf) -> StageModel:
+        if named is None:
+            return bare_model(d, inflight, recompute, lat, bw, limit, overlap=overlap)
+        moments = tuple(_moments(named, d, m, s, rc) for s, rc in enumerate(recompute))
+        return StageModel(d, recompute, moments, lat, bw, limit, overlap=overlap, unsplit=unsplit)
+
+    unlimited = model_of()
     # a memory limit that binds: between the smallest feasible and the unconstrained optimum's needs
     if sum(chain.valid) < d - 1:
         with pytest.raises(PlanError, match="allows only"):
             partition_chain(chain, unlimited)
         return
     lo = min_memory(chain, unlimited)
-    limit = rng.choice([math.inf, lo * rng.uniform(1.0, 1.5)])
-    model = StageModel(d, inflight, recompute, lat, bw, limit, overlap=overlap, deferred=deferred, moments=moments,
-                       unsplit=unsplit)
+    model = model_of(rng.choice([math.inf, lo * rng.uniform(1.0, 1.5)]))
     expect = brute_force(chain, model)
     part = partition_chain(chain, model)
     check_partition(chain, model, part)
@@ -106,21 +119,21 @@ def test_exact_against_brute_force(seed):
 def test_min_memory_is_tight():
     rng = random.Random(7)
     chain = random_chain(rng, 10, skips=2, tensors=3)
-    model = StageModel(3, (3, 2, 1), (False, False, False))
+    model = bare_model(3, (3, 2, 1), (False, False, False))
     need = min_memory(chain, model)
-    partition_chain(chain, StageModel(3, (3, 2, 1), (False,) * 3, memory_limit=need))
-    assert brute_force(chain, StageModel(3, (3, 2, 1), (False,) * 3, memory_limit=need * (1 - 1e-5))) == math.inf
+    partition_chain(chain, bare_model(3, (3, 2, 1), (False,) * 3, memory_limit=need))
+    assert brute_force(chain, bare_model(3, (3, 2, 1), (False,) * 3, memory_limit=need * (1 - 1e-5))) == math.inf
     with pytest.raises(PlanError, match=r"smallest memory that fits is [\d.,]+ (MB|bytes)"):
-        partition_chain(chain, StageModel(3, (3, 2, 1), (False,) * 3, memory_limit=need * 0.9))
+        partition_chain(chain, bare_model(3, (3, 2, 1), (False,) * 3, memory_limit=need * 0.9))
 
 
 def test_ties_break_at_the_earliest_cut():
     chain = Chain([1.0] * 4, [0.0] * 4, [1.0] * 4, [0.0] * 3, [0.0] * 3, [True] * 3)
     # {0,1},{2,3} and {0},{1,2,3}... only the balanced split reaches 2; with equal nodes and
     # three stages, [0],[1],[2,3] and [0,1],[2],[3] both give 2: the earliest cuts win.
-    part = partition_chain(chain, StageModel(3, (3, 2, 1), (False,) * 3))
+    part = partition_chain(chain, bare_model(3, (3, 2, 1), (False,) * 3))
     assert part.bounds == ((0, 0), (1, 1), (2, 3)) and part.bottleneck == 2.0
-    assert partition_chain(chain, StageModel(3, (3, 2, 1), (False,) * 3)) == part
+    assert partition_chain(chain, bare_model(3, (3, 2, 1), (False,) * 3)) == part
 
 
 def test_large_chain_is_fast():
@@ -131,7 +144,7 @@ def test_large_chain_is_fast():
     chain = Chain(rng.uniform(0.1, 1, n), rng.uniform(0.2, 2, n), rng.uniform(1, 100, n),
                   rng.uniform(1, 100, n - 1), rng.uniform(1, 100, n - 1), rng.random(n - 1) > 0.1)
     t0 = time.perf_counter()
-    part = partition_chain(chain, StageModel(8, tuple(8 - s for s in range(8)), (False,) * 8, 1e-3, 1e3, 5e5))
+    part = partition_chain(chain, bare_model(8, tuple(8 - s for s in range(8)), (False,) * 8, 1e-3, 1e3, 5e5))
     assert time.perf_counter() - t0 < 10  # the benchmark holds the 2 s target; CI machines vary
     assert len(part.bounds) == 8
 
@@ -401,7 +414,7 @@ def test_why_a_2bw_configuration_lost_names_no_fill_and_drain():
 def test_error_no_valid_cuts():
     chain = Chain([1.0] * 3, [1.0] * 3, [1.0] * 3, [1.0, 1.0], [1.0, 1.0], [False, False])
     with pytest.raises(PlanError, match=r"2 stages need 1 cuts but the graph allows only 0"):
-        partition_chain(chain, StageModel(2, (2, 1), (False, False)))
+        partition_chain(chain, bare_model(2, (2, 1), (False, False)))
 
 
 def test_tuple_outputs_are_not_cut(gpt_gm):
