@@ -1241,16 +1241,17 @@ class Pipeline:
         if self._eval is None:
             self._eval = self._checked_eval(self._build_eval())
         chunks = _split_batch((args, kwargs, target), m * w)
-        for wk in self.workers.values():
+        borrowed = self._borrowed_buffers()
+        for r, wk in self.workers.items():
             s = wk.index
             stage = self._eval.stages[s]
             newest = wk.store.compute(wk.store.updates)  # what a training forward would read next
             # this worker's own buffers (BatchNorm statistics), passed in as its weights are: in one
             # process the replicas of a stage share one eval module
-            eval_buffers = {n for n, _ in stage.module.named_buffers()}
+            eval_buffers = set(stage.buffer_names)
             wk.eval_stage = stage
             wk.eval_weights = {**{n: newest[n].detach() for n in stage.param_names},
-                               **{n: b for n, b in wk.buffers.items() if n in eval_buffers}}
+                               **{n: b for n, b in wk.buffers.items() if n in eval_buffers}, **borrowed.get(r, {})}
             wk.eval_loss.zero_()
             self._give(wk, stage, chunks, first=1)
         try:
@@ -1266,6 +1267,34 @@ class Pipeline:
             wk.batch_loss.clear()
         handle.wait()
         return float(total[0] / (m * w))
+
+    def _borrowed_buffers(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Local rank -> the buffers its eval stage reads that its training stage does not hold,
+        with their newest values, from the training stage that does (the first such, in the same
+        replica). A buffer training updates in place on one stage and reads again on a later one
+        reaches the later stage as a value that crosses the cut; eval mode, which updates
+        nothing, reads the buffer itself there. Every rank finds the same borrowings (from the
+        plan), so under torchrun they all-gather the values, or all skip it, alike."""
+        holders: dict[str, int] = {}
+        for st in self.staged.stages:
+            for n in st.buffer_names:
+                holders.setdefault(n, st.index)
+        needs = {s: {n: holders[n] for n in st.buffer_names if n in holders and n not in self.staged.stages[s].buffer_names}
+                 for s, st in enumerate(self._eval.stages)}
+        if not any(needs.values()):
+            return {}
+        lent = {j for need in needs.values() for j in need.values()}
+        mine = {r: {n: wk.buffers[n] for need in needs.values() for n, j in need.items() if j == wk.index}
+                for r, wk in self.workers.items() if wk.index in lent}
+        if self.distributed:  # small state (counts, statistics): gathered as objects, on the CPU
+            found: list = [None] * self.world_size
+            dist.all_gather_object(found, {r: {n: b.cpu() for n, b in part.items()} for r, part in mine.items()})
+            mine = {r: part for got in found for r, part in got.items()}
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for r, wk in self.workers.items():
+            need = needs[wk.index]
+            out[r] = {n: mine[self.topology.rank(j, wk.replica)][n].to(self.device) for n, j in need.items()}
+        return out
 
     def _checked_eval(self, staged):
         """``staged`` (the eval-mode stages), once every rank found that each of its eval stages

@@ -288,6 +288,25 @@ class BranchNet(nn.Module):
         return self.c(torch.tanh(self.b(self.a(x))))
 
 
+class CountedScale(nn.Module):
+    """Three Linears whose output is scaled by a buffer that a training forward counts up in
+    place before the second Linear and reads at the end: cut in between, training hands the
+    counted value across the cut, while eval mode (no count) reads the buffer itself there.
+    Input ``(batch, 4)``, output ``(batch, 2)``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+        self.register_buffer("scale", torch.ones(()))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        if self.training:
+            with torch.no_grad():
+                self.scale.add_(1.0)
+        return self.c(torch.relu(self.b(h))) * self.scale
+
+
 def _transformers():
     """Import ``transformers`` safely when the repository root is on ``sys.path``.
 

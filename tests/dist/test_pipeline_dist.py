@@ -110,3 +110,20 @@ def test_random_combinations_on_two_ranks():
 def test_random_combinations_on_four_ranks():
     # d = 4, or d = 2 with w = 2 replicas
     check_cases(4, [c.name for c in RANDOM[4]], 300)
+
+
+def eval_with_a_buffer_counted_upstream(rank: int, world: int) -> list[tuple[float, float]]:
+    from tests.unit.test_pipeline import eval_matches_eager_with_a_buffer_counted_upstream
+
+    return eval_matches_eager_with_a_buffer_counted_upstream("1f1b", world)
+
+
+def test_eval_reads_a_buffer_training_counts_on_another_rank():
+    # rank 1's eval stage reads the buffer that only rank 0's training stage holds: it comes across
+    from tests.dist.harness import run_function
+
+    results = run_function(2, "tests.dist.test_pipeline_dist:eval_with_a_buffer_counted_upstream", timeout=150)
+    assert [r["error"] for r in results] == [None, None], results
+    for r in results:
+        for got, expected in r["value"]:
+            assert got == pytest.approx(expected, rel=1e-12)

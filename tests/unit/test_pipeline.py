@@ -551,6 +551,43 @@ def test_eval_step_uses_newest_weights_with_dropout_off():
         assert not any(b.is_meta for b in stage.module.buffers())
 
 
+def eval_matches_eager_with_a_buffer_counted_upstream(schedule: str, stages: int) -> list[tuple[float, float]]:
+    """(eval_step, eager eval of the pipeline's state_dict) after training, and again after
+    load_state_dict with another count: the later stages' eval reads the counted buffer, which
+    their training stages only ever received across a cut (tests.models.CountedScale)."""
+    from tests.models import CountedScale
+
+    torch.manual_seed(0)
+    model = CountedScale().double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(4, 4, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64)
+    pipe = fxpipe.compile(model, (x[:2],), loss_fn=F.mse_loss, microbatches=2, schedule=schedule, stages=stages,
+                          optimizer=functools.partial(torch.optim.SGD, lr=0.05), verbose=False)
+    for _ in range(3):
+        pipe.step(x, y)
+    out = []
+    for count in (None, 3.0):
+        sd = pipe.state_dict()
+        if count is not None:
+            sd["scale"] = torch.tensor(count, dtype=torch.float64)
+            pipe.load_state_dict(sd)
+        eager = copy.deepcopy(model)
+        eager.load_state_dict(sd)
+        eager.eval()
+        with torch.no_grad():
+            expected = sum(float(F.mse_loss(eager(a), b)) for a, b in zip(x.chunk(2), y.chunk(2))) / 2
+        out.append((pipe.eval_step(x, y), expected))
+    assert float(pipe.state_dict()["scale"]) == 3.0
+    return out
+
+
+@pytest.mark.parametrize("schedule,stages", [("1f1b", 2), ("2bw", 2), ("zb", 3)])
+def test_eval_reads_a_buffer_training_counts_on_an_earlier_stage(schedule, stages):
+    # eval stage 1 read its own copy of the buffer, the value at compile time: a wrong loss, silently
+    for got, expected in eval_matches_eager_with_a_buffer_counted_upstream(schedule, stages):
+        assert got == pytest.approx(expected, rel=1e-12)
+
+
 @pytest.mark.parametrize("case", ["gpt2", "t5", "data_dependent_leaf"])
 def test_the_pipeline_holds_none_of_the_models_weights(case):
     # The pipeline kept the model (for eval_step's second trace) and its training trace, which
