@@ -71,9 +71,12 @@ def weight_bytes(numel: int, itemsize: int, *, requires_grad: bool, schedule: st
 
 
 def _made_optimizer(factory: Callable, params: dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """``factory`` called with one stage's ``(name, parameter)`` pairs, and checked: an optimizer
-    that steps none of them (a factory without ``return``, or one built over the model's own
-    parameters, which fxpipe does not train) would leave the stage untrained without a word."""
+    """``factory`` called with one stage's ``(name, parameter)`` pairs, and checked: a factory
+    without ``return``, or an optimizer holding tensors it was not given (one built over the
+    model's own parameters, which fxpipe does not train), would leave the stage untrained
+    without a word. One that steps only some of the pairs, or none (a factory choosing
+    parameters by name, none of which this stage holds), leaves the others as they are, as
+    ``torch.optim`` does with parameters in no group."""
     names = list(params)
     few = names[:4] + (["..."] if len(names) > 4 else [])
     try:
@@ -98,11 +101,13 @@ def _made_optimizer(factory: Callable, params: dict[str, torch.nn.Parameter]) ->
             "fxpipe.compile: SparseAdam takes sparse gradients only, but fxpipe accumulates every weight's gradient "
             "densely (in flat buffers). Use torch.optim.Adam or AdamW")
     given = {id(p) for p in params.values()}
-    if not any(id(p) in given for g in made.param_groups for p in g["params"]):
+    foreign = sum(1 for g in made.param_groups for p in g["params"] if id(p) not in given)
+    if foreign:
         raise ConfigError(
-            f"fxpipe.compile: the optimizer the factory returned steps none of the {len(names)} parameters it was "
-            f"given ({few}), so the stage would not train: build it over the (name, parameter) pairs the factory "
-            f"receives, not over model.parameters() (fxpipe trains its own copies of the weights)")
+            f"fxpipe.compile: the optimizer the factory returned holds {foreign} tensor(s) that are not among the "
+            f"{len(names)} parameters it was given ({few}), which the stage would never update: build it over the "
+            f"(name, parameter) pairs the factory receives, not over model.parameters() (fxpipe trains its own "
+            f"copies of the weights)")
     return made
 
 

@@ -679,13 +679,37 @@ def test_an_optimizer_that_needs_a_closure_or_sparse_gradients_is_refused_at_com
         _compile(optimizer=lambda named: torch.optim.SparseAdam([p for _, p in named]))
 
 
-def test_an_optimizer_that_steps_none_of_the_stages_parameters_is_refused():
+def test_an_optimizer_over_tensors_the_factory_was_not_given_is_refused():
     # the DDP habit: an optimizer over the model's own parameters, which fxpipe does not train
     model = _mlp()
-    with pytest.raises(ConfigError, match=r"the optimizer the factory returned steps none of the \d+ parameters it was "
-                                          r"given \(\[.*\]\), so the stage would not train: build it over the "
-                                          r"\(name, parameter\) pairs the factory receives, not over model\.parameters\(\)"):
+    with pytest.raises(ConfigError, match=r"the optimizer the factory returned holds 4 tensor\(s\) that are not among "
+                                          r"the 2 parameters it was given \(\[.*\]\), which the stage would never "
+                                          r"update: build it over the \(name, parameter\) pairs the factory "
+                                          r"receives, not over model\.parameters\(\)"):
         _compile(model, optimizer=lambda named: torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_factory_choosing_parameters_by_name_may_leave_a_stage_nothing_to_step():
+    # the last Linear alone trains, as in eager: stage 0 holds none of it, and its optimizer's
+    # group is empty (it was refused as "steps none of the parameters it was given")
+    def last_only(named):
+        return torch.optim.SGD([{"params": [p for n, p in named if n.startswith("2.")]}], lr=0.1)
+
+    model = _mlp()
+    eager = copy.deepcopy(model)
+    pipe = _compile(model, optimizer=last_only)
+    opt = last_only(list(eager.named_parameters()))
+    x, y = _batch()
+    for _ in range(2):
+        pipe.step(x, y)
+        opt.zero_grad()
+        for a, b in zip(x.chunk(M), y.chunk(M)):
+            (_mse(eager(a), b) / M).backward()
+        opt.step()
+    got = pipe.state_dict()
+    for k, v in eager.state_dict().items():
+        assert torch.allclose(got[k], v, rtol=1e-6, atol=1e-7), k
+    assert torch.equal(got["0.weight"], model.state_dict()["0.weight"])
 
 
 def test_an_optimizer_factory_that_raises_is_told_it_sees_one_stage():
