@@ -27,7 +27,9 @@ alike and leaves no half-run step behind. The rules:
   must equal the example's (same type, and ``==`` where the type defines it; an object compared
   by identity cannot be checked);
 * **target**: given exactly when ``compile`` got a ``loss_fn`` (``loss_fn(output, target)``);
-  with ``loss_fn=None`` the model's output is the loss and a target would go unread.
+  with ``loss_fn=None`` the model's output is the loss and a target would go unread. ``compile``
+  takes no example target: the first batch's (:class:`TargetSignature`) fixes the nesting, the
+  dtypes and the sizes beyond dim 0 of every later one.
 
 With ``loss_fn=None`` the traced output itself must be a loss: :func:`check_model_loss` reads
 the trace's output structure at set-up (a scalar tensor, or an output whose ``.loss``/``["loss"]``
@@ -57,7 +59,7 @@ import torch.utils._pytree as pytree
 from .errors import ConfigError, InputError
 from .trace import module_path, normalize_inputs
 
-__all__ = ["InputSpec", "InputSignature", "batch_inputs", "check_first_batch", "check_model_loss",
+__all__ = ["InputSpec", "InputSignature", "TargetSignature", "batch_inputs", "check_first_batch", "check_model_loss",
            "check_operand_dtypes"]
 
 _CASTS = {
@@ -119,10 +121,11 @@ class InputSignature:
         return cls(len(args), tuple(kwargs), spec, tuple(inputs), trace_info.batch_size)
 
     def check(self, args: tuple, kwargs: dict, target, *, microbatches: int, width: int, device: torch.device,
-              needs_target: bool, what: str = "step()") -> tuple[tuple, dict]:
+              needs_target: bool, what: str = "step()", targets: "TargetSignature | None" = None) -> tuple[tuple, dict]:
         """Check one global batch (module docstring); return ``(args, kwargs)`` with the keyword
         inputs in the traced order. ``needs_target``: a ``loss_fn`` was given (it takes the
-        target), else the model's output is the loss (and a target would go unused). Raises
+        target), else the model's output is the loss (and a target would go unused);
+        ``targets``: the first batch's target, which this one's must be like. Raises
         :class:`InputError` naming every problem found."""
         if not needs_target and target is not None and len(args) + 1 == self.positional:
             raise InputError(  # step(x, y) for a model that takes (x, y): y was read as the target
@@ -134,6 +137,8 @@ class InputSignature:
         args, kwargs = self._structure(args, kwargs, what)
         m, w = microbatches, width
         problems: list[str] = _target_problem(target, needs_target)
+        if targets is not None and target is not None:
+            problems += targets.problems(target)
         leaves = pytree.tree_leaves((args, kwargs))
         sizes: list[tuple[InputSpec, int]] = []  # (spec, dim 0) of every batched input
         for s, x in zip(self.inputs, leaves):
@@ -233,6 +238,74 @@ class InputSignature:
                 f"{spec}. Pass the same (tuple/list/dict) structure as the example inputs."
             )
         return tuple(args), kwargs
+
+
+@dataclass(frozen=True)
+class TargetSignature:
+    """The first batch's target (``compile`` takes no example target): its nesting, and each
+    leaf's dtype and sizes beyond dim 0 (a non-tensor leaf's type). Every later batch's target
+    must be alike, as the inputs must be like the traced example: a target of another dtype,
+    nesting or length would otherwise fail only inside ``loss_fn`` on the last stage, mid-step,
+    leaving the pipeline unusable."""
+
+    spec: Any
+    leaves: tuple[tuple[str, Any], ...]  #: (where, (dtype, sizes beyond dim 0) or a non-tensor's type)
+    shown: str  #: the structure, as messages name it
+
+    @classmethod
+    def record(cls, target) -> "TargetSignature":
+        leaves, spec = pytree.tree_flatten(target)
+        return cls(spec, tuple(zip(_wheres_of(target), map(_leaf_kind, leaves))), _structure_text(target))
+
+    def problems(self, target) -> list[str]:
+        leaves, spec = pytree.tree_flatten(target)
+        if spec != self.spec:
+            return [f"target: expected {self.shown} as the first batch's target was, got {_structure_text(target)}; "
+                    f"pass the target in the same structure every step"]
+        out = []
+        for (where, kind), x in zip(self.leaves, leaves):
+            got = _leaf_kind(x)
+            if got == kind:
+                continue
+            if not isinstance(kind, tuple) or not isinstance(got, tuple):
+                out.append(f"{where}: expected {_kind_text(kind)} as in the first batch's target, got {_show(x)}")
+            elif got[0] != kind[0]:
+                cast = _CASTS.get(kind[0], f".to({kind[0]})")
+                out.append(f"{where}: expected {kind[0]} as in the first batch's target, got {got[0]}; convert with {cast}")
+            else:
+                out.append(f"{where}: expected {_kind_text(kind)} as in the first batch's target, got shape "
+                           f"{list(x.shape)}. A target's dims beyond the batch dim 0 stay as in the first batch, "
+                           f"like the inputs': pad or truncate to that size")
+        return out
+
+
+def _structure_text(x) -> str:
+    """``a tensor``, ``a dict with keys ['y', 'w']``, ``a tuple of 2``, ``a list of 8``, ``an int``."""
+    if isinstance(x, torch.Tensor):
+        return "a tensor"
+    if isinstance(x, dict):
+        return f"a dict with keys {_names(list(x))}"
+    if isinstance(x, (tuple, list)):
+        return f"a {type(x).__name__} of {len(x)}"
+    name = type(x).__name__
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
+
+
+def _leaf_kind(x):
+    return (x.dtype, tuple(x.shape[1:]) if x.dim() else None) if isinstance(x, torch.Tensor) else type(x)
+
+
+def _kind_text(kind) -> str:
+    if not isinstance(kind, tuple):
+        return f"a {kind.__name__}"
+    dtype, rest = kind
+    return f"a 0-dim {dtype} tensor" if rest is None else f"a {dtype} tensor of shape [N, {', '.join(map(str, rest))}]" \
+        if rest else f"a {dtype} tensor of shape [N]"
+
+
+def _wheres_of(target) -> list[str]:
+    """How each leaf of ``target`` is named in messages: ``target``, ``target[0]``, ``target['y']``."""
+    return ["target" + "".join(str(k) for k in path) for path, _ in pytree.tree_flatten_with_path(target)[0]]
 
 
 def batch_inputs(inputs, what: str = "step()") -> tuple[tuple, dict]:
@@ -453,9 +526,9 @@ def _wheres(args: tuple, kwargs: dict, names) -> list[str]:
 
 def _target_leaves(target):
     """(name, tensor) of every tensor in ``target``: ``target``, ``target[0]``, ``target['y']``."""
-    for path, x in pytree.tree_flatten_with_path(target)[0]:
+    for where, x in zip(_wheres_of(target), pytree.tree_leaves(target)):
         if isinstance(x, torch.Tensor):
-            yield "target" + "".join(str(k) for k in path), x
+            yield where, x
 
 
 def _target_problem(target, needs_target: bool) -> list[str]:

@@ -46,7 +46,7 @@ from .device import choose as choose_device
 from . import errors as errors_module
 from .errors import (CheckpointError, ConfigError, FxpipeError, InputError, NonFiniteError, PeerError, PlanError,
                      RuntimeMismatchError, ScheduleError)
-from .inputs import InputSignature, batch_inputs, check_first_batch, check_model_loss, check_operand_dtypes
+from .inputs import InputSignature, TargetSignature, batch_inputs, check_first_batch, check_model_loss, check_operand_dtypes
 from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
@@ -653,6 +653,7 @@ class Pipeline:
                 f"requires_grad=False. Unfreeze the parameters to train (p.requires_grad_(True)); a pipeline "
                 f"trains, and evaluates what it trained (eval_step)")
         self.inputs = InputSignature.record(self.trace_info, args, kwargs)  # checks every later batch
+        self._targets: TargetSignature | None = None  # the first batch's target, which checks the later ones
         return gm
 
     def _hold_no_weights(self, gm: fx.GraphModule) -> None:
@@ -953,8 +954,12 @@ class Pipeline:
         so the rank leaves them the reason first (:meth:`fxpipe.comm.DistComm.report`)."""
         plan = self.plan
         try:
-            return self.inputs.check(args, kwargs, target, microbatches=plan.microbatches, width=plan.width,
-                                     device=self.device, needs_target=self.config.loss_fn is not None, what=what)
+            checked = self.inputs.check(args, kwargs, target, microbatches=plan.microbatches, width=plan.width,
+                                        device=self.device, needs_target=self.config.loss_fn is not None, what=what,
+                                        targets=self._targets)
+            if self._targets is None and target is not None:
+                self._targets = TargetSignature.record(target)
+            return checked
         except InputError as e:
             for wk in self.workers.values():
                 wk.comm.report(f"InputError: {str(e).splitlines()[0]}")

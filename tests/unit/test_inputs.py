@@ -384,6 +384,30 @@ def test_target_batch_must_match_the_inputs(pipe):
     assert "target" not in str(e.value)
 
 
+def test_a_target_unlike_the_first_batchs_is_refused_and_the_pipeline_goes_on():
+    # compile takes no example target: the first batch's sets its nesting, dtypes and sizes beyond
+    # dim 0. Another one failed inside loss_fn on the last stage, mid-step, and the pipeline could
+    # not go on ("ranks stopped part-way through it")
+    p = _compile()
+    x, y = _batch()
+    first = p.step(x, y)
+    for target, message in [
+        (y.double(), "target: expected torch.float32 as in the first batch's target, got torch.float64; convert "
+                     "with .float()"),
+        (y[:, :3], "target: expected a torch.float32 tensor of shape [N, 4] as in the first batch's target, got "
+                   "shape [16, 3]. A target's dims beyond the batch dim 0 stay as in the first batch, like the "
+                   "inputs': pad or truncate to that size"),
+        ({"y": y}, "target: expected a tensor as the first batch's target was, got a dict with keys ['y']; pass "
+                   "the target in the same structure every step"),
+        (3, "target: expected a torch.float32 tensor of shape [N, 4] as in the first batch's target, got int 3"),
+    ]:
+        with pytest.raises(InputError, match=re.escape(message)):
+            p.step(x, target)
+    with pytest.raises(InputError, match=re.escape("eval_step(): target: expected torch.float32")):
+        p.eval_step(x, y.double())
+    assert isinstance(p.step(x, y), float) and p.steps == 2 and first != p.step(x, y)
+
+
 def test_eval_step_checks_its_batch_too(pipe):
     x, y = _batch(8)
     with pytest.raises(InputError, match=re.escape("eval_step(): pass 16 samples")):
