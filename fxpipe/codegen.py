@@ -319,8 +319,8 @@ class StagedModel:
                         f"update (the runtime's TIED_START/TIED_WAIT) and the same optimizer step "
                         f"applied to each copy."
                     )
-        for name, t in self.unused_state.items():
-            merged.setdefault(name, t)
+        for name, t in self.unused_state.items():  # a copy, as the stages' are: the caller may write to it
+            merged.setdefault(name, t.detach().clone())
         return self.to_original(merged)
 
     def to_original(self, canonical: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

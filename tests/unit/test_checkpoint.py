@@ -619,6 +619,8 @@ def test_parameters_no_node_reads_are_loaded_too(tmp_path):
     again.load_state_dict(want)
     got = again.state_dict()
     assert all(torch.equal(got[k], want[k]) for k in want)
+    got["pooler.weight"].fill_(42.0)  # a copy, like every other tensor of a state dict: the pipeline's stays
+    assert torch.equal(again.state_dict()["pooler.weight"], want["pooler.weight"])
 
 
 def test_load_state_dict_takes_a_model_with_a_non_persistent_buffer():
