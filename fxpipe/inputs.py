@@ -386,6 +386,9 @@ def check_model_loss(gm) -> None:
         found = f"a {kind}, without a .loss" if loss is None else f"a {kind}, whose .loss is {_show(loss)}"
     labels = (" Or, for a Hugging Face model, pass labels among the example inputs and in every batch: its output "
               "then has .loss." if hasattr(out, "logits") else "")
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) and out[0].dim() == 0:
+        labels = (" Its first value is a scalar: if that is the loss, return a dict with a 'loss' key "
+                  "({'loss': loss, 'logits': logits}), which fxpipe reads, or the loss alone.")
     raise ConfigError(
         f"fxpipe.compile: loss_fn=None means the model's output is the loss: expected a scalar tensor or an output "
         f"with a scalar .loss, but {info.model_class} returns {found}. Pass loss_fn=lambda output, target: ... "

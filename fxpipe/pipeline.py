@@ -289,9 +289,13 @@ class PipelineConfig:
         if not callable(self.optimizer):
             bad("optimizer", "a callable taking [(name, parameter), ...] and returning a torch.optim.Optimizer",
                 self.optimizer, "pass e.g. functools.partial(torch.optim.AdamW, lr=1e-3)")
-        for name in ("loss_fn", "lr_scheduler"):
-            if getattr(self, name) is not None and not callable(getattr(self, name)):
-                bad(name, "a callable (or None)", getattr(self, name))
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            bad("loss_fn", "a callable loss_fn(output, target) -> scalar tensor (or None)", self.loss_fn,
+                "pass e.g. torch.nn.functional.cross_entropy, or None when the model's output is its loss")
+        if self.lr_scheduler is not None and not callable(self.lr_scheduler):
+            bad("lr_scheduler", "a callable taking the optimizer and returning a scheduler (or None)",
+                self.lr_scheduler, "each stage has its own optimizer, so fxpipe builds one scheduler per stage: pass "
+                "e.g. functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10), or lambda opt: ...")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             bad("seed", "an int", self.seed, "pass e.g. seed=0: it seeds dropout's streams per micro-batch and stage")
         for name in ("check_batch", "verbose"):
@@ -1661,9 +1665,10 @@ class Pipeline:
 
     def _require_setup(self, what: str) -> None:
         if not self._setup_done:
-            raise FxpipeError(
-                f"{what}() before the pipeline was built: pass example_inputs to fxpipe.compile or call step() first"
-            )
+            fix = ("load the weights into the model before fxpipe.compile(model, ...), or pass weights=state_dict to "
+                   "compile (a first step would train on the weights the model has now)" if what == "load_state_dict"
+                   else "pass example_inputs to fxpipe.compile or call step() first")
+            raise FxpipeError(f"{what}() before the pipeline was built: {fix}")
 
     # ------------------------------------------------------------------ inspection
 

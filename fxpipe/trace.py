@@ -209,6 +209,7 @@ def trace(
     if prefer not in ("export", "symbolic_trace"):
         raise ValueError(f"prefer must be 'export' or 'symbolic_trace', found {prefer!r}")
     args, kwargs = normalize_inputs(example_inputs)
+    _check_binds(model, args, kwargs)
     leaf_modules = as_leaf_modules(leaf_modules)
 
     checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
@@ -820,6 +821,29 @@ def _example_error(e: BaseException) -> TraceError:
         f"the model fails on the example inputs{where}: {type(root).__name__}: {str(root).strip().splitlines()[0]}. "
         f"The example is one micro-batch of what the model takes: check its shapes and dtypes "
         f"(model(*example) must run)")
+
+
+def _check_binds(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """The example must fit ``forward``'s signature, as a call ``model(*args, **kwargs)`` needs:
+    otherwise both tracers fail inside ``inspect`` with a bare "too many positional arguments",
+    and the leaf-module advice of a failed trace does not apply."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a forward inspect cannot read (a C extension): the trace will tell
+        return
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as e:
+        given = (f"{len(args)} positional input{'s' if len(args) != 1 else ''}"
+                 + (f" and keyword inputs {sorted(kwargs)}" if kwargs else ""))
+        keyword_only = [n for n, p in signature.parameters.items() if p.kind is p.KEYWORD_ONLY]
+        fix = (f"; its keyword-only parameters {keyword_only} take a dict example, e.g. "
+               f"{{{', '.join(repr(n) + ': ...' for n in keyword_only[:3])}}}" if keyword_only and args else "")
+        raise TraceError(
+            f"fxpipe could not trace {type(model).__name__}: the example inputs do not fit "
+            f"{type(model).__name__}.forward{signature} ({e}; the example gives {given}). The example is one "
+            f"micro-batch of what forward takes: a tuple of its positional inputs, or a dict of its inputs by "
+            f"name{fix}") from e
 
 
 def _user_frame(exc: BaseException) -> traceback.FrameSummary | None:

@@ -507,6 +507,61 @@ def test_loss_fn_none_needs_a_model_that_returns_its_loss():
     assert lazy.plan is None
 
 
+class LossAndLogits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 4)
+
+    def forward(self, x):
+        out = self.a(x)
+        return out.pow(2).mean(), out
+
+
+def test_a_model_returning_its_loss_first_in_a_tuple_is_told_how_fxpipe_reads_it():
+    with pytest.raises(ConfigError, match=re.escape(
+            "LossAndLogits returns a tuple of 2 values, without a .loss. Pass loss_fn=lambda output, target: ... (and "
+            "the target to step()), or make the model return its loss. Its first value is a scalar: if that is the "
+            "loss, return a dict with a 'loss' key ({'loss': loss, 'logits': logits}), which fxpipe reads, or the "
+            "loss alone.")):
+        _compile(LossAndLogits(), loss_fn=None)
+
+
+def test_an_example_that_does_not_fit_forward_says_how_to_pass_it():
+    # both tracers failed inside inspect ("too many positional arguments") and the advice was
+    # about leaf modules and control flow
+    class KeywordOnly(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 4)
+
+        def forward(self, *, x, mask):
+            return self.a(x * mask)
+
+    x = torch.randn(B, 16)
+    with pytest.raises(fxpipe.errors.TraceError, match=re.escape(
+            "fxpipe could not trace KeywordOnly: the example inputs do not fit KeywordOnly.forward(*, x, mask) (too "
+            "many positional arguments; the example gives 2 positional inputs). The example is one micro-batch of "
+            "what forward takes: a tuple of its positional inputs, or a dict of its inputs by name; its keyword-only "
+            "parameters ['x', 'mask'] take a dict example, e.g. {'x': ..., 'mask': ...}")):
+        _compile(KeywordOnly(), (x, x))
+    with pytest.raises(fxpipe.errors.TraceError, match=re.escape(
+            "the example inputs do not fit Sequential.forward(input) (missing a required argument: 'input'; the "
+            "example gives 0 positional inputs and keyword inputs ['x'])")):
+        _compile(_mlp(), {"x": x})
+    assert isinstance(_compile(KeywordOnly(), {"x": x, "mask": x}).step({"x": torch.randn(B * M, 16),
+                                                                            "mask": torch.ones(B * M, 16)},
+                                                                           torch.randn(B * M, 4)), float)
+
+
+def test_an_lr_scheduler_instance_is_told_to_pass_a_factory():
+    made = torch.optim.lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1), 2)
+    with pytest.raises(ConfigError, match=re.escape(
+            "lr_scheduler must be a callable taking the optimizer and returning a scheduler (or None), found "
+            "<torch.optim.lr_scheduler.StepLR object")) as e:
+        _compile(lr_scheduler=made)
+    assert "functools.partial(torch.optim.lr_scheduler.StepLR, step_size=10)" in str(e.value)
+
+
 def test_a_hugging_face_model_without_labels_is_told_to_pass_them():
     from tests.models import gpt2_tiny
 

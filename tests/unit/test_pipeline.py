@@ -481,6 +481,10 @@ def test_state_dict_before_any_step_explains():
     with pytest.raises(FxpipeError, match=re.escape(
             "describe() before the pipeline was built: pass example_inputs to fxpipe.compile or call step() first")):
         pipe.describe()
+    with pytest.raises(FxpipeError, match=re.escape(  # "call step() first" would train on the weights it has now
+            "load_state_dict() before the pipeline was built: load the weights into the model before "
+            "fxpipe.compile(model, ...), or pass weights=state_dict to compile")):
+        pipe.load_state_dict(model.state_dict())
 
 
 def test_a_pipeline_prints_what_it_runs():
