@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -112,12 +113,32 @@ class Materializer:
                     f"{name!r} ({type(mod).__name__} at {path or '<root>'!r}, attribute {attr!r}) is on the meta "
                     f"device, not in weights, and neither its module nor an enclosing one has an initialiser "
                     f"(reset_parameters(), or _init_weights(module) as Hugging Face models have)")
+        if not problems and self.weights is None:
+            self._warn_if_partly_meta()
         if problems:
             more = f" (and {len(problems) - 8} more)" if len(problems) > 8 else ""
             raise ConfigError(
                 "fxpipe.compile: cannot materialise the model's tensors: " + "; ".join(problems[:8]) + more
                 + ". Pass weights= a state dict (or a torch.save file, or a Pipeline.save checkpoint) of the same "
                   "model with every key of model.state_dict(), or give those modules a reset_parameters().")
+
+    def _warn_if_partly_meta(self) -> None:
+        """A model with real tensors beside meta ones (a module left on the meta device by
+        mistake, or by a loader that found no values for it): the meta ones get their modules'
+        initialisers' random values while the others keep theirs, which may not be what was
+        meant. Said once, on every rank alike."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        meta = [t for t in tensors if t.is_meta]
+        if not meta or len(meta) == len(tensors):
+            return
+        modules = sorted({path or "<root>" for t in meta for path, _, _ in self.owners.get(id(t), [])})
+        shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6 else "")
+        warnings.warn(
+            f"fxpipe.compile: {len(meta)} of the model's {len(tensors)} tensors are on the meta device (in {shown}) and "
+            f"the rest are not: the meta ones are filled by their modules' initialisers (random values), the others "
+            f"keep theirs. If the meta ones should hold trained values, pass weights= (a state dict, a torch.save "
+            f"file or a checkpoint); to initialise every module alike, build the whole model on the meta device",
+            RuntimeWarning, stacklevel=4)
 
     def _check_weights(self) -> list[str]:
         from .checkpoint import fit_problems

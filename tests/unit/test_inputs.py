@@ -517,6 +517,20 @@ class LossAndLogits(nn.Module):
         return out.pow(2).mean(), out
 
 
+@pytest.mark.parametrize("loss_fn,message", [
+    (lambda out, y: (out - y).pow(2).mean(1), "the loss must be a scalar tensor; found Tensor(4,). Make loss_fn return a "
+                                               "mean/sum."),
+    (lambda out, y: torch.tensor(float((out - y).pow(2).mean())),
+     "the loss (torch.float32) does not depend on the model's output through autograd, so there is nothing to "
+     "backpropagate: loss_fn detached it (.item(), .detach(), torch.tensor(...), an integer or comparison op, numpy)"),
+])
+def test_a_loss_fn_that_gives_no_scalar_to_backpropagate_is_named(loss_fn, message):
+    # the detached one got only autograd's "element 0 of tensors does not require grad"
+    p = _compile(loss_fn=loss_fn)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        p.step(*_batch())
+
+
 def test_a_model_returning_its_loss_first_in_a_tuple_is_told_how_fxpipe_reads_it():
     with pytest.raises(ConfigError, match=re.escape(
             "LossAndLogits returns a tuple of 2 values, without a .loss. Pass loss_fn=lambda output, target: ... (and "

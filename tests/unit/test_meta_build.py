@@ -4,6 +4,7 @@ file, a Pipeline.save checkpoint or the modules' initialisers (the same values i
 and every user error says what was expected, what was found and what to do."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -130,6 +131,22 @@ def test_initialisers_give_the_same_weights_in_every_layout():
     assert w.abs().max() <= 16 ** -0.5 and w.std() > 0.1 and not torch.isnan(w).any()
     other = fxpipe.compile(*on_meta(mlp), loss_fn=mse, microbatches=2, stages=2, verbose=False, seed=1).state_dict()
     assert not torch.equal(w, other["0.weight"])  # the streams follow compile(seed=)
+
+
+def test_a_model_partly_on_meta_is_initialised_there_with_a_warning():
+    # one Linear left on meta by mistake was filled with random values without a word
+    model, example = mlp()
+    kept = model[0].weight.detach().clone()
+    model[3].to_empty(device="meta")
+    with pytest.warns(RuntimeWarning, match=r"fxpipe.compile: 2 of the model's 8 tensors are on the meta device \(in "
+                                            r"3\) and the rest are not: the meta ones are filled by their modules' "
+                                            r"initialisers \(random values\), the others keep theirs"):
+        pipe = fxpipe.compile(model, example, loss_fn=mse, microbatches=2, stages=2, verbose=False)
+    state = pipe.state_dict()
+    assert torch.equal(state["0.weight"], kept) and not state["3.weight"].isnan().any()
+    with warnings.catch_warnings():  # a model wholly on meta, the documented way: no warning
+        warnings.simplefilter("error", RuntimeWarning)
+        fxpipe.compile(*on_meta(mlp), loss_fn=mse, microbatches=2, stages=2, verbose=False)
 
 
 def test_split_builds_only_the_requested_stage_from_a_meta_model():
