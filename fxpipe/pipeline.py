@@ -744,6 +744,8 @@ class Pipeline:
                     torch_device=self.device,
                     # the per-step norm all-reduce (clipping, non-finite check): 2bw's 2 grad buffers
                     clip=norm_every_step(o.accumulate),
+                    # how the priced stage holds its gradients: AdamA none, torch.optim .grad tensors,
+                    # the fused kernels a flat accumulator and a scratch gradient (weights.weight_bytes)
                     accumulation=("optimizer" if o.accumulate == "optimizer" else
                                   "autograd" if kernels is None else "fused"),
                     precision=o.precision,

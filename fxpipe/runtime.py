@@ -111,7 +111,7 @@ class StageWorker:
         adama = cfg.accumulate == "optimizer" and any(s.requires_grad for s in stage.flat.layout.slots)
         buffers = 0 if adama else gradient_buffers(cfg.schedule, reduces=True)
         self.store = WeightStore(stage.flat, schedule=cfg.schedule, grad_buffers=buffers,
-                                 accumulation=cfg.accumulate,
+                                 accumulate=cfg.accumulate,
                                  optimizer=cfg.optimizer, lr_scheduler=cfg.lr_scheduler, kernels=cfg.kernels,
                                  strict_kernels=cfg.strict_kernels, precision=cfg.precision,
                                  device=self.device, share_initial=replica == 0, shared=cfg.tied_groups,

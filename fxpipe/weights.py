@@ -16,7 +16,7 @@ A :class:`WeightStore` holds, for one stage on one rank:
   of a mixed-precision stage accumulate in fp32;
 * the **update strategy**: ``torch.optim`` (any optimizer, parameter groups by name), the
   fused flat kernels of :mod:`fxpipe.kernels` (one launch per dtype reads ``W(t-1)`` and the
-  gradient and writes ``W(t)``), or AdamA (``accumulation="optimizer"``: each micro-batch's
+  gradient and writes ``W(t)``), or AdamA (compile's ``accumulate="optimizer"``: each micro-batch's
   gradient is folded into Adam's moments at once, and no gradient accumulator exists).
 
 :func:`weight_bytes` is the memory model of all of it, per tensor: the planner calls it before
@@ -116,7 +116,7 @@ class WeightStore:
 
     def __init__(self, flat, *, schedule: str, grad_buffers: int, optimizer: Callable,
                  lr_scheduler: Callable | None, kernels, device: torch.device, share_initial: bool = True,
-                 strict_kernels: bool = False, precision: Precision = Precision(), accumulation: str = "gradients",
+                 strict_kernels: bool = False, precision: Precision = Precision(), accumulate: str = "gradients",
                  keep_fp32: Collection[str] = (), shared: Collection[str] = (), dynamic: bool = False):
         self.layout = layout = flat.layout  # the master's (the model's dtypes)
         self.device = device
@@ -186,7 +186,7 @@ class WeightStore:
         # reason in ``fallback`` (``strict_kernels``, i.e. kernels="triton": raise it instead).
         self.fallback: str | None = None
         self.strategy = _TorchOptim(self)
-        if accumulation == "optimizer" and self.optimizer is not None:
+        if accumulate == "optimizer" and self.optimizer is not None:
             from .kernels import KernelError
 
             if not isinstance(self.optimizer, (torch.optim.Adam, torch.optim.AdamW)):
