@@ -622,13 +622,18 @@ def test_picture_draws_i_and_w_in_their_own_colours():
 
 def test_planner_counts_zb_activations():
     device = fxpipe.cost.DeviceModel.for_device(torch.device("cpu"))
-    zb = StageModel.for_schedule("zb", 4, 8, False, device)  # 1f1b's whole micro-batches, the rest deferred
-    assert zb.inflight == (4, 3, 2, 1) and zb.deferred == (0, 1, 2, 3)
-    assert [sum(zb.held(s)) for s in range(4)] == [4] * 4
-    assert StageModel.for_schedule("zb", 4, 2, False, device).deferred == (0, 0, 0, 1)
-    assert StageModel.for_schedule("1f1b", 4, 8, False, device).inflight == (4, 3, 2, 1)
-    rc = StageModel.for_schedule("zb", 4, 8, True, device)
-    assert rc.inflight == (4, 3, 2, 1) and rc.recompute == (True,) * 4 and rc.deferred == (0,) * 4
+
+    def held(schedule, m, recompute=False):  # per stage, (whole activations, deferred W, kept outputs) at each moment
+        sm = StageModel.for_schedule(schedule, 4, m, recompute, device)
+        return [[(h.whole, h.deferred, h.outputs) for h in sm.moments[s]] for s in range(4)]
+
+    # 1f1b's whole micro-batches (d - s), the rest of ZB-H1's min(d, m) deferred, and between an
+    # I and its W one more deferred: min(d, m) micro-batches on every stage at every moment
+    assert held("zb", 8) == [[(4, 0, 0)], [(3, 1, 0), (2, 2, 0)], [(2, 2, 0), (1, 3, 0)], [(1, 3, 0), (0, 4, 0)]]
+    assert held("zb", 2) == [[(2, 0, 0)], [(2, 0, 0), (1, 1, 0)], [(2, 0, 0), (1, 1, 0)], [(1, 1, 0), (0, 2, 0)]]
+    assert held("1f1b", 8) == [[(4, 0, 0)], [(3, 0, 0)], [(2, 0, 0)], [(1, 0, 0)]]
+    # recomputing: one micro-batch whole (or deferred), the inputs of 1f1b's count kept
+    assert held("zb", 8, True) == [[(1, 0, 4)], [(1, 0, 3), (0, 1, 3)], [(1, 0, 2), (0, 1, 2)], [(1, 0, 1), (0, 1, 1)]]
     assert pipeline_time("zb", 4, 8, 3.0, recompute=True) == pipeline_time("1f1b", 4, 8, 3.0)
 
 
