@@ -533,6 +533,7 @@ class Pipeline:
         self._broken = False  # an action raised: what this rank has in flight may never be matched
         self._copies_unchecked = False  # the first step compares the ranks' copies of shared weights
         self._failure = ""  # what raised then, for the error every later call gets
+        self._failed_at = ""  # the rank and action that raised it, where an action did
         # (directory, future, what unclaims its step if writing fails) of the checkpoint being
         # written, if any
         self._saving = None
@@ -1073,7 +1074,8 @@ class Pipeline:
         try:
             self._run_lists(lists, what)
         except BaseException as e:
-            self._broken, self._failure = True, f"{what} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+            where = f"{self._failed_at}: " if self._failed_at else ""
+            self._broken, self._failure = True, f"{what} ({where}{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
             _BROKEN_HERE[0] = True  # for the exit meeting, however long this pipeline lives
             raise
 
@@ -1126,9 +1128,15 @@ class Pipeline:
             why = str(e).strip().splitlines()[0] if str(e).strip() else ""
             if not isinstance(e, dist.DistError):  # this rank's own failure, not a peer's: tell them
                 wk.comm.report(f"{type(e).__name__} in action {a}: {why}")
+                first = ""
             elif first := wk.comm.failed_first():  # a communication failed: say what stopped the peers
-                why += f"; {first}"
-            raise RuntimeError(f"rank {r} failed running action {a}{posted}: {type(e).__name__}: {why}\n{grid}") from e
+                first = f"; {first}"
+            # The error itself goes on (a loss_fn's ValueError stays one, an out-of-memory error
+            # stays catchable as such), with where it happened as a note, as torch's own pipeline
+            # schedules re-raise theirs.
+            self._failed_at = f"rank {r}, action {a}"
+            e.add_note(f"fxpipe: rank {r} failed running action {a}{posted}{first}\n{grid}")
+            raise
         blocked = wk.comm.waited - waited  # an action waits before it works (its receive, a reduction)
         if self.profile is not None:
             self.profile.action(a.kind, time.perf_counter() - start, blocked, a.stage)

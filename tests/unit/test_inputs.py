@@ -527,7 +527,7 @@ class LossAndLogits(nn.Module):
 def test_a_loss_fn_that_gives_no_scalar_to_backpropagate_is_named(loss_fn, message):
     # the detached one got only autograd's "element 0 of tensors does not require grad"
     p = _compile(loss_fn=loss_fn)
-    with pytest.raises(RuntimeError, match=re.escape(message)):
+    with pytest.raises(TypeError, match=re.escape(message)):
         p.step(*_batch())
 
 
