@@ -90,6 +90,16 @@ class _DistHandle(Handle):
 _CONNECTION_FAILED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused")
 
 
+def peer_failed(e: BaseException, *, timeouts: bool = False) -> bool:
+    """Whether ``e``, raised by torch.distributed, says a peer did not answer: a DistError, or
+    gloo's plain RuntimeError of a failed connection (and, with ``timeouts``, of a timed-out
+    collective or store wait: "Timed out waiting 20000ms for send operation to complete", "Wait
+    timeout")."""
+    text = str(e)
+    return isinstance(e, dist.DistError) or any(s in text for s in _CONNECTION_FAILED) or (
+        timeouts and any(s in text.lower() for s in ("timed out", "wait timeout")))
+
+
 class Comm:
     rank: int
     world_size: int
@@ -212,7 +222,7 @@ class DistComm(Comm):
         try:
             return post()
         except RuntimeError as e:
-            if isinstance(e, dist.DistError) or any(s in str(e) for s in _CONNECTION_FAILED):
+            if peer_failed(e):
                 raise self.failure(label, peer, None, e) from e
             raise
 

@@ -17,6 +17,7 @@ finishes inside the next ``step`` or in :meth:`Pipeline.flush`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import functools
 import gc
@@ -30,7 +31,7 @@ import types
 import warnings
 import weakref
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from .comm import EVERY_RANK, Comm, DistComm, LocalHub, dp_group, tied_group
+from .comm import EVERY_RANK, Comm, DistComm, LocalHub, dp_group, peer_failed, tied_group
 from .cost import DeviceModel
 from .deps import interleave
 from .device import backend_for, check_backend, to_device
@@ -510,6 +511,41 @@ class Topology:
         return {name: stage == stages[0] for name, stages in self.tied if stage in stages}
 
 
+def _every_rank(call: str) -> Callable:
+    """A :class:`Pipeline` method every rank calls at the same point of its script (``call``,
+    e.g. ``"save()"``), run under :func:`_together`: a rank that does not come leaves the
+    others a :class:`PeerError` that says so, not gloo's bare timeout."""
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            if not self.distributed:
+                return method(self, *args, **kwargs)
+            with _together(call, call, self._comm()):
+                return method(self, *args, **kwargs)
+        return run
+    return wrap
+
+
+@contextlib.contextmanager
+def _together(what: str, call: str, comm: Comm | None) -> Iterator[None]:
+    """The collectives of ``what``, part of ``call`` (``"save()"``), which every rank makes at the
+    same point of its script. A rank that did not come (it stopped before it, skipped the call
+    or made it at another step) leaves the others a bare gloo or NCCL error, a timeout or a
+    closed connection: raised as a :class:`PeerError` saying so, with the reason a stopped rank
+    left (:meth:`fxpipe.comm.Comm.failed_first`)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, FxpipeError) or not peer_failed(e, timeouts=True):
+            raise
+        first = comm.failed_first() if comm is not None else None
+        raise PeerError(
+            f"rank {dist.get_rank()}: {what} failed: {str(e).strip().splitlines()[-1]}"
+            + (f"; {first}. Fix that error: its traceback is in that rank's log." if first else
+               f". Every rank calls {call} at the same point of its script: another rank stopped before it (its "
+               f"log says why: an InputError, a failed compile, ...), skipped it or made it at another step")) from e
+
+
 class Pipeline:
     """A compiled pipeline. ``step`` trains, ``flush`` drains, ``state_dict`` gathers weights."""
 
@@ -602,8 +638,9 @@ class Pipeline:
                 sample = sample.to("cpu", torch.float64)
                 mine[name] = (float(sample.sum()), float((sample * torch.arange(1, sample.numel() + 1)).sum()))
         gathered: list = [None] * self.world_size
-        _first_step_collective("the ranks' copies of shared parameters are equal",
-                               next(iter(self.workers.values())).comm, lambda: dist.all_gather_object(gathered, mine))
+        with _together("the first step's check that the ranks' copies of shared parameters are equal", "step()",
+                       self._comm()):
+            dist.all_gather_object(gathered, mine)
 
         def alike(a: tuple, b: tuple) -> bool:
             return all(x == y or abs(x - y) <= 1e-9 * (abs(x) + abs(y)) or (math.isnan(x) and math.isnan(y))
@@ -986,6 +1023,11 @@ class Pipeline:
         gc.freeze()
         atexit.register(gc.unfreeze)  # at exit everything is collected as usual
 
+    def _comm(self) -> Comm | None:
+        """This process's communicator (the one of its first rank): what reports and failures go
+        through; None before the pipeline is set up."""
+        return next((wk.comm for wk in self.workers.values()), None)
+
     def _waited(self) -> float:
         return sum(wk.comm.waited for wk in self.workers.values())
 
@@ -1007,7 +1049,7 @@ class Pipeline:
         args, kwargs = self._checked(args, kwargs, target, "step()")
         chunks = _split_batch((args, kwargs, target), m * w)
         if self.t == 0 and self.config.check_batch and self.distributed:
-            _check_same_batch((args, kwargs, target), self.world_size, self.device, next(iter(self.workers.values())).comm)
+            _check_same_batch((args, kwargs, target), self.world_size, self.device, self._comm())
         if self._copies_unchecked:
             self._check_copies_agree()
         self.t += 1
@@ -1247,6 +1289,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ evaluation
 
+    @_every_rank("eval_step()")
     def eval_step(self, inputs, target=None):
         """Forward-only pipelined loss of one global batch with the newest weights and dropout
         off (stages generated from a second, eval-mode trace that reads the training weights and
@@ -1388,6 +1431,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @_every_rank("state_dict()")
     def state_dict(self, *, local: bool = False) -> dict[str, torch.Tensor]:
         """The newest weights and buffers under the ORIGINAL model's keys (CPU tensors), on
         every rank; ``local=True`` gives only this rank's stage(s) (a data-parallel replica's
@@ -1411,6 +1455,7 @@ class Pipeline:
                 parts.update(g)
         return self.staged.state_dict([parts[s] for s in range(self.plan.stages)])
 
+    @_every_rank("load_state_dict()")
     def load_state_dict(self, sd: Mapping[str, torch.Tensor]) -> None:
         """Load weights saved under the original model's keys (by fxpipe or plain PyTorch): every
         key :meth:`state_dict` has, the parameters no node reads included; a non-persistent
@@ -1476,6 +1521,7 @@ class Pipeline:
                      key=lambda got: got[0], default=None)  # no workers before set-up
         return None if latest is None else (latest[0], float(latest[1]))
 
+    @_every_rank("save()")
     def save(self, path: str, extra: dict | None = None, *, keep: int | None = None) -> str:
         """Checkpoint the full training state into ``path/step-<steps>`` and, once every rank's
         files are complete, point ``path/latest`` at it; returns that directory. A collective:
@@ -1530,6 +1576,7 @@ class Pipeline:
             warnings.warn(f"fxpipe save: {problem}", RuntimeWarning, stacklevel=2)
         return path
 
+    @_every_rank("load()")
     def load(self, path: str) -> dict | None:
         """Restore what :meth:`save` wrote and return its ``extra``. ``path``: a folder given to
         ``save`` (its ``latest`` checkpoint) or one checkpoint directory. A collective under
@@ -1653,7 +1700,8 @@ class Pipeline:
         thread's collectives must not interleave with training's on the default group, and
         ``async_save`` needs a CPU backend even when training runs on NCCL."""
         if self.distributed and self._checkpoint_group is None:
-            self._checkpoint_group = dist.new_group(backend="gloo")
+            # every rank creates it with its first save: bounded like any wait for a peer
+            self._checkpoint_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         return self._checkpoint_group
 
     def _check_not_broken(self, what: str) -> None:
@@ -2014,19 +2062,6 @@ def _adama_stopped(what: str, data: str) -> NonFiniteError:
         f"or train with accumulate='gradients', which checks every step before updating.")
 
 
-def _first_step_collective(what: str, comm: Comm, collective: Callable[[], None]) -> None:
-    """Run one of the first step's checks across ranks (``collective``). Where it fails, a rank
-    stopped before it, and ``comm`` finds the reason it left (:meth:`fxpipe.comm.Comm.failed_first`)."""
-    try:
-        collective()
-    except RuntimeError as e:  # a rank that stopped before it (its own error, raised there)
-        first = comm.failed_first()
-        raise PeerError(
-            f"rank {dist.get_rank()}: the first step's check that {what} failed: {str(e).strip().splitlines()[-1]}"
-            + (f"; {first}. Fix that error: its traceback is in that rank's log." if first else
-               ". Another rank stopped before it: its log says why (an InputError, a failed compile, ...)")) from e
-
-
 def _check_same_batch(batch, world: int, device: torch.device, comm: Comm) -> None:
     """Every rank must pass the same global batch; compare cheap checksums across ranks."""
     sums = []
@@ -2037,7 +2072,8 @@ def _check_same_batch(batch, world: int, device: torch.device, comm: Comm) -> No
             sums += [float(flat.numel()), float(flat.sum()), float((flat * weights).sum())]
     mine = torch.tensor(sums, dtype=torch.float64, device=device)
     everyone = [torch.zeros_like(mine) for _ in range(world)]
-    _first_step_collective("every rank passed the same batch", comm, lambda: dist.all_gather(everyone, mine))
+    with _together("the first step's check that every rank passed the same batch", "step()", comm):
+        dist.all_gather(everyone, mine)
     bad = [r for r in range(world) if not torch.equal(everyone[r], everyone[0])]
     if bad:
         raise RuntimeMismatchError(

@@ -223,6 +223,35 @@ def test_a_broken_pipeline_recovers_in_process_as_its_error_says(tmp_path):
         assert v["steps"] == 3 and v["again"] == v["full"][1:], (r, v)
 
 
+def one_rank_calls(rank: int, world: int) -> dict:
+    """Rank 0 alone calls ``FXPIPE_TEST_CALL`` (the torch.save habit) while rank 1 steps on."""
+    call = os.environ["FXPIPE_TEST_CALL"]
+    pipe = resume.compile("1f1b", 2, 2, world=world, timeout=TIMEOUT)
+    pipe.step(*resume.batch(1))
+    start = time.monotonic()
+    try:
+        if rank == 0:
+            pipe.save(os.environ["FXPIPE_TEST_TMP"]) if call == "save" else pipe.state_dict()
+        pipe.step(*resume.batch(2))
+    except Exception as e:
+        return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+    return {"type": None}
+
+
+@pytest.mark.parametrize("call", ["save", "state_dict"])
+def test_a_call_only_one_rank_makes_ends_in_a_peer_error_on_both(tmp_path, call):
+    # save() on rank 0 alone blocked in creating the checkpoint writers' group with no timeout (rank
+    # 1 had long raised); state_dict() raised gloo's bare "Timed out waiting ... for send operation"
+    os.environ["FXPIPE_TEST_TMP"], os.environ["FXPIPE_TEST_CALL"] = str(tmp_path), call
+    rank0, rank1 = (r["value"] for r in run_function(2, "tests.dist.test_reliability:one_rank_calls", timeout=90))
+    assert rank1["type"] == "PeerError" and "waited 1 s for 1RECV_ACT" in rank1["message"], rank1
+    assert rank0["type"] == "PeerError", rank0
+    assert rank0["message"].startswith(f"rank 0: {call}() failed: ") and rank0["message"].endswith(
+        f". Every rank calls {call}() at the same point of its script: another rank stopped before it (its log says "
+        f"why: an InputError, a failed compile, ...), skipped it or made it at another step"), rank0
+    assert rank0["seconds"] < 10 * TIMEOUT + 10, rank0
+
+
 @pytest.mark.slow  # time budget; the crash test below runs by default
 def test_a_rank_that_hangs_makes_its_peer_raise_within_the_timeout():
     rank0, rank1 = run_function(2, "tests.dist.test_reliability:hang", timeout=120)
