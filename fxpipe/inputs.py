@@ -188,7 +188,7 @@ class InputSignature:
             )
         wrong = [(s, n) for s, n in sizes if n != s.shape[0] * m * w]
         if wrong:
-            problems.append(_batch_problem(wrong, len(sizes), m, w))
+            problems.append(_batch_problem(wrong, len(sizes), m, w, what))
         # The target follows the inputs as given (one wrong batch size is reported once).
         b, given = self.batch_size, {n for _, n in sizes}
         n_in = given.pop() if len(given) == 1 else self.batch_size * m * w
@@ -569,7 +569,7 @@ def _split_clause(m: int, w: int) -> str:
     return f" ({m} micro-batches x {w} replicas)" if w > 1 else ""
 
 
-def _batch_problem(wrong: list, batched: int, m: int, w: int) -> str:
+def _batch_problem(wrong: list, batched: int, m: int, w: int, what: str = "step()") -> str:
     """The batch-size message: what a step needs (b*m*w), what was given, what to do."""
     first, n0 = wrong[0]
     b = first.shape[0]
@@ -580,6 +580,10 @@ def _batch_problem(wrong: list, batched: int, m: int, w: int) -> str:
         head = (f"the batch has {n0} samples, which does not split into {m * w} equal micro-batches"
                 f"{_split_clause(m, w)}; ") + head
     fix = f"The micro-batch size b = {b} is fixed by the traced example"
+    if what.startswith("eval_step"):  # evaluation runs in the training step's micro-batches
+        return (f"{head}pass {b * m * w} samples ({_recipe(b, m, w)}), {got}. {fix}, and eval_step runs the training "
+                f"step's {m * w} micro-batches: evaluate a set of another size in batches of {b * m * w} (the last one "
+                f"dropped, or padded with samples the loss ignores).")
     if whole and n0 and n0 % (m * w) == 0:
         k = n0 // (m * w)
         fix += (f"; to train on {n0} samples per step, compile with an example micro-batch of {k} "

@@ -677,6 +677,12 @@ class Pipeline:
                                        and x.is_meta else x, (args, kwargs))
         self._example = kwargs if kwargs else args
         self._eval = None
+        if not self.model.training:  # traced and trained as it is, as eager would train it
+            warnings.warn(
+                f"fxpipe.compile: {type(self.model).__name__} is in eval mode (model.eval(), the mode a Hugging Face "
+                f"from_pretrained returns it in), so the pipeline trains it in eval mode: dropout off, BatchNorm on "
+                f"its running statistics. Call model.train() before compile to train in training mode "
+                f"(eval_step evaluates in eval mode either way)", RuntimeWarning, stacklevel=2)
         # a meta model traces as the same model on the CPU
         gm = trace(self.model, self._example, leaf_modules=o.leaf_modules)
         self._source = None
@@ -1409,9 +1415,12 @@ class Pipeline:
         was = self.model.training
         self.model.eval()
         try:  # in eval mode until split has copied the leaf modules (a copy keeps its mode)
-            # the training trace's tracer, so both graphs record operators at the same level
-            gm = trace(self.model, self._example, leaf_modules=self.config.leaf_modules,
-                       prefer=self.trace_info.path)
+            # the training trace's tracer, so both graphs record operators at the same level;
+            # what it would warn of (activation checkpointing traced without it) compile said already
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", r"fxpipe: .* (activation checkpointing|checkpoint)", RuntimeWarning)
+                gm = trace(self.model, self._example, leaf_modules=self.config.leaf_modules,
+                           prefer=self.trace_info.path)
             train = {key: self.staged.assignment[name] for name, key in _node_keys(self.staged_graph).items()
                      if name in self.staged.assignment}
             mapping, stage = {}, 0
@@ -1500,6 +1509,22 @@ class Pipeline:
         self._require_setup("loss_scale")
         scaler = next(iter(self.workers.values())).scaler
         return None if scaler is None else scaler.scale
+
+    @property
+    def optimizers(self) -> dict[int, torch.optim.Optimizer]:
+        """Stage -> the optimizer its factory made, for the stages this process holds (a stage
+        with nothing to train has none; in one process, each stage's first replica's): what a
+        script logs its learning rate from, ``pipe.optimizers[s].param_groups[0]["lr"]``, as an
+        ``lr_scheduler`` set it at the updates applied so far (a step's update runs when its
+        gradient norm is known: in the next step, as :attr:`grad_norm` says, or at
+        :meth:`flush`). Its groups' hyper-parameters are read at every update, on the fused
+        kernels too, so a script may set them as it would torch.optim's."""
+        self._require_setup("optimizers")
+        out: dict[int, torch.optim.Optimizer] = {}
+        for wk in sorted(self.workers.values(), key=lambda w: w.replica, reverse=True):
+            if wk.store.optimizer is not None:
+                out[wk.index] = wk.store.optimizer
+        return dict(sorted(out.items()))
 
     @property
     def steps(self) -> int:

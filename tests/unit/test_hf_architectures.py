@@ -6,6 +6,7 @@ bf16 and fp16 against ``tests/reference.train_mixed``, and Mamba cut anywhere in
 
 import copy
 import functools
+import warnings
 
 import pytest
 import torch
@@ -102,6 +103,10 @@ def test_hugging_face_gradient_checkpointing_is_traced_through_and_said():
     sd = pipe.state_dict()
     for key, p in ref.named_parameters():
         assert torch.allclose(sd[key].double(), p, rtol=0, atol=2e-5), key
+    with warnings.catch_warnings():  # said at compile, not again by eval_step's own trace
+        warnings.simplefilter("error", RuntimeWarning)
+        pipe.eval_step(batches[0])
+
 
 @pytest.mark.slow
 def test_mamba_trains_as_eager_does_wherever_the_cut_falls():

@@ -410,8 +410,12 @@ def test_a_target_unlike_the_first_batchs_is_refused_and_the_pipeline_goes_on():
 
 def test_eval_step_checks_its_batch_too(pipe):
     x, y = _batch(8)
-    with pytest.raises(InputError, match=re.escape("eval_step(): pass 16 samples")):
+    with pytest.raises(InputError, match=re.escape("eval_step(): pass 16 samples")) as e:
         pipe.eval_step(x, y)
+    # not step()'s "to train on 8 samples per step" advice
+    assert str(e.value).endswith("and eval_step runs the training step's 4 micro-batches: evaluate a set of another "
+                                 "size in batches of 16 (the last one dropped, or padded with samples the loss "
+                                 "ignores).")
 
 
 # ------------------------------------------------------------------------- the target and the loss

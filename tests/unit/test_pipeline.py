@@ -666,6 +666,33 @@ def test_a_model_that_cannot_be_copied_is_kept_and_evaluates():
     assert got == pytest.approx(_eager_eval_loss(lockless, pipe.state_dict(), F.mse_loss, x, y), rel=1e-6)
 
 
+def test_a_model_compiled_in_eval_mode_trains_so_with_a_warning():
+    # as Hugging Face's from_pretrained returns it: dropout silently off in training
+    nn = torch.nn
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1)).eval()
+    with pytest.warns(RuntimeWarning, match=r"fxpipe.compile: Sequential is in eval mode \(model.eval\(\), the mode a "
+                                            r"Hugging Face from_pretrained returns it in\), so the pipeline trains it "
+                                            r"in eval mode: dropout off"):
+        pipe = fxpipe.compile(model, (torch.randn(2, 8),), loss_fn=F.mse_loss, stages=2, microbatches=2,
+                              schedule="1f1b", verbose=False)
+    dropouts = [n for n in pipe.staged_graph.graph.nodes if n.target == torch.ops.aten.dropout.default]
+    assert dropouts and not any(n.args[2] for n in dropouts)  # traced with train=False
+
+
+def test_optimizers_give_the_learning_rate_a_scheduler_set():
+    nn = torch.nn
+    pipe = fxpipe.compile(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)), (torch.randn(2, 4),), loss_fn=F.mse_loss,
+                          microbatches=2, stages=2, schedule="1f1b", verbose=False,
+                          optimizer=functools.partial(torch.optim.AdamW, lr=1e-2),
+                          lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda t: (t + 1) / 4))
+    lrs = lambda: {s: opt.param_groups[0]["lr"] for s, opt in pipe.optimizers.items()}  # noqa: E731
+    assert lrs() == {0: 0.0025, 1: 0.0025}
+    pipe.step(torch.randn(4, 4), torch.randn(4, 2))
+    assert lrs() == {0: 0.0025, 1: 0.0025}  # step 1's update runs in step 2, once its norm is known
+    pipe.flush()
+    assert lrs() == {0: 0.005, 1: 0.005}
+
+
 def _eager_eval_loss(model, state, loss_fn, x, y, m: int = 4) -> float:
     """``model`` with ``state`` loaded, in eval mode: its mean loss over ``m`` micro-batches."""
     model.load_state_dict(state)
