@@ -248,16 +248,18 @@ class TargetSignature:
     nesting or length would otherwise fail only inside ``loss_fn`` on the last stage, mid-step,
     leaving the pipeline unusable."""
 
-    spec: Any
-    leaves: tuple[tuple[str, Any], ...]  #: (where, (dtype, sizes beyond dim 0) or a non-tensor's type)
+    spec: Any  #: of the target with its dicts' keys sorted (their order is free, as the inputs')
+    leaves: tuple[tuple[str, Any], ...]  #: (where, (dtype, sizes beyond dim 0), or None for a non-tensor)
     shown: str  #: the structure, as messages name it
 
     @classmethod
     def record(cls, target) -> "TargetSignature":
+        target = _keys_sorted(target)
         leaves, spec = pytree.tree_flatten(target)
         return cls(spec, tuple(zip(_wheres_of(target), map(_leaf_kind, leaves))), _structure_text(target))
 
     def problems(self, target) -> list[str]:
+        target = _keys_sorted(target)
         leaves, spec = pytree.tree_flatten(target)
         if spec != self.spec:
             return [f"target: expected {self.shown} as the first batch's target was, got {_structure_text(target)}; "
@@ -291,13 +293,24 @@ def _structure_text(x) -> str:
     return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}"
 
 
+def _keys_sorted(x):
+    """``x`` with every dict's keys in sorted order (a target's nesting, whatever order it was built in)."""
+    if isinstance(x, dict):
+        return {k: _keys_sorted(x[k]) for k in sorted(x, key=repr)}
+    if isinstance(x, (tuple, list)) and not hasattr(x, "_fields"):
+        return type(x)(_keys_sorted(v) for v in x)
+    return x
+
+
 def _leaf_kind(x):
-    return (x.dtype, tuple(x.shape[1:]) if x.dim() else None) if isinstance(x, torch.Tensor) else type(x)
+    """A tensor leaf's dtype and sizes beyond dim 0 (None for a 0-dim one); None for any other
+    leaf (a number reaches every micro-batch as it is, whatever its type)."""
+    return (x.dtype, tuple(x.shape[1:]) if x.dim() else None) if isinstance(x, torch.Tensor) else None
 
 
 def _kind_text(kind) -> str:
-    if not isinstance(kind, tuple):
-        return f"a {kind.__name__}"
+    if kind is None:
+        return "a non-tensor value"
     dtype, rest = kind
     return f"a 0-dim {dtype} tensor" if rest is None else f"a {dtype} tensor of shape [N, {', '.join(map(str, rest))}]" \
         if rest else f"a {dtype} tensor of shape [N]"

@@ -127,14 +127,16 @@ class Materializer:
         mistake, or by a loader that found no values for it): the meta ones get their modules'
         initialisers' random values while the others keep theirs, which may not be what was
         meant. Said once, on every rank alike."""
-        tensors = [*self.model.parameters(), *self.model.buffers()]
+        # parameters only: a model built under accelerate's init_empty_weights() keeps its
+        # buffers (a rotary table, say) real, and that is no mistake
+        tensors = list(self.model.parameters())
         meta = [t for t in tensors if t.is_meta]
         if not meta or len(meta) == len(tensors):
             return
         modules = sorted({path or "<root>" for t in meta for path, _, _ in self.owners.get(id(t), [])})
         shown = ", ".join(modules[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6 else "")
         warnings.warn(
-            f"fxpipe.compile: {len(meta)} of the model's {len(tensors)} tensors are on the meta device (in {shown}) and "
+            f"fxpipe.compile: {len(meta)} of the model's {len(tensors)} parameters are on the meta device (in {shown}) and "
             f"the rest are not: the meta ones are filled by their modules' initialisers (random values), the others "
             f"keep theirs. If the meta ones should hold trained values, pass weights= (a state dict, a torch.save "
             f"file or a checkpoint); to initialise every module alike, build the whole model on the meta device",

@@ -511,6 +511,15 @@ class Topology:
         return {name: stage == stages[0] for name, stages in self.tied if stage in stages}
 
 
+def _add_note(e: BaseException, note: str) -> None:
+    """PEP 678's ``e.add_note(note)``; on Python 3.10, which lacks it, the note is kept in
+    ``e.__notes__`` all the same (3.10's tracebacks do not print it)."""
+    if hasattr(e, "add_note"):
+        e.add_note(note)
+    else:
+        e.__notes__ = [*getattr(e, "__notes__", []), note]
+
+
 def _every_rank(call: str) -> Callable:
     """A :class:`Pipeline` method every rank calls at the same point of its script (``call``,
     e.g. ``"save()"``), run under :func:`_together`: a rank that does not come leaves the
@@ -1183,7 +1192,7 @@ class Pipeline:
             # stays catchable as such), with where it happened as a note, as torch's own pipeline
             # schedules re-raise theirs.
             self._failed_at = f"rank {r}, action {a}"
-            e.add_note(f"fxpipe: rank {r} failed running action {a}{posted}{first}\n{grid}")
+            _add_note(e, f"fxpipe: rank {r} failed running action {a}{posted}{first}\n{grid}")
             raise
         blocked = wk.comm.waited - waited  # an action waits before it works (its receive, a reduction)
         if self.profile is not None:
@@ -1515,10 +1524,11 @@ class Pipeline:
         """Stage -> the optimizer its factory made, for the stages this process holds (a stage
         with nothing to train has none; in one process, each stage's first replica's): what a
         script logs its learning rate from, ``pipe.optimizers[s].param_groups[0]["lr"]``, as an
-        ``lr_scheduler`` set it at the updates applied so far (a step's update runs when its
-        gradient norm is known: in the next step, as :attr:`grad_norm` says, or at
-        :meth:`flush`). Its groups' hyper-parameters are read at every update, on the fused
-        kernels too, so a script may set them as it would torch.optim's."""
+        ``lr_scheduler`` set it at the updates this rank has applied (a step's update runs once
+        its gradient norm is known, so they lag the returned step as :attr:`grad_norm` does;
+        none after :meth:`flush`). For reading: to change hyper-parameters during training use
+        ``lr_scheduler=``, which every stage and replica steps alike (one process holds a
+        stage's other replicas' optimizers too, which this does not return)."""
         self._require_setup("optimizers")
         out: dict[int, torch.optim.Optimizer] = {}
         for wk in sorted(self.workers.values(), key=lambda w: w.replica, reverse=True):

@@ -651,8 +651,8 @@ def compute_loss(trace_info, loss_fn: Callable | None, outputs: Sequence[torch.T
     if torch.is_grad_enabled() and not loss.requires_grad:  # backward would say only "element 0 ... does not require grad"
         raise TypeError(
             f"the loss ({loss.dtype}) does not depend on the model's output through autograd, so there is nothing to "
-            f"backpropagate: loss_fn detached it (.item(), .detach(), torch.tensor(...), an integer or comparison "
-            f"op, numpy). Compute it from the output with torch ops")
+            f"backpropagate: {'loss_fn' if loss_fn is not None else 'the model'} detached it (.item(), .detach(), "
+            f"torch.tensor(...), an integer or comparison op, numpy). Compute it from the output with torch ops")
     return loss
 
 

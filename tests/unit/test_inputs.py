@@ -408,6 +408,19 @@ def test_a_target_unlike_the_first_batchs_is_refused_and_the_pipeline_goes_on():
     assert isinstance(p.step(x, y), float) and p.steps == 2 and first != p.step(x, y)
 
 
+def test_a_dict_targets_key_order_and_a_numbers_type_are_free():
+    def loss_fn(out, target):
+        return _mse(out, target["y"]) * target["w"]
+
+    p = _compile(loss_fn=loss_fn)
+    x, y = _batch()
+    p.step(x, {"y": y, "w": 1.0})
+    assert isinstance(p.step(x, {"w": 2, "y": y}), float)  # another order, an int: as eager would take them
+    with pytest.raises(InputError, match=re.escape("target['y']: expected a torch.float32 tensor of shape [N, 4] as "
+                                                   "in the first batch's target, got int 2")):
+        p.step(x, {"w": y, "y": 2})
+
+
 def test_eval_step_checks_its_batch_too(pipe):
     x, y = _batch(8)
     with pytest.raises(InputError, match=re.escape("eval_step(): pass 16 samples")) as e:

@@ -138,7 +138,7 @@ def test_a_model_partly_on_meta_is_initialised_there_with_a_warning():
     model, example = mlp()
     kept = model[0].weight.detach().clone()
     model[3].to_empty(device="meta")
-    with pytest.warns(RuntimeWarning, match=r"fxpipe.compile: 2 of the model's 8 tensors are on the meta device \(in "
+    with pytest.warns(RuntimeWarning, match=r"fxpipe.compile: 2 of the model's 8 parameters are on the meta device \(in "
                                             r"3\) and the rest are not: the meta ones are filled by their modules' "
                                             r"initialisers \(random values\), the others keep theirs"):
         pipe = fxpipe.compile(model, example, loss_fn=mse, microbatches=2, stages=2, verbose=False)
