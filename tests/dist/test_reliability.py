@@ -226,19 +226,24 @@ def test_a_broken_pipeline_recovers_in_process_as_its_error_says(tmp_path):
 def one_rank_calls(rank: int, world: int) -> dict:
     """Rank 0 alone calls ``FXPIPE_TEST_CALL`` (the torch.save habit) while rank 1 steps on."""
     call = os.environ["FXPIPE_TEST_CALL"]
+    root = os.environ["FXPIPE_TEST_TMP"]
     pipe = resume.compile("1f1b", 2, 2, world=world, timeout=TIMEOUT)
     pipe.step(*resume.batch(1))
+    if call == "load":  # a checkpoint every rank wrote, for rank 0 alone to load
+        pipe.save(root)
+        pipe.wait_for_checkpoint()
     start = time.monotonic()
     try:
         if rank == 0:
-            pipe.save(os.environ["FXPIPE_TEST_TMP"]) if call == "save" else pipe.state_dict()
+            {"save": lambda: pipe.save(root), "state_dict": pipe.state_dict, "load": lambda: pipe.load(root),
+             "eval_step": lambda: pipe.eval_step(*resume.batch(2))}[call]()
         pipe.step(*resume.batch(2))
     except Exception as e:
         return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
     return {"type": None}
 
 
-@pytest.mark.parametrize("call", ["save", "state_dict"])
+@pytest.mark.parametrize("call", ["save", "state_dict", "load", "eval_step"])
 def test_a_call_only_one_rank_makes_ends_in_a_peer_error_on_both(tmp_path, call):
     # save() on rank 0 alone blocked in creating the checkpoint writers' group with no timeout (rank
     # 1 had long raised); state_dict() raised gloo's bare "Timed out waiting ... for send operation"
