@@ -242,8 +242,9 @@ class InputSignature:
 
 @dataclass(frozen=True)
 class TargetSignature:
-    """The first batch's target (``compile`` takes no example target): its nesting, and each
-    leaf's dtype and sizes beyond dim 0 (a non-tensor leaf's type). Every later batch's target
+    """The first batch's target (``compile`` takes no example target): its nesting (dict keys in
+    any order), and each tensor leaf's dtype and sizes beyond dim 0 (a non-tensor leaf only as
+    not a tensor). Every later batch's target
     must be alike, as the inputs must be like the traced example: a target of another dtype,
     nesting or length would otherwise fail only inside ``loss_fn`` on the last stage, mid-step,
     leaving the pipeline unusable."""
@@ -309,11 +310,13 @@ def _leaf_kind(x):
 
 
 def _kind_text(kind) -> str:
+    """A :func:`_leaf_kind` in words: ``a torch.int64 tensor of shape [N, 5]``."""
     if kind is None:
         return "a non-tensor value"
     dtype, rest = kind
-    return f"a 0-dim {dtype} tensor" if rest is None else f"a {dtype} tensor of shape [N, {', '.join(map(str, rest))}]" \
-        if rest else f"a {dtype} tensor of shape [N]"
+    if rest is None:
+        return f"a 0-dim {dtype} tensor"
+    return f"a {dtype} tensor of shape [{', '.join(['N', *map(str, rest)])}]"
 
 
 def _wheres_of(target) -> list[str]:

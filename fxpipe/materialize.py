@@ -123,7 +123,7 @@ class Materializer:
                   "model with every key of model.state_dict(), or give those modules a reset_parameters().")
 
     def _warn_if_partly_meta(self) -> None:
-        """A model with real tensors beside meta ones (a module left on the meta device by
+        """A model with real parameters beside meta ones (a module left on the meta device by
         mistake, or by a loader that found no values for it): the meta ones get their modules'
         initialisers' random values while the others keep theirs, which may not be what was
         meant. Said once, on every rank alike."""
