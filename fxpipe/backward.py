@@ -352,10 +352,14 @@ def _convolution_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, t
 
 def _batch_norm_grads(node, grad: torch.Tensor, slots: set[int]) -> dict[int, torch.Tensor]:
     """``native_batch_norm(input, weight, bias, running_mean, running_var, training, ...)`` (the
-    CPU's BatchNorm; cuDNN's has a node of its own, which goes through autograd)."""
-    return _asked(torch.ops.aten.native_batch_norm_backward, slots, grad, node._saved_input, node._saved_weight,
-                  node._saved_running_mean, node._saved_running_var, node._saved_result1, node._saved_result2,
-                  node._saved_training, node._saved_eps)
+    CPU's BatchNorm, and CUDA's where cuDNN does not take it; cuDNN's has a node of its own, which
+    goes through autograd). The input's gradient is asked for as well and dropped: without it,
+    CUDA's kernel reduces along another path, whose bf16 bias gradient differed from a full
+    backward's in the last bit (H200, torch 2.11)."""
+    got = _asked(torch.ops.aten.native_batch_norm_backward, slots | {0}, grad, node._saved_input,
+                 node._saved_weight, node._saved_running_mean, node._saved_running_var, node._saved_result1,
+                 node._saved_result2, node._saved_training, node._saved_eps)
+    return {i: got[i] for i in slots}
 
 
 _FORMULAS = {_Mm: _mm_grads, _Addmm: _mm_grads, _LayerNorm: _layer_norm_grads, _Mul: _mul_grads,

@@ -110,9 +110,8 @@ def test_cuda_nonfinite_gradient_is_skipped_everywhere(monkeypatch):
     # The non-finite flag is read on the host at NORM_WAIT; on the GPU that is a sync, not a hang.
     from fxpipe.runtime import StageWorker
     from tests import resume
-    from tests.dist.test_reliability import _poisoning
 
-    monkeypatch.setattr(StageWorker, "_do_b", _poisoning(StageWorker._do_b))
+    monkeypatch.setattr(StageWorker, "_do_b", resume.poisoning(StageWorker._do_b))
     pipe = resume.compile("2bw", 3, 4, dropout=0.0, kernels="auto", device="cuda", nonfinite="skip")
     with pytest.warns(RuntimeWarning, match=r"step 3: stage\(s\) \[1\]"):
         for t in range(1, 7):

@@ -249,10 +249,12 @@ def check_w_formulas(device: str) -> None:
 
         # bit for bit needs cuDNN's deterministic algorithms: some of its weight gradients use atomics
         with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
-            # cuDNN's BatchNorm has a node of its own, which W leaves to autograd
-            probe = torch.ones(2, 3, 4, dtype=dtype, device=device)
-            native_bn = type(torch.nn.functional.batch_norm(probe, None, None, w["bn"], training=True).grad_fn) \
-                is backward._BatchNorm
+            # cuDNN's BatchNorm has a node of its own, which W leaves to autograd; whether the graph's
+            # first batch_norm takes it depends on the dtype, its weight and bias and the input's shape
+            probe = torch.ones(3, 3, 4, dtype=dtype, device=device)
+            stats = torch.zeros(3, dtype=dtype, device=device), torch.ones(3, dtype=dtype, device=device)
+            first_bn = torch.nn.functional.batch_norm(probe, *stats, w["bn"], w["bn_b"], training=True)
+            native_bn = type(first_bn.grad_fn) is backward._BatchNorm
             ref = torch.autograd.grad(graph(x), [x[0], *w.values()])
             input_grads, pending = backward_input(graph(x), [None], x, w)
             direct = {name for call in pending.calls for _, sinks, _ in call.direct for _, name, _ in sinks}
