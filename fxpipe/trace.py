@@ -210,6 +210,7 @@ def trace(
         raise ValueError(f"prefer must be 'export' or 'symbolic_trace', found {prefer!r}")
     args, kwargs = normalize_inputs(example_inputs)
     _check_binds(model, args, kwargs)
+    _refuse_layerdrop(model)
     leaf_modules = as_leaf_modules(leaf_modules)
 
     checkpointed = [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True]
@@ -289,7 +290,8 @@ def _as_trained(model: nn.Module, checkpointed: Sequence[nn.Module], inlined: li
     """Within: ``model`` as a pipeline trains it, for either tracer: without a KV cache, without
     Hugging Face's checkpointing on ``checkpointed``, reentrant checkpoints run inline (their
     functions' names into ``inlined``)."""
-    with _no_kv_cache(model), _no_gradient_checkpointing(checkpointed), _inline_checkpoints(inlined):
+    with _no_kv_cache(model), _no_layerdrop_draw(model), _no_gradient_checkpointing(checkpointed), \
+            _inline_checkpoints(inlined):
         yield
 
 
@@ -307,6 +309,56 @@ def _no_kv_cache(model: nn.Module):
     finally:
         for c, old in configs.values():
             c.use_cache = old
+
+
+#: Where Hugging Face keeps LayerDrop's rate: a layer stack's own ``layerdrop`` (Bart, OPT,
+#: Whisper: copied from its config) or its config's (wav2vec2 reads ``config.layerdrop``).
+_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+class _NeverDrops(float):
+    """A LayerDrop rate of 0 that a random draw is never below, in Python. Before transformers 5.23
+    a layer stack in training draws ``p = torch.rand([])`` per layer and drops the layer
+    ``if p < self.layerdrop``, even at a rate of 0: a branch on a random value, which neither
+    tracer can record. ``p`` lies in [0, 1), so at 0 the test is False on every draw; this
+    float answers it so (``Tensor.lt(p, rate)``) without looking at ``p``, and the trace records
+    no branch. Every other use is a plain 0.0."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.lt, torch.Tensor.__lt__, torch.lt) and len(args) == 2 and isinstance(args[1], cls):
+            return False
+        return func(*(float(a) if isinstance(a, cls) else a for a in args), **(kwargs or {}))
+
+
+def _layerdrop_rates(model: nn.Module) -> dict[int, tuple[object, str, float]]:
+    """Every LayerDrop rate ``model`` holds, by (owner, attribute): its modules' and their
+    configs' (:data:`_LAYERDROP`), each owner once."""
+    rates = {}
+    for m in model.modules():
+        for owner in (m, getattr(m, "config", None)):
+            for attr in _LAYERDROP:
+                value = getattr(owner, attr, None) if owner is not None else None
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    rates[(id(owner), attr)] = (owner, attr, float(value))
+    return rates
+
+
+@contextlib.contextmanager
+def _no_layerdrop_draw(model: nn.Module):
+    """Each LayerDrop rate of 0 in ``model`` (:func:`_layerdrop_rates`) as a :class:`_NeverDrops`
+    while tracing, so that transformers before 5.23 trace in training mode as transformers 5.23
+    does, where a rate of 0 skips the draw. The draws themselves stay in the graph unread, and
+    :func:`_clean` deletes them. A rate above 0 stays: a pipeline runs one graph, not a layer
+    stack that changes per forward, and :func:`_trace_error` says to set it to 0."""
+    zero = [(owner, attr, value) for owner, attr, value in _layerdrop_rates(model).values() if value == 0.0]
+    for owner, attr, _ in zero:
+        setattr(owner, attr, _NeverDrops(0.0))
+    try:
+        yield
+    finally:
+        for owner, attr, value in zero:
+            setattr(owner, attr, value)
 
 
 @contextlib.contextmanager
@@ -625,11 +677,21 @@ def _clean(gm: fx.GraphModule) -> None:
     for node in list(g.nodes):
         if _self_write_back(node):
             g.erase_node(node)
-    for node in list(g.nodes):
-        if node.op == "get_attr" and not node.users:
+    for node in reversed(list(g.nodes)):  # after its users: a draw whose value only a dead draw reads
+        if node.op == "get_attr" and not node.users or _unread_draw(node):
             g.erase_node(node)
     g.lint()
     gm.recompile()
+
+
+def _unread_draw(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers (an operator tagged ``nondeterministic_seeded`` that
+    writes to none of its inputs: ``rand``, ``randn``, ``dropout``...) that no node reads: the
+    LayerDrop draws of :func:`_no_layerdrop_draw`. Left in, a stage would draw them every
+    forward for nothing."""
+    target = node.target
+    return (node.op == "call_function" and not node.users and isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded in target.tags and not target._schema.is_mutable)
 
 
 def _self_write_back(node: fx.Node) -> bool:
@@ -884,6 +946,21 @@ def _trace_error(model: nn.Module, export_exc: BaseException | None, fx_exc: Bas
         "(torch.where, masking); for Hugging Face decoders build the config with use_cache=False."
     )
     return TraceError("\n".join(lines))
+
+
+def _refuse_layerdrop(model: nn.Module) -> None:
+    """A TraceError where ``model`` trains with a LayerDrop rate above 0 (:func:`_layerdrop_rates`):
+    it skips layers at random in every forward, where a pipeline runs one graph. Before either
+    tracer runs: export fails on the branch, but ``symbolic_trace`` runs ``torch.rand`` at trace
+    time and would bake one draw's choice of layers into the graph."""
+    dropping = sorted({f"{type(owner).__name__}.{attr} = {value:g}" for owner, attr, value
+                       in _layerdrop_rates(model).values() if value > 0.0})
+    if dropping and model.training:
+        raise TraceError(
+            f"fxpipe cannot trace {type(model).__name__} with LayerDrop on ({', '.join(dropping)}): LayerDrop skips "
+            f"layers at random in every training forward, and a pipeline runs one fixed graph. Build the model "
+            f"with a LayerDrop rate of 0 (a Hugging Face model: from_pretrained(..., layerdrop=0.0), or "
+            f"encoder_layerdrop=0.0 and decoder_layerdrop=0.0, as named here).")
 
 
 def _module_of_frame(model: nn.Module, frame: traceback.FrameSummary) -> str:

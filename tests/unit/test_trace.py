@@ -274,6 +274,79 @@ def test_untraceable_model_raises_a_trace_error_naming_class_module_and_line():
     assert e.value.__cause__ is not None, "the original exception must be chained"
 
 
+class LayerDropStack(nn.Module):
+    """Layer stacks as transformers before 5.23 wrote them: in training, each layer draws
+    ``torch.rand([])`` and is skipped when the draw is below the LayerDrop rate, even at a rate
+    of 0. The encoder keeps its own copy of the rate (Bart, OPT, Whisper); the decoder reads its
+    config's and branches on the comparison's tensor (wav2vec2)."""
+
+    def __init__(self, encoder_rate=0.0, decoder_rate=0.0):
+        import types
+
+        super().__init__()
+        self.config = types.SimpleNamespace(layerdrop=decoder_rate)
+        self.layerdrop = encoder_rate
+        self.encoder = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.decoder = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.encoder:
+            dropped = False
+            if self.training:
+                draw = torch.rand([])
+                if draw < self.layerdrop:
+                    dropped = True
+            if not dropped:
+                x = torch.tanh(layer(x))
+        for layer in self.decoder:
+            skip = False
+            if self.training:
+                skip = torch.rand([]) < self.config.layerdrop
+            if not skip:
+                x = torch.tanh(layer(x))
+        return x
+
+
+def test_a_layer_stack_drawing_for_layerdrop_at_rate_0_traces_and_trains_as_eager():
+    import functools
+
+    from tests.reference import train_flush
+
+    torch.manual_seed(0)
+    model = LayerDropStack()
+    gm = fxpipe.trace(model, (torch.randn(2, 4),))
+    assert gm.meta["fxpipe"].path == "export"
+    assert not [n for n in gm.graph.nodes if "rand" in str(n.target)], "the unread draws are deleted"
+    assert type(model.layerdrop) is float and type(model.config.layerdrop) is float  # given back as they were
+    fx_path = fxpipe.trace(model, (torch.randn(2, 4),), prefer="symbolic_trace")  # draws at trace time, all kept
+    assert len([n for n in fx_path.graph.nodes if n.op == "call_function" and n.target is torch.tanh]) == 4
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    opt = functools.partial(torch.optim.SGD, lr=0.1)
+    loss_fn = nn.functional.mse_loss
+    pipe = fxpipe.compile(model, (batches[0][0][:2],), loss_fn=loss_fn, optimizer=opt, microbatches=4, stages=2,
+                          schedule="zb", verbose=False)
+    losses = [pipe.step(x, y) for x, y in batches]
+    ref_losses, ref = train_flush(model.double(), [(x.double(), y.double()) for x, y in batches], 4, loss_fn, opt)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    sd = pipe.state_dict()
+    assert all(torch.allclose(sd[k].double(), p, atol=1e-6) for k, p in ref.named_parameters())
+
+
+@pytest.mark.parametrize("rates,named", [((0.1, 0.0), "LayerDropStack.layerdrop = 0.1"),
+                                         ((0.0, 0.2), "SimpleNamespace.layerdrop = 0.2")])
+def test_a_layerdrop_rate_above_0_is_refused_with_how_to_turn_it_off(rates, named):
+    with pytest.raises(TraceError) as e:
+        fxpipe.trace(LayerDropStack(*rates), (torch.randn(2, 4),))
+    msg = str(e.value)
+    assert f"fxpipe cannot trace LayerDropStack with LayerDrop on ({named})" in msg
+    assert "a pipeline runs one fixed graph" in msg and "layerdrop=0.0" in msg
+    # refused before either tracer runs: symbolic_trace would run the draws and keep one choice
+    with pytest.raises(TraceError, match="LayerDrop on"):
+        fxpipe.trace(LayerDropStack(*rates), (torch.randn(2, 4),), prefer="symbolic_trace")
+    fxpipe.trace(LayerDropStack(*rates).eval(), (torch.randn(2, 4),))  # no draws in eval mode
+
+
 class MaskedSum(nn.Module):
     """A boolean-mask index: a size that depends on the values, not only on the input's shape."""
 
