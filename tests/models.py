@@ -25,6 +25,13 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+if __name__ != "tests.models":
+    # A second copy would register fxpipe_tests::strict_mm (below) again: torch destroys the
+    # first copy's registration, and the first copy's op then runs on freed state (export
+    # failed with std::bad_alloc, in some runs only).
+    raise ImportError(f"the test model zoo was imported as {__name__!r}; import it as tests.models, with the "
+                      f"repository root on sys.path (tests/conftest.py puts it there)")
+
 __all__ = [
     "mlp",
     "cnn_bn",

@@ -13,24 +13,18 @@ from __future__ import annotations
 import copy
 import functools
 import re
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-# tests/ (the model zoo) goes on the path, not the repository root: the root's kernels/ folder
-# would shadow the optional `kernels` package that transformers probes for at import.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import models  # noqa: E402
-
-import fxpipe  # noqa: E402
-from fxpipe import codegen  # noqa: E402
-from fxpipe.errors import FxpipeError, PlanError  # noqa: E402
-from fxpipe.trace import TensorSpec, normalize_inputs  # noqa: E402
+import fxpipe
+from fxpipe import codegen
+from fxpipe.errors import FxpipeError, PlanError
+from fxpipe.trace import TensorSpec, normalize_inputs
+from tests import models
 
 # --------------------------------------------------------------------------------------------
 # helpers

@@ -9,7 +9,6 @@ leaf modules, and the error for a model nothing can trace.
 from __future__ import annotations
 
 import operator
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,13 +16,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-# tests/ (the model zoo) goes on the path, not the repository root (see tests/models.py).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import models  # noqa: E402
-
-import fxpipe  # noqa: E402
-from fxpipe.errors import TraceError  # noqa: E402
-from fxpipe.trace import NodeInfo, TensorSpec, TraceInfo, normalize_inputs  # noqa: E402
+import fxpipe
+from fxpipe.errors import TraceError
+from fxpipe.trace import NodeInfo, TensorSpec, TraceInfo, normalize_inputs
+from tests import models
 
 
 def _build(name, **kw):
