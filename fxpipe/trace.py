@@ -350,7 +350,7 @@ def _no_layerdrop_draw(model: nn.Module):
     while tracing, so that transformers before 5.23 trace in training mode as transformers 5.23
     does, where a rate of 0 skips the draw. The draws themselves stay in the graph unread, and
     :func:`_clean` deletes them. A rate above 0 stays: a pipeline runs one graph, not a layer
-    stack that changes per forward, and :func:`_trace_error` says to set it to 0."""
+    stack that changes per forward, and :func:`_refuse_layerdrop` says to set it to 0."""
     zero = [(owner, attr, value) for owner, attr, value in _layerdrop_rates(model).values() if value == 0.0]
     for owner, attr, _ in zero:
         setattr(owner, attr, _NeverDrops(0.0))
