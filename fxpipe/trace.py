@@ -331,7 +331,7 @@ class _NeverDrops(float):
         return func(*(float(a) if isinstance(a, cls) else a for a in args), **(kwargs or {}))
 
 
-def _layerdrop_rates(model: nn.Module) -> dict[int, tuple[object, str, float]]:
+def _layerdrop_rates(model: nn.Module) -> dict[tuple[int, str], tuple[object, str, float]]:
     """Every LayerDrop rate ``model`` holds, by (owner, attribute): its modules' and their
     configs' (:data:`_LAYERDROP`), each owner once."""
     rates = {}
