@@ -82,6 +82,7 @@ class CommOp:
     group: str | None = None
     payload: Any = None
     partners: list["CommOp"] = field(default_factory=list)
+    gathered: list["CommOp"] = field(default_factory=list)  # a rank's earlier parts of this collective
     done: bool = False
 
     def __str__(self) -> str:
@@ -93,9 +94,12 @@ class CommOp:
 class Rendezvous:
     """Matches and completes posts under rules (a) and (b) (module docstring).
 
-    ``groups``: collective group name -> member ranks. ``on_complete(ops)`` is called once per
-    completed operation with every participant's :class:`CommOp` (the two halves of a p2p
-    transfer, or all members of a collective, in rank order). Raises :class:`CommOrderError` the
+    ``groups``: collective group name -> member ranks. A rank listed ``n`` times holds ``n``
+    members (the stages of an interleaved lane): it posts ``n`` parts of each collective, which
+    it sums and joins with once, at its last part (the earlier parts enter no queue; they
+    complete with it). ``on_complete(ops)`` is called once per completed operation with every
+    participant's :class:`CommOp` (the two halves of a p2p transfer, or every part of a
+    collective, in rank order). Raises :class:`CommOrderError` the
     moment a post cannot be matched with its counterpart.
 
     ``lane(op)``: the queue an operation completes in order within; by default its rank, which is
@@ -111,6 +115,7 @@ class Rendezvous:
         self.lane = lane or (lambda op: op.rank)
         self.queue: dict[Hashable, deque[CommOp]] = defaultdict(deque)  # lane -> posted, not complete
         self._unmatched: dict[tuple, deque[CommOp]] = defaultdict(deque)  # (rank, peer|group) -> posts
+        self._parts: dict[tuple, list[CommOp]] = defaultdict(list)  # (rank, group) -> parts before the last
 
     def post(self, op: CommOp) -> CommOp:
         if op.kind in ("send", "recv"):
@@ -125,12 +130,17 @@ class Rendezvous:
             members = self.groups.get(op.group)
             if members is None or op.rank not in members:
                 raise CommOrderError(f"{op}: rank {op.rank} is not a member of group {op.group!r} {members}")
+            parts = self._parts[op.rank, op.group]
+            if len(parts) + 1 < members.count(op.rank):
+                parts.append(op)  # the rank joins at its last part
+                return op
+            op.gathered, self._parts[op.rank, op.group] = parts, []
             self.queue[self.lane(op)].append(op)
             self._unmatched[op.rank, op.group].append(op)
-            waiting = [self._unmatched[r, op.group] for r in members]
+            waiting = [self._unmatched[r, op.group] for r in sorted(set(members))]
             if all(waiting):
                 ops = [q.popleft() for q in waiting]
-                for o in ops[1:]:
+                for o in ops[1:] + [g for o in ops for g in o.gathered]:
                     if o.signature != ops[0].signature:
                         raise CommOrderError(
                             f"collective mismatch on group {op.group!r}: {ops[0]} is matched with {o}, "
@@ -139,6 +149,8 @@ class Rendezvous:
                         )
                 for o in ops:
                     o.partners = ops
+                    for g in o.gathered:
+                        g.partners = ops
         self.pump()
         return op
 
@@ -168,8 +180,10 @@ class Rendezvous:
                     for o in ops:
                         self.queue[self.lane(o)].popleft()
                         o.done = True
+                        for g in o.gathered:
+                            g.done = True
                     if self.on_complete is not None:
-                        self.on_complete(ops)
+                        self.on_complete(sorted(ops + [g for o in ops for g in o.gathered], key=lambda o: o.rank))
                     progress = True
             for key in [k for k, q in self.queue.items() if not q]:
                 del self.queue[key]
@@ -189,4 +203,5 @@ class Rendezvous:
 
     def __len__(self) -> int:
         """Posts not yet completed, summed over ranks (bounded-state tests read it)."""
-        return sum(len(q) for q in self.queue.values()) + sum(len(q) for q in self._unmatched.values())
+        return (sum(len(q) for q in self.queue.values()) + sum(len(q) for q in self._unmatched.values())
+                + sum(len(p) for p in self._parts.values()))

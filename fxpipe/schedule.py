@@ -402,13 +402,16 @@ def compute_only(actions: Iterable[Action]) -> str:
 # Generators
 
 
-def _check_args(schedule: str, stages: int, microbatches: int, steps: int, width: int, lookahead: int = 0) -> None:
+def _check_args(schedule: str, stages: int, microbatches: int, steps: int, width: int, lookahead: int = 0,
+                chunks: int = 1) -> None:
     if schedule not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {schedule!r}: expected one of {', '.join(SCHEDULES)}")
-    for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps), ("width", width)):
-        if not isinstance(value, int) or value < 1:
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("steps", steps), ("width", width),
+                        ("chunks", chunks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be an int >= 1, found {value!r}")
     check_lookahead(schedule, lookahead)
+    check_chunks(schedule, stages, microbatches, chunks, lookahead)
     if microbatches < (least := min_microbatches(schedule, stages, lookahead)):
         if lookahead:
             fewer = f", or lookahead={microbatches - stages}" if microbatches >= stages else ""
@@ -432,6 +435,35 @@ def min_microbatches(schedule: str, stages: int, lookahead: int = 0) -> int:
     if schedule != "2bw":
         return 1
     return stages + (lookahead if stages > 1 else 0)
+
+
+def check_chunks(schedule: str, stages: int, microbatches: int, chunks: int, lookahead: int = 0) -> None:
+    """Raise :class:`ScheduleError` unless ``chunks`` stages per rank (interleaved 1F1B,
+    :func:`_interleaved`) fit the rest: only ``schedule="1f1b"`` interleaves, without a
+    lookahead; ``stages`` must be a multiple of ``chunks`` (``d = stages / chunks`` ranks per
+    replica), and ``microbatches`` a multiple of ``d`` (forwards go through a rank's stages in
+    rounds of ``d`` micro-batches)."""
+    if chunks == 1:
+        return
+    if schedule != "1f1b":
+        raise ScheduleError(f"chunks={chunks} interleaves stages on each rank, which only schedule='1f1b' does "
+                            f"(interleaved 1F1B); found schedule={schedule!r}: pass chunks=1, or schedule='1f1b'")
+    if lookahead:
+        raise ScheduleError(f"chunks={chunks} (interleaved 1F1B) takes no lookahead, found lookahead={lookahead}: "
+                            f"pass lookahead=0")
+    if stages % chunks:
+        raise ScheduleError(f"chunks={chunks} stages per rank need a multiple of {chunks} stages, found "
+                            f"stages={stages}: pass stages={stages - stages % chunks or chunks} or "
+                            f"{stages - stages % chunks + chunks}")
+    d = stages // chunks
+    if d < 2:
+        raise ScheduleError(f"chunks={chunks} with stages={stages} puts every stage on one rank, where interleaving "
+                            f"has no bubble to shrink: pass chunks=1, or stages={2 * chunks} or more")
+    if microbatches % d:
+        raise ScheduleError(f"interleaved 1F1B on {d} ranks per replica runs forwards in rounds of {d} "
+                            f"micro-batches, so microbatches must be a multiple of {d}; found "
+                            f"microbatches={microbatches}: pass {microbatches - microbatches % d or d} or "
+                            f"{microbatches - microbatches % d + d}")
 
 
 def check_lookahead(schedule: str, lookahead: int) -> None:
@@ -557,6 +589,57 @@ def _compute_order(schedule: str, stage: int, d: int, m: int, steps: int,
     return order
 
 
+def lanes_of(stages: int, chunks: int = 1) -> int:
+    """Ranks a pipeline replica of ``stages`` stages runs on when each holds ``chunks`` of them
+    (interleaved 1F1B, :func:`_interleaved`): ``stages // chunks``."""
+    return stages // chunks
+
+
+def lane_of(stage: int, stages: int, chunks: int = 1) -> int:
+    """The rank within its replica (its *lane*) that runs ``stage``: stage ``j`` on lane
+    ``j mod (stages / chunks)``, so lane ``r`` holds stages ``r, r + d, r + 2d, ...`` (its chunks)
+    and a micro-batch crosses the lanes ``chunks`` times. With one chunk a lane is a stage."""
+    return stage % lanes_of(stages, chunks)
+
+
+def _interleaved(first: int, m: int, lane: int, d: int, v: int) -> list[tuple[Kind, int, int]]:
+    """Interleaved 1F1B (Narayanan et al., SC 2021, section 2.2) for the micro-batches
+    ``first .. first + m - 1`` of one batch on ``lane`` of ``d``, which holds the ``v`` stages
+    ``lane, lane + d, ...``: ``(kind, k, stage)`` in run order.
+
+    Forwards go through the lane's stages in rounds of ``d`` micro-batches (stage ``lane`` for
+    micro-batches 1..d, then stage ``lane + d`` for the same ones, ...), backwards through the
+    same rounds with the stages in reverse. Lane ``r`` warms up with ``2(d - r - 1) + (v - 1)d``
+    forwards (capped at ``m v``), then alternates a forward and a backward, then finishes the
+    backwards. d = 2, v = 2, m = 4 (``s:k``)::
+
+        lane 0: F0:1 F0:2 F2:1 F2:2 F0:3 B2:1 F0:4 B2:2 F2:3 B0:1 F2:4 B0:2 B2:3 B2:4 B0:3 B0:4
+        lane 1: F1:1 F1:2 F3:1 B3:1 F3:2 B3:2 F1:3 B1:1 F1:4 B1:2 F3:3 B3:3 F3:4 B3:4 B1:3 B1:4
+    """
+    n = m * v
+
+    def at(i: int, kind: Kind) -> tuple[Kind, int, int]:
+        chunk = (i // d) % v
+        if kind is Kind.B:
+            chunk = v - 1 - chunk
+        return kind, first + (i // (d * v)) * d + i % d, chunk * d + lane
+
+    warm = min(2 * (d - lane - 1) + (v - 1) * d, n)
+    order = [at(i, Kind.F) for i in range(warm)]
+    for j in range(n):
+        if warm + j < n:
+            order.append(at(warm + j, Kind.F))
+        order.append(at(j, Kind.B))
+    return order
+
+
+def interleaved_in_flight(lane: int, stages: int, chunks: int, microbatches: int) -> int:
+    """The most (micro-batch, stage) pairs lane ``lane`` holds between their F and their B under
+    interleaved 1F1B (:func:`_interleaved`): its warm-up forwards and one more, at most ``m v``."""
+    d = lanes_of(stages, chunks)
+    return min(2 * (d - lane - 1) + (chunks - 1) * d + 1, microbatches * chunks)
+
+
 def _tied_group(tied: bool | Sequence[int] | None, d: int) -> tuple[int, ...]:
     if not tied:
         return ()
@@ -568,8 +651,8 @@ def _tied_group(tied: bool | Sequence[int] | None, d: int) -> tuple[int, ...]:
 
 
 def _options(schedule, stages, microbatches, steps, width, recompute, tied,
-             lookahead: int = 0) -> tuple[list[bool], tuple[int, ...]]:
-    _check_args(schedule, stages, microbatches, steps, width, lookahead)
+             lookahead: int = 0, chunks: int = 1) -> tuple[list[bool], tuple[int, ...]]:
+    _check_args(schedule, stages, microbatches, steps, width, lookahead, chunks)
     if recompute is None or isinstance(recompute, bool):
         recompute = [bool(recompute)] * stages
     recompute = list(recompute)
@@ -589,8 +672,9 @@ def generate(
     tied: bool | Sequence[int] | None = None,
     clip: bool = False,
     lookahead: int = 0,
+    chunks: int = 1,
 ) -> dict[int, list[Action]]:
-    """Action lists ``{stage: [Action, ...]}`` of one pipeline replica for ``steps`` optimizer
+    """Action lists ``{lane: [Action, ...]}`` of one pipeline replica for ``steps`` optimizer
     steps followed by a flush: exactly what the runtime executes for ``steps`` calls of
     ``Pipeline.step`` and one ``flush`` (the segments of :class:`Program`, concatenated).
 
@@ -600,33 +684,46 @@ def generate(
     ``R k`` before ``B k``). ``tied``: True for a tied weight on the first and last stage, or the
     stages holding copies (adds TIED_START/TIED_WAIT there). ``clip``: global gradient-norm
     clipping (adds NORM_START/NORM_WAIT on every stage). ``lookahead``: 2bw and 1f1b only, the
-    forwards every stage but the last runs ahead of 1F1B's order (:func:`warmup`). ``END_STEP t`` marks where step t's
+    forwards every stage but the last runs ahead of 1F1B's order (:func:`warmup`). ``chunks``: 1f1b only, the
+    stages each rank holds (interleaved 1F1B, :func:`_interleaved`): the lists are then one per
+    *lane* (a rank of the replica, :func:`lane_of`), each holding its stages' actions in the order
+    it runs them; with one chunk a lane is a stage. ``END_STEP t`` marks where step t's
     segment ends. The orders are drawn in the module docstring; ``validate`` accepts every list
     this returns.
 
     >>> [str(a) for a in generate("2bw", 2, 2, 2)[1] if a.kind in COMPUTE | {Kind.UPDATE}]
     ['1F1v0', '1B1v0', '1F2v0', '1B2v0', '1UPDATE1', '1F3v0', '1B3v0', '1F4v0', '1B4v0', '1UPDATE2']
     """
-    recompute, group = _options(schedule, stages, microbatches, steps, width, recompute, tied, lookahead)
-    return _build(schedule, stages, microbatches, steps, recompute, width > 1, group, clip, lookahead)
+    recompute, group = _options(schedule, stages, microbatches, steps, width, recompute, tied, lookahead, chunks)
+    return _build(schedule, stages, microbatches, steps, recompute, width > 1, group, clip, lookahead, chunks)
 
 
-def _raw(schedule, d, m, steps, recompute, dp, group, clip, lookahead) -> dict[int, list[Action]]:
+def _raw(schedule, d, m, steps, recompute, dp, group, clip, lookahead, chunks=1) -> dict[int, list[Action]]:
     """Lists of a run of exactly ``steps`` batches with END_STEP 1..steps-1 and p2p inserted."""
+    if chunks > 1:
+        n = lanes_of(d, chunks)
+        cores = {r: _interleaved_core(r, n, chunks, m, steps, recompute, dp, group, clip) for r in range(n)}
+        return _with_p2p_lanes(cores, d, chunks)
     cores = {s: _core_list(schedule, s, d, m, steps, recompute[s], dp, group, clip, lookahead) for s in range(d)}
     return _with_p2p(cores, d)
 
 
-def _build(schedule, d, m, steps, recompute, dp, group, clip, lookahead) -> dict[int, list[Action]]:
+def _end_of(lst: Sequence[Action], t: int) -> int:
+    """The position right after the last ``END_STEP t`` of a lane's list (where step t's segment
+    ends: a lane of several stages has one per stage, adjacent)."""
+    return max(i for i, a in enumerate(lst) if a.kind is Kind.END_STEP and a.index == t) + 1
+
+
+def _build(schedule, d, m, steps, recompute, dp, group, clip, lookahead, chunks=1) -> dict[int, list[Action]]:
     """Steps 1..``steps`` as a longer run executes them (its lists through ``END_STEP steps``),
     then the drain: what a run of exactly ``steps`` batches still has to do, in its order. The
     two parts agree on every channel at the boundary (validate checks it), so stopping there and
     draining never reorders a rank pair's posts."""
-    longer = _raw(schedule, d, m, steps + 1, recompute, dp, group, clip, lookahead)
-    exact = _raw(schedule, d, m, steps, recompute, dp, group, clip, lookahead)
+    longer = _raw(schedule, d, m, steps + 1, recompute, dp, group, clip, lookahead, chunks)
+    exact = _raw(schedule, d, m, steps, recompute, dp, group, clip, lookahead, chunks)
     out = {}
-    for s in range(d):
-        cut = longer[s].index(Action(s, Kind.END_STEP, steps)) + 1
+    for s in longer:
+        cut = _end_of(longer[s], steps)
         done = set(longer[s][:cut])
         out[s] = longer[s][:cut] + [a for a in exact[s] if a not in done]
     return out
@@ -657,21 +754,22 @@ class Program:
 
     def __init__(self, schedule: str, stages: int, microbatches: int, *, width: int = 1,
                  recompute: bool | Sequence[bool] | None = None, tied: bool | Sequence[int] | None = None,
-                 clip: bool = False, lookahead: int = 0):
+                 clip: bool = False, lookahead: int = 0, chunks: int = 1):
         self.schedule, self.stages, self.microbatches, self.lookahead = schedule, stages, microbatches, lookahead
-        recompute, group = _options(schedule, stages, microbatches, 1, width, recompute, tied, lookahead)
-        self._args = (schedule, stages, microbatches, recompute, width > 1, group, clip, lookahead)
+        self.chunks, self.lanes = chunks, lanes_of(stages, chunks)
+        recompute, group = _options(schedule, stages, microbatches, 1, width, recompute, tied, lookahead, chunks)
+        self._args = (schedule, stages, microbatches, recompute, width > 1, group, clip, lookahead, chunks)
         self._parts: dict[int, dict[int, tuple[list[Action], list[Action]]]] = {}
 
     def _local(self, j: int) -> dict[int, tuple[list[Action], list[Action]]]:
-        """{stage: (segment j, drain after j)} of an epoch starting at batch 1 (j <= PERIOD_FROM)."""
+        """{lane: (segment j, drain after j)} of an epoch starting at batch 1 (j <= PERIOD_FROM)."""
         if j not in self._parts:
             schedule, d, m, *options = self._args
             lists = _build(schedule, d, m, j, *options)
             parts = {}
             for s, lst in lists.items():
-                end = lst.index(Action(s, Kind.END_STEP, j)) + 1
-                start = lst.index(Action(s, Kind.END_STEP, j - 1)) + 1 if j > 1 else 0
+                end = _end_of(lst, j)
+                start = _end_of(lst, j - 1) if j > 1 else 0
                 parts[s] = (lst[start:end], lst[end:])
             self._parts[j] = parts
         return self._parts[j]
@@ -684,13 +782,14 @@ class Program:
         by = epoch_start + j - base
         return [_shift(a, by, self.schedule, self.microbatches) for a in self._local(base)[stage][which]]
 
-    def segment(self, stage: int, t: int, epoch_start: int = 0) -> list[Action]:
-        """Stage ``stage``'s actions for step ``t`` of the epoch that began after batch ``epoch_start``."""
-        return self._moved(stage, t, epoch_start, 0)
+    def segment(self, lane: int, t: int, epoch_start: int = 0) -> list[Action]:
+        """Lane ``lane``'s actions for step ``t`` of the epoch that began after batch
+        ``epoch_start`` (with one chunk a lane is a stage: :func:`lane_of`)."""
+        return self._moved(lane, t, epoch_start, 0)
 
-    def drain(self, stage: int, t: int, epoch_start: int = 0) -> list[Action]:
-        """What stage ``stage`` runs at a flush after step ``t`` (empty when nothing is in flight)."""
-        return self._moved(stage, t, epoch_start, 1)
+    def drain(self, lane: int, t: int, epoch_start: int = 0) -> list[Action]:
+        """What lane ``lane`` runs at a flush after step ``t`` (empty when nothing is in flight)."""
+        return self._moved(lane, t, epoch_start, 1)
 
     @classmethod
     def of_plan(cls, plan, tied: Sequence[int] | None = None, accumulate: str = "gradients") -> Program:
@@ -699,20 +798,21 @@ class Program:
         and ``fxpipe inspect`` (a default compile) all build theirs here, so what they draw is
         what runs. NORM_START/NORM_WAIT run every step (:func:`norm_every_step`)."""
         return cls(plan.schedule, plan.stages, plan.microbatches, width=plan.width, recompute=list(plan.recompute),
-                   tied=list(tied) if tied else None, clip=norm_every_step(accumulate), lookahead=plan.lookahead)
+                   tied=list(tied) if tied else None, clip=norm_every_step(accumulate), lookahead=plan.lookahead,
+                   chunks=plan.chunks)
 
     def lists(self, steps: int) -> dict[int, list[Action]]:
-        """``{stage: segments 1..steps, then the drain}``: a run of ``steps`` calls of
+        """``{lane: segments 1..steps, then the drain}``: a run of ``steps`` calls of
         ``Pipeline.step`` and one ``flush`` (what :func:`generate` returns for the same options)."""
-        return {s: [a for t in range(1, steps + 1) for a in self.segment(s, t)] + self.drain(s, steps)
-                for s in range(self.stages)}
+        return {r: [a for t in range(1, steps + 1) for a in self.segment(r, t)] + self.drain(r, steps)
+                for r in range(self.lanes)}
 
     def norm_done(self, t: int, through: int, epoch_start: int = 0) -> bool:
         """Whether every stage has run ``NORM_WAIT t`` by the end of its segment of step
         ``through`` (all of batch t's norm parts are known everywhere)."""
         first = max(t, epoch_start + 1)
-        return all(any(Action(s, Kind.NORM_WAIT, t) in self.segment(s, T, epoch_start) for T in range(first, through + 1))
-                   for s in range(self.stages))
+        return all(any(Action(s, Kind.NORM_WAIT, t) in self.segment(lane_of(s, self.stages, self.chunks), T, epoch_start)
+                       for T in range(first, through + 1)) for s in range(self.stages))
 
     def eval(self, stage: int) -> list[Action]:
         """A forward-only pass over one batch (``eval_step``, after a flush): stage ``stage``
@@ -898,6 +998,164 @@ def _core_list(
     return out, cuts
 
 
+def _interleaved_core(
+    lane: int, d: int, v: int, m: int, steps: int, recompute: Sequence[bool], dp: bool, group: tuple[int, ...],
+    clip: bool,
+) -> tuple[list[Action], list[tuple[str, int]]]:
+    """:func:`_core_list` of one lane under interleaved 1F1B (``v`` > 1 chunks): the compute of
+    :func:`_interleaved`, batch by batch (a flush), with the same cuts at the same places.
+
+    Per batch ``t``: a stage's ``DP_START t`` (or, where it reduces nothing, its ``UPDATE t``)
+    right after its own last backward of the batch; the tied stages' ``TIED_START t`` and the
+    TIED cut after the lane's last backward; at the start of batch ``t + 1``, every stage's
+    ``LOSS t``, the LOSS cut, every stage's ``END_STEP t`` and the END cut, then the joins. A
+    collective that several of the lane's stages take part in (``NORM``, ``LOSS``, a tied weight
+    on two of them) is posted by each of them, one right after another, before any of them waits
+    for it: the rank sums their parts and joins the others once (:class:`fxpipe.deps.Rendezvous`),
+    so every stage's ``*_START`` precedes the first ``*_WAIT``."""
+    out: list[Action] = []
+    cuts: list[tuple[str, int]] = []
+    mine = [c * d + lane for c in range(v)]
+    tied = [s for s in mine if s in group]
+    reduces = {s: dp or s in group or clip for s in mine}
+
+    def cut(label: str, t: int) -> None:
+        cuts.append((f"{label}{t}", len(out)))
+
+    def finish(t: int) -> None:
+        for s in mine:
+            if dp and reduces[s]:
+                out.append(Action(s, Kind.DP_WAIT, t))
+            if s in tied:
+                out.append(Action(s, Kind.TIED_WAIT, t))
+        if clip:
+            out.extend(Action(s, Kind.NORM_START, t) for s in mine)
+            cut("NORM", t)
+            out.extend(Action(s, Kind.NORM_WAIT, t) for s in mine)
+        out.extend(Action(s, Kind.UPDATE, t) for s in mine if reduces[s])
+
+    for t in range(1, steps + 1):
+        if t > 1:
+            out.extend(Action(s, Kind.LOSS, t - 1) for s in mine)
+            cut("LOSS", t - 1)
+            out.extend(Action(s, Kind.END_STEP, t - 1) for s in mine)
+            cut("END", t - 1)
+            finish(t - 1)
+        order = _interleaved((t - 1) * m + 1, m, lane, d, v)
+        last = {s: max(pos for pos, (kind, _, at) in enumerate(order) if kind is Kind.B and at == s) for s in mine}
+        for pos, (kind, k, s) in enumerate(order):
+            if kind is Kind.B and recompute[s]:
+                out.append(Action(s, Kind.R, k, t - 1))
+            out.append(Action(s, kind, k, t - 1))
+            if pos == last[s]:
+                if not reduces[s]:
+                    out.append(Action(s, Kind.UPDATE, t))
+                elif dp:
+                    out.append(Action(s, Kind.DP_START, t))
+        out.extend(Action(s, Kind.TIED_START, t) for s in tied)
+        if group:
+            cut("TIED", t)
+    finish(steps)
+    return out, cuts
+
+
+def _send_order(lists: Mapping[int, Sequence[Action]], stages: int) -> dict[Action, int]:
+    """Each send of the lanes' lists (no receives yet) -> its place in a run of them in which
+    every lane runs its list in order, an F or B starts once the message it consumes was sent,
+    and F, R and B take 1, 1 and 2 (the other actions no time): the sends in the order of their
+    times (ties by lane). Any such run orders the sends consistently with both every lane's list
+    and every message's causes; timing it keeps it close to a real run's."""
+    cost = {Kind.F: 1.0, Kind.R: 1.0, Kind.B: 2.0}
+    clock = dict.fromkeys(lists, 0.0)
+    pos = dict.fromkeys(lists, 0)
+    when: dict[Action, tuple[float, int]] = {}
+    while True:
+        best = None
+        for r, lst in lists.items():
+            if pos[r] == len(lst):
+                continue
+            need = waits_for(lst[pos[r]], stages)
+            if need is not None and need.kind in RECVS:
+                if need.counterpart() not in when:
+                    continue
+                start = max(clock[r], when[need.counterpart()][0])
+            else:
+                start = clock[r]
+            if best is None or start < best[0]:
+                best = (start, r)
+        if best is None:
+            break
+        start, r = best
+        a = lists[r][pos[r]]
+        clock[r] = start + cost.get(a.kind, 0.0)
+        if a.kind in SENDS:
+            when[a] = (clock[r], r)
+        pos[r] += 1
+    if any(pos[r] < len(lst) for r, lst in lists.items()):
+        raise ScheduleError(f"internal: interleaved 1F1B's compute deadlocks at {pos}")
+    return {a: i for i, a in enumerate(sorted(when, key=lambda a: when[a]))}
+
+
+def _with_p2p_lanes(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]], stages: int,
+                    chunks: int) -> dict[int, list[Action]]:
+    """:func:`_with_p2p` for lanes that hold several stages (interleaved 1F1B).
+
+    Sends follow their F/B, as there. Between two lanes every channel of their stages shares one
+    queue (NCCL's rule (a) is per pair of ranks), in the order the sends happen when the lanes run
+    their compute in list order, each F and B waiting for the message it consumes
+    (:func:`fxpipe.deps.interleave`; a flush keeps each batch's messages in its phase). A lane
+    posts its sends in that order by construction. It posts each receive right after its own
+    last send that came before the message's in that run (and not before the sender's phase
+    opens on it): early, so the transfer overlaps compute, yet after every post of its own the
+    message could be waiting for, since under rule (b) a receive holds back the rank's later
+    posts until it completes. The message was sent before its consumer ran, so the receive
+    precedes its consumer. The run is timed (:func:`_send_order`), so that "came before" is
+    close to what happens, and each receive is posted about when its message can be sent."""
+    labels = {r: [label for label, _ in cuts] for r, (_, cuts) in cores.items()}
+    if any(v != labels[0] for v in labels.values()):
+        raise ScheduleError(f"internal: lanes disagree on the order of their cuts: {labels}")
+    lists: dict[int, list[Action]] = {}
+    phase_of: dict[Action, int] = {}  # send -> the phase of the F/B it follows
+    opens: dict[int, dict[int, int]] = {}  # lane -> phase -> where it opens in the lane's list
+    for r, (core, cuts) in cores.items():
+        lst: list[Action] = []
+        bounds = [i for _, i in cuts]
+        phase = 0
+        opens[r] = {0: 0}
+        for i, a in enumerate(core):
+            while phase < len(bounds) and bounds[phase] <= i:
+                phase += 1
+                opens[r][phase] = len(lst)
+            lst.append(a)
+            send = (Action(a.stage, Kind.SEND_ACT, a.index) if a.kind is Kind.F and a.stage < stages - 1 else
+                    Action(a.stage, Kind.SEND_GRAD, a.index) if a.kind is Kind.B and a.stage > 0 else None)
+            if send is not None:
+                lst.append(send)
+                phase_of[send] = phase
+        while phase < len(bounds):
+            phase += 1
+            opens[r][phase] = len(lst)
+        lists[r] = lst
+    sent = _send_order(lists, stages)
+    out: dict[int, list[Action]] = {}
+    for r, lst in lists.items():
+        mine = [(sent[a], i) for i, a in enumerate(lst) if a.kind in SENDS]  # in run order
+        at: dict[int, list[tuple[int, Action]]] = defaultdict(list)  # insert before position -> receives
+        for a, seq in sent.items():
+            if lane_of(a.peer, stages, chunks) != r:
+                continue
+            before = [i for s, i in mine if s < seq]
+            where = max(before[-1] + 1 if before else 0, opens[r][phase_of[a]])
+            at[where].append((seq, a.counterpart()))
+        merged: list[Action] = []
+        for i in range(len(lst) + 1):
+            merged += [recv for _, recv in sorted(at.get(i, ()))]
+            if i < len(lst):
+                merged.append(lst[i])
+        out[r] = merged
+    return out
+
+
 def _with_p2p(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]], d: int) -> dict[int, list[Action]]:
     """Insert SEND after each F/B and each RECV right after its channel predecessor (module doc).
 
@@ -939,22 +1197,22 @@ def _with_p2p(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]], d: i
              Kind.SEND_ACT if a.kind is Kind.F else Kind.RECV_GRAD, a.index)
             for pos, a in enumerate(cores[i][0]) if a.kind is Kind.F or a.kind in GRAD_SOURCES
         )
-        channel = [(phase, kind, k) for phase, _, kind, k in messages]
-        lists[i] = _place_receives(lists[i], i, channel, opens[i])
-        mirrored = [(phase, _COUNTERPART[k][0], idx) for phase, k, idx in channel]
-        lists[i + 1] = _place_receives(lists[i + 1], i + 1, mirrored, opens[i + 1])
+        channel = [(phase, Action(i, kind, k)) for phase, _, kind, k in messages]
+        lists[i] = _place_receives(lists[i], channel, opens[i])
+        lists[i + 1] = _place_receives(lists[i + 1], [(phase, a.counterpart()) for phase, a in channel], opens[i + 1])
     return lists
 
 
-def _place_receives(
-    lst: list[Action], stage: int, channel: list[tuple[int, Kind, int]], opens: Mapping[int, Action | None]
-) -> list[Action]:
+def _place_receives(lst: list[Action], channel: list[tuple[int, Action]], opens: Mapping[int, Action | None]
+                    ) -> list[Action]:
+    """``lst`` with the receives of ``channel`` (one side of a queue between two ranks, in queue
+    order, each with its phase) placed: each right after the previous operation of the queue
+    when that is in the same phase, else where its phase opens (``opens``)."""
     after: dict[Action, list[Action]] = defaultdict(list)  # receive follows this action directly
     before: dict[Action | None, list[tuple[int, Action]]] = defaultdict(list)  # opens a phase
     prev: tuple[int, Action] | None = None
-    for phase, kind, idx in channel:
-        a = Action(stage, kind, idx)
-        if kind in RECVS:
+    for phase, a in channel:
+        if a.kind in RECVS:
             if prev is not None and prev[0] == phase:
                 after[prev[1]].append(a)
             else:  # first message of its phase on this channel: post it where the phase opens
@@ -1013,13 +1271,21 @@ def _excerpt(by_stage: Mapping[int, Sequence[Action]], stage: int, pos: int) -> 
 
 
 class _Checker:
-    def __init__(self, by_stage: Mapping[int, Sequence[Action]], width: int) -> None:
-        self.by_stage = by_stage
-        self.d = len(by_stage)
+    def __init__(self, by_lane: Mapping[int, Sequence[Action]], width: int, chunks: int = 1) -> None:
+        self.by_lane = by_lane  # what runs: one list per rank of a replica
+        self.lanes = len(by_lane)
+        self.d = self.lanes * chunks  # stages
+        self.chunks = chunks
+        # each stage's own actions, in its lane's order (a lane of one stage: its list)
+        self.by_stage = by_lane if chunks == 1 else {
+            s: [a for a in by_lane[lane_of(s, self.d, chunks)] if a.stage == s] for s in range(self.d)}
         self.width = width
 
+    def lane(self, stage: int) -> int:
+        return lane_of(stage, self.d, self.chunks)
+
     def where(self, stage: int) -> str:
-        ranks = [rank_of(stage, r, self.d) for r in range(self.width)]
+        ranks = [rank_of(self.lane(stage), r, self.lanes) for r in range(self.width)]
         return f"stage {stage} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
 
     def fail(self, stage: int, pos: int, message: str, fix: str) -> None:
@@ -1042,8 +1308,14 @@ def validate(
     tied: bool | Sequence[int] | None = None,
     clip: bool | None = None,
     lookahead: int = 0,
+    chunks: int = 1,
 ) -> None:
     """Raise :class:`ScheduleError` unless the lists obey every invariant of ``schedule``.
+
+    ``actions_by_stage`` holds one list per lane (:func:`generate`'s dict): per stage, unless
+    ``chunks`` > 1 (interleaved 1F1B), where the per-stage checks below read each stage's actions
+    out of its lane's list, a lane holds at most :func:`interleaved_in_flight` micro-batches
+    over its stages, and the replay runs the lanes.
 
     Checks, per stage: the stage field, one F and one B per micro-batch with F before B (and R
     between them, only where recompute is on, as the compute right before its B or I: one
@@ -1067,13 +1339,17 @@ def validate(
     docstring) and reports mismatched p2p orders and deadlocks. ``steps`` defaults to what the
     lists hold. The message names the action, its stage and ranks, and shows the grid around it.
     """
-    _check_args(schedule, stages, microbatches, steps or 1, width, lookahead)
-    if sorted(actions_by_stage) != list(range(stages)):
+    _check_args(schedule, stages, microbatches, steps or 1, width, lookahead, chunks)
+    n = lanes_of(stages, chunks)
+    if sorted(actions_by_stage) != list(range(n)):
+        what = f"stage 0..{stages - 1}" if chunks == 1 else f"lane 0..{n - 1} ({stages} stages, {chunks} per lane)"
         raise ScheduleError(
-            f"expected one action list per stage 0..{stages - 1}, found keys {sorted(actions_by_stage)}: "
+            f"expected one action list per {what}, found keys {sorted(actions_by_stage)}: "
             f"pass generate(...)'s dict (one pipeline replica)"
         )
-    ck = _Checker(actions_by_stage, width)
+    ck = _Checker(actions_by_stage, width, chunks)
+    if chunks > 1:
+        _check_lanes(ck, microbatches)
     m, d = microbatches, stages
     if steps is None:
         ks = [a.index for lst in actions_by_stage.values() for a in lst if a.kind is Kind.F]
@@ -1105,7 +1381,7 @@ class _StageCheck:
         self.rc = recompute is not None and recompute[s]
         # micro-batches between F and W (B), and how many of them may have run their I (zb's deferred W)
         self.limit, deferred = (zb_bounds(s, d, m, self.rc) if self.zb else
-                                (m if schedule == "gpipe" else warmup(s, d, lookahead), 0))
+                                (m if schedule == "gpipe" or ck.chunks > 1 else warmup(s, d, lookahead), 0))
         self.whole = self.limit - deferred  # between F and I: whole activations
         self.reduced = {a.index for a in self.lst if a.kind in STARTS}  # batches whose gradient is reduced
         self.max_versions = versions_of(schedule)
@@ -1359,25 +1635,30 @@ def _previous_compute(lst: Sequence[Action], pos: int) -> Action | None:
     return next((b for b in reversed(lst[:pos]) if b.kind in COMPUTE or b.kind is Kind.UPDATE), None)
 
 
-def _groups(by_stage: Mapping[int, Sequence[Action]]) -> dict[str, list[int]]:
-    """Collective groups of one replica: the stages issuing each cross-stage kind, and each stage's
-    data-parallel group (its replicas run the same list, so one stage stands for all of them)."""
+def _groups(by_lane: Mapping[int, Sequence[Action]], chunks: int = 1) -> dict[str, list[int]]:
+    """Collective groups of one replica: the lanes issuing each cross-stage kind, a lane once per
+    stage of it that takes part (:class:`fxpipe.deps.Rendezvous` sums a rank's parts before it
+    joins), and each stage's data-parallel group (its replicas run the same list, so one stands
+    for all of them)."""
+    d = len(by_lane) * chunks
     groups: dict[str, list[int]] = {}
     for kind in (Kind.TIED_START, Kind.NORM_START, Kind.LOSS):
-        groups[kind.value] = [s for s, lst in by_stage.items() if any(a.kind is kind for a in lst)]
-    groups.update({f"{Kind.DP_START.value}:{s}": [s] for s in by_stage})
+        groups[kind.value] = sorted(r for r, lst in by_lane.items() for s in {a.stage for a in lst if a.kind is kind})
+    groups.update({f"{Kind.DP_START.value}:{s}": [lane_of(s, d, chunks)] for s in range(d)})
     return groups
 
 
-def comm_op(a: Action) -> CommOp:
+def comm_op(a: Action, stages: int | None = None, chunks: int = 1) -> CommOp:
     """The :class:`~fxpipe.deps.CommOp` that posting ``a`` makes in the validator's replay (its
-    stage as the rank, its peer stage as the peer)."""
+    lane as the rank, its peer stage's lane as the peer; with one chunk, the stages)."""
     spec = SPEC[a.kind]
+    lane = a.stage if chunks == 1 else lane_of(a.stage, stages, chunks)
     if spec.comm == "collective":
         group = f"{a.kind.value}:{a.stage}" if a.kind is Kind.DP_START else a.kind.value
-        return CommOp(a.stage, "collective", str(a), (a.kind, a.index), group=group)
+        return CommOp(lane, "collective", str(a), (a.kind, a.index), group=group)
     data = "act" if a.kind in (Kind.SEND_ACT, Kind.RECV_ACT) else "grad"
-    return CommOp(a.stage, spec.comm, str(a), (data, a.index), peer=a.peer)
+    peer = a.peer if chunks == 1 else lane_of(a.peer, stages, chunks)
+    return CommOp(lane, spec.comm, str(a), (data, a.index), peer=peer)
 
 
 def _check_steps(ck: _Checker, s: int, m: int, steps: int) -> None:
@@ -1429,53 +1710,78 @@ def _check_steps(ck: _Checker, s: int, m: int, steps: int) -> None:
 def _check_boundaries(ck: _Checker) -> None:
     """At every END_STEP t, both sides of every channel have posted the same operations: a rank
     that stops there (the caller has no batch t+1 yet) leaves no post without its counterpart."""
-    lists = ck.by_stage
-    for i in range(ck.d - 1):
-        for me, peer in ((i, i + 1), (i + 1, i)):
+    lists = ck.by_lane
+    pairs = {tuple(sorted((ck.lane(a.stage), ck.lane(a.peer)))) for lst in lists.values() for a in lst if a.kind in P2P}
+    for i, j in sorted(pairs):
+        for me, peer in ((i, j), (j, i)):
             count = 0
             for pos, a in enumerate(lists[me]):
-                if a.kind in P2P and a.peer == peer:
+                if a.kind in P2P and ck.lane(a.peer) == peer:
                     count += 1
                 elif a.kind is Kind.END_STEP:
                     theirs = 0
                     for b in lists[peer]:
-                        if b == Action(peer, Kind.END_STEP, a.index):
+                        if b.kind is Kind.END_STEP and b.index == a.index:
                             break
-                        theirs += b.kind in P2P and b.peer == me
+                        theirs += b.kind in P2P and ck.lane(b.peer) == me
                     else:
-                        ck.fail(me, pos, f"stage {peer} has no END_STEP{a.index}", "Every stage ends every step")
+                        ck.fail(a.stage, ck.by_stage[a.stage].index(a), f"lane {peer} has no END_STEP{a.index}",
+                                "Every stage ends every step")
                     if theirs != count:
                         ck.fail(
-                            me, pos, f"{count} operations with stage {peer} are posted before this boundary, but stage "
-                            f"{peer} posts {theirs} before its END_STEP{a.index}",
+                            a.stage, ck.by_stage[a.stage].index(a),
+                            f"{count} operations with {_lane_name(ck, peer)} are posted before this boundary, but "
+                            f"{_lane_name(ck, peer)} posts {theirs} before its END_STEP{a.index}",
                             "A receive belongs to the step of its send: post it after END_STEP on both sides",
                         )
+
+
+def _lane_name(ck: _Checker, lane: int) -> str:
+    return f"stage {lane}" if ck.chunks == 1 else f"lane {lane}"
+
+
+def _check_lanes(ck: _Checker, m: int) -> None:
+    """Interleaved 1F1B: each lane holds at most :func:`interleaved_in_flight` (micro-batch,
+    stage) pairs between their F and their B, over all its stages."""
+    for r, lst in ck.by_lane.items():
+        limit = interleaved_in_flight(r, ck.d, ck.chunks, m)
+        held: set[tuple[int, int]] = set()
+        for a in lst:
+            if a.kind is Kind.F:
+                held.add((a.stage, a.index))
+                if len(held) > limit:
+                    ck.fail(a.stage, ck.by_stage[a.stage].index(a),
+                            f"lane {r} holds {len(held)} micro-batches in flight over its stages, more than "
+                            f"interleaved 1F1B's {limit}", "Run a backward before this forward")
+            elif a.kind is Kind.B:
+                held.discard((a.stage, a.index))
 
 
 def _replay(ck: _Checker) -> None:
     """Run all stages together under the dependency model of :mod:`fxpipe.deps` (local waits,
     NCCL's pairing and one global post order); raise on a mismatch or a deadlock."""
-    d, lists = ck.d, ck.by_stage
-    engine = Rendezvous(_groups(lists))
+    d, lists = ck.d, ck.by_lane
+    engine = Rendezvous(_groups(lists, ck.chunks))
     posted: dict[Action, CommOp] = {}
 
-    def ready(s: int, a: Action) -> bool:
+    def ready(r: int, a: Action) -> bool:
         need = waits_for(a, d)
         return need is None or (need in posted and posted[need].done)
 
-    def run(s: int, pos: int) -> None:
-        a = lists[s][pos]
+    def run(r: int, pos: int) -> None:
+        a = lists[r][pos]
         if SPEC[a.kind].comm is not None:
             try:
-                posted[a] = engine.post(comm_op(a))
+                posted[a] = engine.post(comm_op(a, d, ck.chunks))
             except CommOrderError as e:
-                ck.fail(s, pos, str(e), "See the posting rules in fxpipe.schedule")
+                ck.fail(a.stage, ck.by_stage[a.stage].index(a), str(e), "See the posting rules in fxpipe.schedule")
 
-    stopped = interleave({s: lists[s] for s in range(d)}, ready, run)
+    stopped = interleave({r: lists[r] for r in range(ck.lanes)}, ready, run)
     if stopped or len(engine.queue):
-        blocked = "; ".join(f"stage {s} at {lists[s][i]} (position {i})" for s, i in sorted(stopped.items()))
-        s = min(stopped) if stopped else min(engine.queue)
-        pos = stopped[s] if stopped else lists[s].index(Action.parse(engine.queue[s][0].label))
+        blocked = "; ".join(f"{_lane_name(ck, r)} at {lists[r][i]} (position {i})" for r, i in sorted(stopped.items()))
+        r = min(stopped) if stopped else min(engine.queue)
+        a = lists[r][stopped[r]] if stopped else Action.parse(engine.queue[r][0].label)
+        s, pos = a.stage, ck.by_stage[a.stage].index(a)
         ck.fail(
             s, pos, f"deadlock: {blocked or 'every list ended'}; posts never completed: {' | '.join(engine.blocked())}",
             "A receive's matching send is never reached, or two ranks post in orders that form a cycle: post sends "
