@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections import deque
 from typing import Sequence
 
 import torch
@@ -112,7 +113,11 @@ class Comm:
     def irecv(self, tensors: Sequence[torch.Tensor], peer: int, label: str = "") -> Handle:
         raise NotImplementedError
 
-    def all_reduce(self, tensor: torch.Tensor, group: str, label: str = "") -> Handle:
+    def all_reduce(self, tensor: torch.Tensor, group: str, label: str = "", member: int | None = None) -> Handle:
+        """Sum ``tensor`` over ``group`` in place. ``member``: which of this rank's members of the
+        group posts (its stage), where the rank holds several (an interleaved lane's stages): the
+        rank sums its members' parts and joins the group once, when the last of them posted, and
+        every part then holds the total (the earlier parts' handles are not ready before)."""
         raise NotImplementedError
 
     def report(self, error: str) -> None:
@@ -162,13 +167,16 @@ class DistComm(Comm):
         self.timeout = None if timeout is None else datetime.timedelta(seconds=timeout)
         self.last_posted = ""  # the label of the newest operation this rank posted
         self.groups = {}
+        self.members: dict[str, int] = {}  # group -> this rank's members of it (its stages in it)
+        self._parts: dict[str, dict[int | None, deque[tuple[torch.Tensor, _Part]]]] = {}
         # new_group is collective over the whole world: every rank creates every group, in the
         # same (sorted) order, even the groups it is not a member of.
         for name in sorted(groups):
-            ranks = sorted(groups[name])
+            ranks = sorted(set(groups[name]))
             g = dist.new_group(ranks) if len(ranks) < self.world_size else dist.group.WORLD
             if self.rank in ranks:
                 self.groups[name] = (g, ranks)
+                self.members[name] = list(groups[name]).count(self.rank)
         # gloo matches point-to-point messages FIFO per (peer, tag). Within a pipeline the
         # schedule makes both sides post in the same order; a tag per pipeline (every rank
         # builds its pipelines in the same order) keeps two pipelines' messages apart.
@@ -206,14 +214,40 @@ class DistComm(Comm):
         work = self._post(lambda: dist.irecv(message, peer, tag=self.tag), label, f"from rank {peer}")
         return _DistHandle([work], comm=self, label=label, peer=f"from rank {peer}", unpack=unpack)
 
-    def all_reduce(self, tensor, group, label=""):
+    def all_reduce(self, tensor, group, label="", member=None):
         g, ranks = self.groups[group]
+        if self.members[group] > 1:
+            return self._gather(tensor, group, label, member)
         if len(ranks) == 1:
             return Handle()
+        return self._all_reduce(tensor, group, label)
+
+    def _all_reduce(self, tensor, group, label):
+        g, ranks = self.groups[group]
         self.last_posted = label
         peer = f"in an all-reduce over ranks {ranks}"
         work = self._post(lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=g, async_op=True), label, peer)
         return _DistHandle([work], comm=self, label=label, peer=peer)
+
+    def _gather(self, tensor, group, label, member) -> Handle:
+        """One member's part of a collective of a group this rank holds several members of: the
+        rank posts the sum of its members' parts (in member order) once the last one is here."""
+        parts = self._parts.setdefault(group, {})
+        part = _Part(label)
+        parts.setdefault(member, deque()).append((tensor, part))
+        if len(parts) > self.members[group]:
+            raise RuntimeError(f"internal: rank {self.rank} holds {self.members[group]} members of group {group!r}, "
+                               f"but parts came from {sorted(map(str, parts))}")
+        if len(parts) == self.members[group] and all(parts.values()):
+            heads = [parts[m].popleft() for m in sorted(parts, key=str)]
+            total = heads[0][0].clone()
+            for t, _ in heads[1:]:
+                total += t
+            inner = self._all_reduce(total, group, label) if len(self.groups[group][1]) > 1 else Handle()
+            joined = _Joined(inner, total, [t for t, _ in heads])
+            for _, p in heads:
+                p.joined = joined
+        return part
 
     def _post(self, post, label: str, peer: str):
         """``post()``'s work; a post that fails on the connection (gloo: the peer's connection
@@ -281,6 +315,40 @@ class DistComm(Comm):
             f"every rank must call step, flush, eval_step, save, load and state_dict alike (each is a "
             f"collective); raise timeout= if its steps are legitimately that slow."
         )
+
+
+class _Joined:
+    """A rank's one post of a collective it holds several members of (:meth:`DistComm._gather`):
+    the summed parts' all-reduce, and the parts it writes the total back into."""
+
+    def __init__(self, inner: Handle, total: torch.Tensor, parts: Sequence[torch.Tensor]):
+        self.inner, self.total, self.parts = inner, total, parts
+        self.done = False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.inner.wait()
+            for t in self.parts:
+                t.copy_(self.total)
+            self.done = True
+
+
+class _Part(Handle):
+    """One member's part of a collective its rank joins once (:meth:`DistComm._gather`)."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.joined: _Joined | None = None
+
+    def ready(self) -> bool:
+        return self.joined is not None and (self.joined.done or self.joined.inner.ready())
+
+    def wait(self) -> None:
+        if self.joined is None:
+            raise RuntimeError(
+                f"{self.label} waited on before the rank's other members of its group posted their parts: the rank "
+                f"posts the collective only then, so this would block forever; this is a bug in fxpipe's schedule")
+        self.joined.wait()
 
 
 class _LocalHandle(Handle):
@@ -359,8 +427,9 @@ class LocalComm(Comm):
     def __init__(self, hub: LocalHub, rank: int):
         self.hub, self.rank, self.world_size = hub, rank, hub.world_size
 
-    def _post(self, kind, tensors, label, peer=None, group=None) -> Handle:
-        op = CommOp(self.rank, kind, label, _signature(tensors), peer=peer, group=group, payload=list(tensors))
+    def _post(self, kind, tensors, label, peer=None, group=None, member=None) -> Handle:
+        op = CommOp(self.rank, kind, label, _signature(tensors), peer=peer, group=group, payload=list(tensors),
+                    member=member)
         return _LocalHandle(self.hub.engine.post(op))
 
     def isend(self, tensors, peer, label=""):
@@ -369,10 +438,10 @@ class LocalComm(Comm):
     def irecv(self, tensors, peer, label=""):
         return self._post("recv", tensors, label, peer=peer)
 
-    def all_reduce(self, tensor, group, label=""):
+    def all_reduce(self, tensor, group, label="", member=None):
         ranks = self.hub.groups[group]
         if self.rank not in ranks:
             raise RuntimeError(f"rank {self.rank} is not in group {group!r} {ranks}")
         if len(ranks) == 1:
             return Handle()
-        return self._post("collective", [tensor], label, group=group)
+        return self._post("collective", [tensor], label, group=group, member=member)

@@ -82,7 +82,9 @@ class CommOp:
     group: str | None = None
     payload: Any = None
     partners: list["CommOp"] = field(default_factory=list)
-    gathered: list["CommOp"] = field(default_factory=list)  # a rank's earlier parts of this collective
+    member: Hashable = None  # which of a rank's members posts a collective (its stage), where it holds several
+    gathered: list["CommOp"] = field(default_factory=list)  # a rank's other parts of this collective
+    held: bool = False  # a part the rank did not join with: in no queue, it completes with the one it did
     done: bool = False
 
     def __str__(self) -> str:
@@ -95,9 +97,9 @@ class Rendezvous:
     """Matches and completes posts under rules (a) and (b) (module docstring).
 
     ``groups``: collective group name -> member ranks. A rank listed ``n`` times holds ``n``
-    members (the stages of an interleaved lane): it posts ``n`` parts of each collective, which
-    it sums and joins with once, at its last part (the earlier parts enter no queue; they
-    complete with it). ``on_complete(ops)`` is called once per completed operation with every
+    members (the stages of an interleaved lane): each of them posts its part of each collective
+    (``CommOp.member`` says which), and the rank joins once, when the last of its members posted
+    its part (the others enter no queue; they complete with it). ``on_complete(ops)`` is called once per completed operation with every
     participant's :class:`CommOp` (the two halves of a p2p transfer, or every part of a
     collective, in rank order). Raises :class:`CommOrderError` the
     moment a post cannot be matched with its counterpart.
@@ -115,7 +117,7 @@ class Rendezvous:
         self.lane = lane or (lambda op: op.rank)
         self.queue: dict[Hashable, deque[CommOp]] = defaultdict(deque)  # lane -> posted, not complete
         self._unmatched: dict[tuple, deque[CommOp]] = defaultdict(deque)  # (rank, peer|group) -> posts
-        self._parts: dict[tuple, list[CommOp]] = defaultdict(list)  # (rank, group) -> parts before the last
+        self._parts: dict[tuple, dict[Hashable, deque[CommOp]]] = defaultdict(dict)  # (rank, group) -> member -> parts
 
     def post(self, op: CommOp) -> CommOp:
         if op.kind in ("send", "recv"):
@@ -130,11 +132,17 @@ class Rendezvous:
             members = self.groups.get(op.group)
             if members is None or op.rank not in members:
                 raise CommOrderError(f"{op}: rank {op.rank} is not a member of group {op.group!r} {members}")
-            parts = self._parts[op.rank, op.group]
-            if len(parts) + 1 < members.count(op.rank):
-                parts.append(op)  # the rank joins at its last part
-                return op
-            op.gathered, self._parts[op.rank, op.group] = parts, []
+            if (count := members.count(op.rank)) > 1:
+                parts = self._parts[op.rank, op.group]
+                parts.setdefault(op.member, deque()).append(op)
+                op.held = True
+                if len(parts) > count:
+                    raise CommOrderError(f"{op}: rank {op.rank} holds {count} members of group {op.group!r}, but "
+                                         f"parts came from {len(parts)}: {sorted(map(str, parts))}")
+                if len(parts) < count or not all(parts.values()):
+                    return op  # the rank joins when its last member posts
+                heads = [q.popleft() for q in parts.values()]
+                op.held, op.gathered = False, [h for h in heads if h is not op]
             self.queue[self.lane(op)].append(op)
             self._unmatched[op.rank, op.group].append(op)
             waiting = [self._unmatched[r, op.group] for r in sorted(set(members))]
@@ -183,7 +191,8 @@ class Rendezvous:
                         for g in o.gathered:
                             g.done = True
                     if self.on_complete is not None:
-                        self.on_complete(sorted(ops + [g for o in ops for g in o.gathered], key=lambda o: o.rank))
+                        self.on_complete(sorted(ops + [g for o in ops for g in o.gathered],
+                                                key=lambda o: (o.rank, str(o.member))))
                     progress = True
             for key in [k for k, q in self.queue.items() if not q]:
                 del self.queue[key]
@@ -204,4 +213,4 @@ class Rendezvous:
     def __len__(self) -> int:
         """Posts not yet completed, summed over ranks (bounded-state tests read it)."""
         return (sum(len(q) for q in self.queue.values()) + sum(len(q) for q in self._unmatched.values())
-                + sum(len(p) for p in self._parts.values()))
+                + sum(len(q) for p in self._parts.values() for q in p.values()))

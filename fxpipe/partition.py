@@ -97,7 +97,8 @@ from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint, megabytes
 from .trace import alias_base, as_leaf_modules, written_values
-from .schedule import SCHEDULES, check_lookahead, gradient_buffers, min_microbatches, rank_of, warmup, zb_bounds
+from .schedule import (SCHEDULES, check_chunks, check_lookahead, gradient_buffers, min_microbatches, rank_of, warmup,
+                       zb_bounds)
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
            "reduction_time", "BlockCosting", "Capacity", "capacity"]
@@ -1529,6 +1530,8 @@ def plan(
     top: int = 8,
     leaf_modules=(),
     lookahead: int | None = None,
+    chunks: int = 1,
+    _share: int = 1,
 ) -> Plan:
     """Trace (if needed), cost and partition a model; return the best :class:`Plan`.
 
@@ -1563,9 +1566,19 @@ def plan(
     holding one more micro-batch's activations there (:func:`fxpipe.schedule.warmup`); None: 1
     under 2bw where the chosen configuration still fits with it at the same cuts and m >= d + 1
     (:func:`_with_lookahead`), else 0.
+    ``chunks`` (1f1b only): stages per rank, interleaved 1F1B (:func:`fxpipe.schedule.lane_of`);
+    ``stages`` (required then) counts them all, so a replica runs on ``stages / chunks`` ranks
+    (:func:`_interleaved_plan`).
     """
     if schedule not in SCHEDULES:
         raise PlanError(f"schedule must be one of {SCHEDULES}, found {schedule!r}")
+    if chunks != 1:
+        return _interleaved_plan(
+            model_or_gm, example_inputs, stages=stages, microbatches=microbatches, schedule=schedule,
+            world_size=world_size, global_batch=global_batch, device_memory=device_memory, cost_mode=cost_mode,
+            device=device, recompute=recompute, costs=costs, optimizer_bytes_per_param=optimizer_bytes_per_param,
+            torch_device=torch_device, clip=clip, accumulation=accumulation, precision=precision, cluster=cluster,
+            top=top, leaf_modules=leaf_modules, lookahead=lookahead, chunks=chunks)
     if lookahead is not None:
         try:
             check_lookahead(schedule, lookahead)
@@ -1613,7 +1626,7 @@ def plan(
         clip = given_cluster
     if given_cluster:
         cluster.check_memory(device_memory)
-    limit = float(device_memory) if device_memory is not None else device.memory_bytes
+    limit = (float(device_memory) if device_memory is not None else device.memory_bytes) / _share
     if costs is None:
         costs = annotate(gm, example_inputs, mode=cost_mode, device=device, torch_device=torch_device)
         if cost_mode == "measured" and global_batch is not None and gm is not model_or_gm:  # traced here
@@ -1658,6 +1671,46 @@ def plan(
     if shared or split:
         plan = _simulated_cuts(plan, gm, best, cluster, limit, move=split)
     return plan
+
+
+def _interleaved_plan(model_or_gm, example_inputs, *, stages, microbatches, world_size, chunks, cluster, lookahead,
+                      schedule, global_batch, **options) -> Plan:
+    """:func:`plan` for interleaved 1F1B (``chunks`` stages per rank). The ``stages`` stages are
+    cut as for a pipeline of that depth, each given ``1 / chunks`` of a rank's memory (a rank
+    holds ``chunks`` of them; a stage that needs more does not fit, even where its rank's other
+    stages would leave room), over a world ``chunks`` times the real one; the step is then
+    priced by simulating the interleaved lists on the real ranks (:func:`fxpipe.simulate.simulate`
+    with the stages' costs), which is the plan's step time and throughput."""
+    import dataclasses
+
+    from .schedule import generate
+    from .simulate import Costs, simulate
+
+    if stages is None:
+        raise PlanError(f"chunks={chunks} needs stages= (every stage, {chunks} per rank): the planner does not search "
+                        f"interleaved depths; pass e.g. stages={2 * chunks} for {2} ranks per replica")
+    if cluster is not None:
+        raise PlanError(f"chunks={chunks} (interleaved 1F1B) is planned for this machine only, not for a cluster: "
+                        f"plan without cluster=, or with chunks=1")
+    try:
+        check_chunks(schedule, stages, microbatches or stages, chunks, lookahead or 0)
+        if global_batch is not None:
+            raise ScheduleError(f"chunks={chunks} takes microbatches=, not global_batch= (m must be a multiple of the "
+                                f"{stages // chunks} ranks per replica)")
+    except ScheduleError as e:
+        raise PlanError(str(e)) from None
+    if world_size is None:
+        import torch.distributed as dist
+
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else stages // chunks
+    inner = plan(model_or_gm, example_inputs, stages=stages, microbatches=microbatches, schedule=schedule,
+                 world_size=world_size * chunks, lookahead=lookahead, _share=chunks, **options)
+    made = dataclasses.replace(inner, chunks=chunks, runner_up=None, configurations=())
+    lists = generate(schedule, made.stages, made.microbatches, _SIMULATED_STEPS, width=made.width,
+                     recompute=list(made.recompute), chunks=chunks)
+    pipe = simulate(lists, Costs.of_plan(made), chunks=chunks).step_time
+    step = step_time(schedule, pipe, made.allreduce_time)
+    return dataclasses.replace(made, step_time=step, throughput=made.global_batch / step)
 
 
 #: The lookahead the planner gives where it is free (:func:`_with_lookahead`), by schedule. 2bw

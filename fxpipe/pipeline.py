@@ -51,8 +51,8 @@ from .inputs import InputSignature, TargetSignature, batch_inputs, check_first_b
 from .plan import Plan, graph_fingerprint
 from .precision import LossScaler, Precision, prepare
 from .runtime import StageWorker, WorkerConfig, drain_posted
-from .schedule import (SCHEDULES, Action, Program, check_lookahead, format_actions, min_microbatches, norm_every_step,
-                       rank_of, stage_and_replica)
+from .schedule import (SCHEDULES, Action, Program, check_chunks, check_lookahead, format_actions, lane_of,
+                       min_microbatches, norm_every_step, rank_of, stage_and_replica)
 from .trace import as_leaf_modules, leaf_module_calls, module_path, normalize_inputs, trace, without_weights
 
 __all__ = ["compile", "Pipeline", "PipelineConfig", "Topology", "Loss", "DEFAULT_MICROBATCHES"]
@@ -156,6 +156,7 @@ def compile(
     weights=None,
     leaf_modules=(),
     lookahead: int | None = None,
+    chunks: int | None = None,
 ) -> "Pipeline":
     """Make ``model`` a pipeline-parallel trainer. See README.md for every argument.
 
@@ -182,6 +183,11 @@ def compile(
     holding one more micro-batch's activations there, so that a rank goes on through its peer's
     hiccups (:func:`fxpipe.schedule.warmup`); None: the planner's choice (1 under 2bw where it
     fits, else 0).
+    ``chunks`` (1f1b): stages per rank, interleaved 1F1B (Megatron-LM's: each rank runs its
+    ``chunks`` stages in rounds of ``stages / chunks`` micro-batches, which cuts the flush's
+    bubble ``chunks``-fold for ``chunks`` times the messages); ``stages`` counts every stage, so
+    a replica runs on ``stages / chunks`` ranks and ``microbatches`` must be a multiple of that.
+    None: the plan's, else 1.
     """
     config = PipelineConfig(
         loss_fn=loss_fn, optimizer=optimizer or default_optimizer, microbatches=microbatches, schedule=schedule,
@@ -189,7 +195,7 @@ def compile(
         seed=seed, check_batch=check_batch, cost_mode=cost_mode, device_model=device_model, kernels=kernels,
         device=device, verbose=verbose, timeout=timeout, nonfinite=nonfinite, precision=precision, scaler=scaler,
         accumulate=accumulate, weights=weights,
-        leaf_modules=as_leaf_modules(leaf_modules), lookahead=lookahead,
+        leaf_modules=as_leaf_modules(leaf_modules), lookahead=lookahead, chunks=chunks,
     )
     return Pipeline(model, example_inputs, config)
 
@@ -234,6 +240,13 @@ class PipelineConfig:
     leaf_modules: tuple = ()
     # forwards every stage but the last runs ahead of 1F1B's order (2bw, 1f1b); None: the planner's
     lookahead: int | None = None
+    # stages per rank (interleaved 1F1B, 1f1b only); None: the plan's, else 1
+    chunks: int | None = None
+
+    @property
+    def per_rank(self) -> int:
+        """Stages per rank: ``chunks``, 1 when None."""
+        return self.chunks or 1
 
     @property
     def policy(self) -> Precision:
@@ -265,6 +278,18 @@ class PipelineConfig:
                 check_lookahead(self.schedule, self.lookahead)
             except ScheduleError as e:
                 raise ConfigError(f"fxpipe.compile: {e}") from None
+        if self.chunks is not None:
+            if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+                bad("chunks", "an int >= 1 (or None)", self.chunks,
+                    "pass e.g. chunks=2 (two stages per rank, interleaved 1F1B), or None for one")
+            if self.chunks > 1 and self.plan is None:
+                try:
+                    # the stages and micro-batches are checked once known (planned, or the lazy path's)
+                    check_chunks(self.schedule, self.stages or 2 * self.chunks,
+                                 self.microbatches or DEFAULT_MICROBATCHES if self.stages else 2 * self.chunks,
+                                 self.chunks, self.lookahead or 0)
+                except ScheduleError as e:
+                    raise ConfigError(f"fxpipe.compile: {e}") from None
         if self.plan is None and self.stages is not None and self.microbatches is not None and \
                 self.microbatches < (least := min_microbatches(self.schedule, self.stages, self.lookahead or 0)):
             if least > self.stages:  # a lookahead asks for more
@@ -363,7 +388,7 @@ class PipelineConfig:
     # may be mounted elsewhere on another node (its kind must agree).
     AGREED = ("schedule", "stages", "microbatches", "plan", "optimizer", "lr_scheduler", "loss_fn", "max_grad_norm",
               "recompute", "seed", "check_batch", "cost_mode", "device_model", "kernels", "nonfinite", "precision",
-              "scaler", "accumulate", "weights", "leaf_modules", "lookahead")
+              "scaler", "accumulate", "weights", "leaf_modules", "lookahead", "chunks")
 
     def agreed_settings(self) -> dict[str, str]:
         """:attr:`AGREED`'s settings as comparable text (:func:`_describe`: a function by name, code,
@@ -423,6 +448,11 @@ class PipelineConfig:
                 f"the plan's would run. Pass lookahead=None to run the plan as it is, or make a plan with "
                 f"fxpipe.plan(..., lookahead={self.lookahead})."
             )
+        if self.chunks is not None and self.chunks != p.chunks:
+            raise ConfigError(
+                f"fxpipe.compile: chunks={self.chunks} contradicts the plan, which runs {p.chunks} stage(s) per rank; "
+                f"the plan's would run. Pass chunks=None to run the plan as it is, or make a plan with "
+                f"fxpipe.plan(..., chunks={self.chunks}).")
         if self.precision != p.precision:
             raise ConfigError(
                 f"fxpipe.compile: precision={self.precision!r} contradicts the plan, made for precision="
@@ -471,21 +501,42 @@ class Topology:
     width: int
     tied: tuple[tuple[str, tuple[int, ...]], ...] = ()
     layout: str = "replica"
+    chunks: int = 1  #: stages per rank (interleaved 1F1B): stage j runs on its replica's lane j mod (stages / chunks)
+
+    @property
+    def lanes(self) -> int:
+        """Ranks per replica."""
+        return self.stages // self.chunks
 
     @property
     def world_size(self) -> int:
-        return self.stages * self.width
+        return self.lanes * self.width
 
     def rank(self, stage: int, replica: int) -> int:
+        """The rank that runs ``stage`` of ``replica``."""
+        return rank_of(lane_of(stage, self.stages, self.chunks), replica, self.lanes, self.width, self.layout)
+
+    def slot(self, stage: int, replica: int) -> int:
+        """The key of ``(stage, replica)``'s worker: its rank were every stage on a rank of its own
+        (with one chunk, its rank)."""
         return rank_of(stage, replica, self.stages, self.width, self.layout)
 
-    def locate(self, rank: int) -> tuple[int, int]:
-        """``(stage, replica)`` of ``rank``."""
-        return stage_and_replica(rank, self.stages, self.width, self.layout)
+    def locate(self, slot: int) -> tuple[int, int]:
+        """``(stage, replica)`` of the worker ``slot`` (:meth:`slot`)."""
+        return stage_and_replica(slot, self.stages, self.width, self.layout)
 
-    def neighbours(self, rank: int) -> tuple[int | None, int | None]:
-        """The ranks of the previous and the next stage of ``rank``'s replica (None at the ends)."""
-        s, r = self.locate(rank)
+    def lane_of_rank(self, rank: int) -> int:
+        """Which rank of its replica ``rank`` is: the lane whose list it runs."""
+        return stage_and_replica(rank, self.lanes, self.width, self.layout)[0]
+
+    def slots_of(self, rank: int) -> list[int]:
+        """The workers ``rank`` runs, its stages in order."""
+        lane, replica = stage_and_replica(rank, self.lanes, self.width, self.layout)
+        return [self.slot(lane + c * self.lanes, replica) for c in range(self.chunks)]
+
+    def neighbours(self, slot: int) -> tuple[int | None, int | None]:
+        """The ranks of the previous and the next stage of worker ``slot``'s (None at the ends)."""
+        s, r = self.locate(slot)
         return (self.rank(s - 1, r) if s > 0 else None, self.rank(s + 1, r) if s < self.stages - 1 else None)
 
     @property
@@ -493,13 +544,15 @@ class Topology:
         return sorted({s for _, stages in self.tied for s in stages})
 
     def groups(self) -> dict[str, list[int]]:
+        """Group name -> its member ranks, a rank once per stage of it that takes part (a rank of
+        an interleaved pipeline joins once for its stages: :meth:`fxpipe.comm.Comm.all_reduce`)."""
         d, w = self.stages, self.width
         groups = {}
         for _, stages in self.tied:
             groups[tied_group(stages)] = sorted(self.rank(s, r) for r in range(w) for s in stages)
         for s in range(d):
             groups[dp_group(s)] = [self.rank(s, r) for r in range(w)]
-        groups[EVERY_RANK] = list(range(d * w))
+        groups[EVERY_RANK] = sorted(self.rank(s, r) for r in range(w) for s in range(d))
         return groups
 
     def tied_groups_of(self, stage: int) -> dict[str, str]:
@@ -782,7 +835,7 @@ class Pipeline:
             try:
                 from .partition import plan as make_plan
 
-                world = self.world_size if self.distributed else (o.stages or 1)
+                world = self.world_size if self.distributed else (o.stages or 1) // o.per_rank
                 made = make_plan(
                     gm,
                     self._example,
@@ -794,6 +847,7 @@ class Pipeline:
                     device=device_model,
                     recompute=o.recompute,
                     lookahead=o.lookahead,
+                    chunks=o.per_rank,
                     torch_device=self.device,
                     # the per-step norm all-reduce (clipping, non-finite check): 2bw's 2 grad buffers
                     clip=norm_every_step(o.accumulate),
@@ -854,10 +908,12 @@ class Pipeline:
                 f"and micro-batch size it was made for."
             )
         d, w = plan.stages, plan.width
-        if self.distributed and d * w != self.world_size:
+        if self.distributed and plan.world_size != self.world_size:
+            per = "" if plan.chunks == 1 else f" / chunks"
+            by = "" if plan.chunks == 1 else f" / {plan.chunks}"
             raise RuntimeMismatchError(
-                f"the plan needs stages*width = {d}*{w} = {d * w} ranks; the world has {self.world_size}. "
-                f"Launch with --nproc-per-node={d * w} or plan for {self.world_size} ranks."
+                f"the plan needs stages{per}*width = {d}{by}*{w} = {plan.world_size} ranks; the world has "
+                f"{self.world_size}. Launch with --nproc-per-node={plan.world_size} or plan for {self.world_size} ranks."
             )
         if o.accumulate == "optimizer" and w > 1:  # every rank has this plan: all raise, none waits
             raise ConfigError(
@@ -873,14 +929,15 @@ class Pipeline:
 
         o = self.config
         d, w = plan.stages, plan.width
-        ranks = [self.rank] if self.distributed else list(range(d * w))
-        build = sorted({stage_and_replica(r, d, w, plan.layout)[0] for r in ranks})
+        slots = [sl for r in ([self.rank] if self.distributed else range(d // plan.chunks * w))
+                 for sl in Topology(d, w, layout=plan.layout, chunks=plan.chunks).slots_of(r)]
+        build = sorted({stage_and_replica(sl, d, w, plan.layout)[0] for sl in slots})
         precision = o.policy
         prepare(gm, precision, self.device)  # the graph under autocast; the dtypes crossing cuts
         self.staged = self._split_agreed(split, gm, plan.assignment, build)
         self.staged_graph = gm
         self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
-                                                    if len(tp.stages) > 1), plan.layout)
+                                                    if len(tp.stages) > 1), plan.layout, plan.chunks)
         # the stages that run opaque leaf modules: there and on every stage before them, which
         # weights a backward reaches may change from one micro-batch to the next
         leafy = [plan.assignment[n.name] for n in leaf_module_calls(gm)]
@@ -899,12 +956,14 @@ class Pipeline:
                 f"or use accumulate='gradients'."
             )
         groups = topo.groups()
-        hub = None if self.distributed else LocalHub(d * w, groups)
+        hub = None if self.distributed else LocalHub(topo.world_size, groups)
         # A host-side wait with a timeout would block the thread that feeds the GPU: on NCCL
         # the process group's watchdog enforces the timeout instead (docs/design.md).
         wait_limit = self.timeout if self.device.type == "cpu" else None
-        comm_for = (lambda r: DistComm(groups, timeout=wait_limit)) if self.distributed else hub.comm
-        for r in ranks:
+        # one communicator per rank, which its stages share (their posts are the rank's, in one order)
+        comms = {self.rank: DistComm(groups, timeout=wait_limit)} if self.distributed else {
+            r: hub.comm(r) for r in range(topo.world_size)}
+        for r in slots:
             s, rep = topo.locate(r)
             stage = self.staged.stages[s]
             cfg = WorkerConfig(
@@ -929,8 +988,8 @@ class Pipeline:
                 dynamic=any(at >= s for at in leafy),
             )
             try:  # the user's optimizer and scheduler factories run here, on this rank's stage alone
-                self.workers[r] = StageWorker(stage, cfg, comm_for(r), rank=r, replica=rep, trace_info=self.trace_info,
-                                              device=self.device, neighbours=topo.neighbours(r))
+                self.workers[r] = StageWorker(stage, cfg, comms[topo.rank(s, rep)], rank=topo.rank(s, rep), replica=rep,
+                                              trace_info=self.trace_info, device=self.device, neighbours=topo.neighbours(r))
                 failed = None
             except Exception as e:  # noqa: BLE001 - raised below, on every rank
                 failed = e
@@ -1044,7 +1103,7 @@ class Pipeline:
         return next((wk.comm for wk in self.workers.values()), None)
 
     def _waited(self) -> float:
-        return sum(wk.comm.waited for wk in self.workers.values())
+        return sum(c.waited for c in {id(wk.comm): wk.comm for wk in self.workers.values()}.values())
 
     def _step(self, inputs, target, sync: bool):
         args, kwargs = batch_inputs(inputs, "step()")
@@ -1108,8 +1167,9 @@ class Pipeline:
         given plan has its own width."""
         if self.config.plan is not None:
             return self.config.plan.width
+        v = self.config.per_rank
         if self.config.stages is None:
-            d, m = (self.world_size if self.distributed else 1), self.config.microbatches
+            d, m = (self.world_size if self.distributed else 1) * v, self.config.microbatches
             ahead = self.config.lookahead or 0
             if m is not None and m < (least := min_microbatches(self.config.schedule, d, ahead)):
                 more = f" plus lookahead={ahead}" if least > d else ""
@@ -1120,14 +1180,16 @@ class Pipeline:
                     f"microbatches >= {least}, or stages= with a data-parallel width (world = stages x width), or "
                     f"schedule='1f1b' or 'zb', which take fewer")
             self.config = replace(self.config, stages=d)
-        return max(1, self.world_size // self.config.stages) if self.distributed else 1
+        return max(1, self.world_size // (self.config.stages // v)) if self.distributed else 1
 
     def _execute(self, segment: Callable[[int], list[Action]], what: str) -> None:
         """Run every local rank's segment (``segment(stage)``) to its end, in list order: the
         runtime never skips, reorders or adds an action. Under torchrun the one local rank runs
         it straight through (a wait blocks); in one process the ranks are interleaved, each run
         until its next action waits for an operation that has not completed."""
-        lists = {r: segment(self.topology.locate(r)[0]) for r in self.workers}
+        topo = self.topology
+        ranks = [self.rank] if self.distributed else range(topo.world_size)
+        lists = {r: segment(topo.lane_of_rank(r)) for r in ranks}
         try:
             self._run_lists(lists, what)
         except BaseException as e:
@@ -1145,13 +1207,20 @@ class Pipeline:
                 wk.comm.withdraw()
 
     def _run_lists(self, lists: dict[int, list[Action]], what: str) -> None:
+        """Run each rank's list (``{rank: actions}``), each action by the worker of its stage."""
+        topo = self.topology
+        replica = {r: topo.locate(topo.slots_of(r)[0])[1] for r in lists}
+
+        def worker(r: int, a: Action) -> StageWorker:
+            return self.workers[topo.slot(a.stage, replica[r])]
+
         if self.distributed:
-            (r, wk), = self.workers.items()
-            for i in range(len(lists[r])):
-                self._run(r, wk, lists[r], i)
+            (r, lst), = lists.items()
+            for i in range(len(lst)):
+                self._run(r, worker(r, lst[i]), lst, i)
             return
-        stopped = interleave(lists, lambda r, a: self.workers[r].ready(a),
-                             lambda r, i: self._run(r, self.workers[r], lists[r], i))
+        stopped = interleave(lists, lambda r, a: worker(r, a).ready(a),
+                             lambda r, i: self._run(r, worker(r, lists[r][i]), lists[r], i))
         stuck = {r: lists[r][i] for r, i in stopped.items()}
         if stuck:
             raise RuntimeError(
@@ -1281,7 +1350,8 @@ class Pipeline:
             if wk.updated_flags:
                 local += torch.stack(wk.updated_flags).sum().to(wk.device)
                 wk.updated_flags.clear()
-            posted.append((local, wk.comm.all_reduce(local, EVERY_RANK, f"the non-finite flags at the flush after step {t}")))
+            posted.append((local, wk.comm.all_reduce(local, EVERY_RANK, f"the non-finite flags at the flush after step {t}",
+                                                     member=wk.index)))
         for _, handle in posted:
             handle.wait()
         if self._stopped is None and not all(bool(torch.isfinite(total).all()) for total, _ in posted):
@@ -1370,7 +1440,7 @@ class Pipeline:
         out: dict[int, dict[str, torch.Tensor]] = {}
         for r, wk in self.workers.items():
             need = needs[wk.index]
-            out[r] = {n: mine[self.topology.rank(j, wk.replica)][n].to(self.device) for n, j in need.items()}
+            out[r] = {n: mine[self.topology.slot(j, wk.replica)][n].to(self.device) for n, j in need.items()}
         return out
 
     def _checked_eval(self, staged):
@@ -1697,9 +1767,10 @@ class Pipeline:
         o = self.config
         saved = Plan.from_json(meta["plan"])
         example = meta["example"]
-        world = self.world_size if self.distributed else saved.stages * saved.width
+        world = self.world_size if self.distributed else saved.world_size
         if (o.plan is None and o.stages is None and saved.schedule == o.schedule
-                and o.microbatches in (None, saved.microbatches) and saved.stages * saved.width == world
+                and o.microbatches in (None, saved.microbatches) and saved.world_size == world
+                and o.chunks in (None, saved.chunks)
                 and saved.precision == o.precision and o.recompute in (None, any(saved.recompute))
                 and o.lookahead in (None, saved.lookahead)):
             self.config = replace(o, plan=saved)

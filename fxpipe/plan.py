@@ -38,7 +38,7 @@ from tabulate import tabulate
 from .cluster import Cluster, Link
 from .cost import DeviceModel
 from .errors import PlanError, ScheduleError
-from .schedule import LAYOUTS, SCHEDULES, check_lookahead, min_microbatches
+from .schedule import LAYOUTS, SCHEDULES, check_chunks, check_lookahead, min_microbatches
 
 __all__ = ["Plan", "StagePlan", "RunnerUp", "Configuration", "graph_fingerprint"]
 
@@ -163,6 +163,9 @@ class Plan:
     #: forwards every stage but the last runs ahead of 1F1B's order (2bw, 1f1b;
     #: :func:`fxpipe.schedule.warmup`): one more micro-batch's activations held there per unit
     lookahead: int = 0
+    #: stages per rank (interleaved 1F1B, 1f1b only: :func:`fxpipe.schedule.lane_of`): ``stages``
+    #: counts them all, and a replica runs on ``stages / chunks`` ranks
+    chunks: int = 1
 
     def __post_init__(self):
         # a plan read from JSON someone edited: the sizes and names every phase reads must be sound
@@ -177,6 +180,7 @@ class Plan:
             raise PlanError(f"the plan's schedule must be one of {SCHEDULES}, found {self.schedule!r}; re-plan")
         try:
             check_lookahead(self.schedule, self.lookahead)
+            check_chunks(self.schedule, self.stages, self.microbatches, self.chunks, self.lookahead)
             if self.microbatches < (least := min_microbatches(self.schedule, self.stages, self.lookahead)):
                 raise PlanError(f"the plan's schedule {self.schedule!r} with lookahead={self.lookahead} needs "
                                 f"microbatches >= {least}, found {self.microbatches}; re-plan")
@@ -190,6 +194,11 @@ class Plan:
     def assignment(self) -> dict[str, int]:
         """Node name -> stage index, for every node except ``output``."""
         return dict(self.assignment_pairs)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the plan runs on: ``stages / chunks`` per replica, ``width`` replicas."""
+        return self.stages // self.chunks * self.width
 
     @property
     def global_batch(self) -> int:
@@ -297,6 +306,8 @@ class Plan:
     def __str__(self) -> str:
         head = (
             f"Plan: {self.schedule}" + (f" (lookahead {self.lookahead})" if self.lookahead else "")
+            + (f" interleaved, {self.chunks} stages per rank on {self.stages // self.chunks} ranks per replica"
+               if self.chunks > 1 else "")
             + f", d={self.stages} stages x w={self.width} replicas, b={self.microbatch_size}, m={self.microbatches} "
             f"({self.cost_mode} costs on {self.device.name}, memory limit {megabytes(self.memory_limit)}, "
             f"graph {self.graph_hash[:12]})"

@@ -420,7 +420,7 @@ class StageWorker:
             local = local + torch.stack(self.updated_flags).sum().to(self.device)
             self.updated_flags.clear()
         total = local.reshape(1).clone()
-        handle = self.comm.all_reduce(total, EVERY_RANK, str(a))
+        handle = self.comm.all_reduce(total, EVERY_RANK, str(a), member=self.index)
         self.batch_loss[t] = (local, total, handle)
         self.loss_posts.append((t, handle))
 
@@ -500,7 +500,8 @@ class StageWorker:
 
     def _do_tied_start(self, a: Action) -> None:
         views = self.store.grad_views_of(a.index)
-        handles = [self.comm.all_reduce(views[n], g, str(a)) for n, g in sorted(self.cfg.tied_groups.items()) if n in views]
+        handles = [self.comm.all_reduce(views[n], g, str(a), member=self.index)
+                   for n, g in sorted(self.cfg.tied_groups.items()) if n in views]
         self.reductions[(Kind.TIED_START, a.index)] = _Multi(handles)
 
     def _do_tied_wait(self, a: Action) -> None:
@@ -522,7 +523,7 @@ class StageWorker:
         parts = torch.zeros(self.cfg.stages * self.cfg.width, dtype=torch.float64, device=self.device)
         parts[self.replica * self.cfg.stages + self.index] = sq
         self.norm_sq[t] = parts
-        self.reductions[Kind.NORM_START, t] = self.comm.all_reduce(parts, EVERY_RANK, str(a))
+        self.reductions[Kind.NORM_START, t] = self.comm.all_reduce(parts, EVERY_RANK, str(a), member=self.index)
 
     def _do_norm_wait(self, a: Action) -> None:
         t = a.index

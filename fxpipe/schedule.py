@@ -176,6 +176,10 @@ __all__ = [
     "zb_split",
     "LOOKAHEAD_SCHEDULES",
     "check_lookahead",
+    "check_chunks",
+    "interleaved_in_flight",
+    "lane_of",
+    "lanes_of",
     "warmup",
 ]
 
@@ -333,10 +337,14 @@ def waits_for(a: Action, stages: int) -> Action | None:
     return Action(a.stage, kind, a.index)
 
 
-def stream_of(a: Action) -> str:
-    """The stream an action runs on: compute, reduce, or p2p_prev / p2p_next (one per peer)."""
+def stream_of(a: Action, stages: int | None = None, chunks: int = 1) -> str:
+    """The stream an action runs on: compute, reduce, or p2p_prev / p2p_next (one per peer);
+    with ``chunks`` > 1 (interleaved 1F1B, a lane's stages reach their peers through the same
+    ranks) one p2p stream per peer lane, ``p2p:<lane>``."""
     stream = SPEC[a.kind].stream
     if stream == "p2p":
+        if chunks > 1:
+            return f"p2p:{lane_of(a.peer, stages, chunks)}"
         return "p2p_next" if a.peer > a.stage else "p2p_prev"
     return stream
 
@@ -760,6 +768,7 @@ class Program:
         recompute, group = _options(schedule, stages, microbatches, 1, width, recompute, tied, lookahead, chunks)
         self._args = (schedule, stages, microbatches, recompute, width > 1, group, clip, lookahead, chunks)
         self._parts: dict[int, dict[int, tuple[list[Action], list[Action]]]] = {}
+        self._eval: dict[int, list[Action]] | None = None
 
     def _local(self, j: int) -> dict[int, tuple[list[Action], list[Action]]]:
         """{lane: (segment j, drain after j)} of an epoch starting at batch 1 (j <= PERIOD_FROM)."""
@@ -814,10 +823,16 @@ class Program:
         return all(any(Action(s, Kind.NORM_WAIT, t) in self.segment(lane_of(s, self.stages, self.chunks), T, epoch_start)
                        for T in range(first, through + 1)) for s in range(self.stages))
 
-    def eval(self, stage: int) -> list[Action]:
-        """A forward-only pass over one batch (``eval_step``, after a flush): stage ``stage``
-        evaluates micro-batches 1..m in order, each receive posted one micro-batch ahead."""
-        return eval_list(stage, self.stages, self.microbatches)
+    def eval(self, lane: int) -> list[Action]:
+        """A forward-only pass over one batch (``eval_step``, after a flush): stage ``lane``
+        evaluates micro-batches 1..m in order, each receive posted one micro-batch ahead; a lane
+        of an interleaved pipeline runs its stages' forwards in interleaved 1F1B's order
+        (:func:`eval_lanes`)."""
+        if self.chunks == 1:
+            return eval_list(lane, self.stages, self.microbatches)
+        if self._eval is None:
+            self._eval = eval_lanes(self.stages, self.chunks, self.microbatches)
+        return list(self._eval[lane])
 
 
 def norm_every_step(accumulate: str = "gradients") -> bool:
@@ -838,6 +853,19 @@ def gradient_buffers(schedule: str, reduces: bool) -> int:
     with another stage, the per-step norm of :func:`norm_every_step`) accumulates batch ``t+1``
     in a second one meanwhile."""
     return 2 if schedule == "2bw" and reduces else 1
+
+
+def eval_lanes(stages: int, chunks: int, microbatches: int) -> dict[int, list[Action]]:
+    """:func:`eval_list` for an interleaved pipeline, one list per lane: the forwards of
+    interleaved 1F1B (:func:`_interleaved`, its rounds of ``d`` micro-batches through the lane's
+    stages) as ``EVAL``, then every stage's ``LOSS1``, with sends and receives placed as training's
+    are (:func:`_with_p2p_lanes`)."""
+    d = lanes_of(stages, chunks)
+    cores = {}
+    for r in range(d):
+        core = [Action(s, Kind.EVAL, k) for kind, k, s in _interleaved(1, microbatches, r, d, chunks) if kind is Kind.F]
+        cores[r] = (core + [Action(s, Kind.LOSS, 1) for s in range(r, stages, d)], [])
+    return _with_p2p_lanes(cores, stages, chunks)
 
 
 def eval_list(stage: int, stages: int, microbatches: int) -> list[Action]:
@@ -1065,7 +1093,7 @@ def _send_order(lists: Mapping[int, Sequence[Action]], stages: int) -> dict[Acti
     and F, R and B take 1, 1 and 2 (the other actions no time): the sends in the order of their
     times (ties by lane). Any such run orders the sends consistently with both every lane's list
     and every message's causes; timing it keeps it close to a real run's."""
-    cost = {Kind.F: 1.0, Kind.R: 1.0, Kind.B: 2.0}
+    cost = {Kind.F: 1.0, Kind.EVAL: 1.0, Kind.R: 1.0, Kind.B: 2.0}
     clock = dict.fromkeys(lists, 0.0)
     pos = dict.fromkeys(lists, 0)
     when: dict[Action, tuple[float, int]] = {}
@@ -1127,7 +1155,7 @@ def _with_p2p_lanes(cores: dict[int, tuple[list[Action], list[tuple[str, int]]]]
                 phase += 1
                 opens[r][phase] = len(lst)
             lst.append(a)
-            send = (Action(a.stage, Kind.SEND_ACT, a.index) if a.kind is Kind.F and a.stage < stages - 1 else
+            send = (Action(a.stage, Kind.SEND_ACT, a.index) if a.kind in (Kind.F, Kind.EVAL) and a.stage < stages - 1 else
                     Action(a.stage, Kind.SEND_GRAD, a.index) if a.kind is Kind.B and a.stage > 0 else None)
             if send is not None:
                 lst.append(send)
@@ -1655,7 +1683,7 @@ def comm_op(a: Action, stages: int | None = None, chunks: int = 1) -> CommOp:
     lane = a.stage if chunks == 1 else lane_of(a.stage, stages, chunks)
     if spec.comm == "collective":
         group = f"{a.kind.value}:{a.stage}" if a.kind is Kind.DP_START else a.kind.value
-        return CommOp(lane, "collective", str(a), (a.kind, a.index), group=group)
+        return CommOp(lane, "collective", str(a), (a.kind, a.index), group=group, member=a.stage)
     data = "act" if a.kind in (Kind.SEND_ACT, Kind.RECV_ACT) else "grad"
     peer = a.peer if chunks == 1 else lane_of(a.peer, stages, chunks)
     return CommOp(lane, spec.comm, str(a), (data, a.index), peer=peer)
@@ -1806,7 +1834,7 @@ class StreamOp(NamedTuple):
     records: str
 
 
-def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
+def lower_to_streams(actions: Sequence[Action], stages: int | None = None, chunks: int = 1) -> list[StreamOp]:
     """Place one rank's list on streams, with the events each op must wait for.
 
     * ``compute`` (in list order): F, R, B, zb's I and W, UPDATE and the ``*_WAIT`` joins: each
@@ -1824,31 +1852,31 @@ def lower_to_streams(actions: Sequence[Action]) -> list[StreamOp]:
       list (B, or zb's I or W: the batch's gradients are then complete); ``NORM_START`` also waits for ``DP_START``/
       ``TIED_START`` of its batch, whose completion the reduced gradient needs.
     """
-    key = {(a.kind, a.index): str(a) for a in actions}
+    key = {(a.stage, a.kind, a.index): str(a) for a in actions}  # a lane holds several stages
     ops: list[StreamOp] = []
     last_b: str | None = None
     for a in actions:
-        stream = stream_of(a)
+        stream = stream_of(a, stages, chunks)
         need = SPEC[a.kind].waits  # the one local wait of deps' model (waits_for)
         waits: list[str] = []
-        if need is not None and (need, a.index) in key:
-            waits.append(key[need, a.index])
+        if need is not None and (a.stage, need, a.index) in key:
+            waits.append(key[a.stage, need, a.index])
         elif need in STARTS:  # a join without its start never becomes ready
             waits.append(str(Action(a.stage, need, a.index)))
         if a.kind in BACKWARDS:
             last_b = str(a)
         elif a.kind in SENDS:
             if a.kind is Kind.SEND_ACT:  # a training forward, or an eval pass's (Program.eval)
-                source = Kind.EVAL if (Kind.EVAL, a.index) in key else Kind.F
+                source = Kind.EVAL if (a.stage, Kind.EVAL, a.index) in key else Kind.F
             else:
-                source = Kind.I if (Kind.I, a.index) in key else Kind.B
-            if (source, a.index) not in key:
+                source = Kind.I if (a.stage, Kind.I, a.index) in key else Kind.B
+            if (a.stage, source, a.index) not in key:
                 raise ScheduleError(f"{a} sends a tensor that no {a.stage}{source}{a.index} in this list produces: put the send after it")
-            waits.append(key[source, a.index])
+            waits.append(key[a.stage, source, a.index])
         elif stream == "reduce":
             if last_b is not None:
                 waits.append(last_b)
             if a.kind is Kind.NORM_START:
-                waits += [key[k, a.index] for k in (Kind.DP_START, Kind.TIED_START) if (k, a.index) in key]
+                waits += [key[a.stage, k, a.index] for k in (Kind.DP_START, Kind.TIED_START) if (a.stage, k, a.index) in key]
         ops.append(StreamOp(a, stream, tuple(waits), str(a)))
     return ops

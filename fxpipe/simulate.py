@@ -234,7 +234,7 @@ class Timeline:
         """``rank``'s idle share of a steady step: 1 less its busy time per step (over its
         ``UPDATE``s, one a step) over :attr:`step_time`. A schedule whose ranks compute at a given
         pace reaches at most 1 less this share of that pace's throughput."""
-        steps = sum(1 for e in self.events if e.rank == rank and e.kind is Kind.UPDATE)
+        steps = len(_updates(self.events, rank))
         if steps == 0:
             raise ValueError(f"rank {rank} runs no UPDATE in this timeline: it has no steps to share its time among")
         return 1.0 - self.busy(rank) / steps / self.step_time
@@ -259,6 +259,14 @@ def _is_busy(e: Event) -> bool:
     return e.stream == "compute" and e.kind in _BUSY
 
 
+def _updates(events: Iterable[Event], rank: int) -> list[float]:
+    """When ``rank``'s steps end: the ends of its first stage's UPDATEs (one a step; a rank of an
+    interleaved pipeline updates each of its stages)."""
+    ours = [(Action.parse(e.action).stage, e.end) for e in events if e.rank == rank and e.kind is Kind.UPDATE]
+    first = min((s for s, _ in ours), default=None)
+    return sorted(end for s, end in ours if s == first)
+
+
 def _derive(events: list[Event]) -> Timeline:
     """Makespan, steady-state step time, bubble and peak in-flight micro-batches of a set of events."""
     if not events:
@@ -270,8 +278,7 @@ def _derive(events: list[Event]) -> Timeline:
     bubble = 1.0 - busy / (len(ranks) * makespan) if makespan > 0 else 0.0
     # Steady-state time per batch: the median spacing of the first rank's updates (on shared
     # cores the steps that fill or drain the pipeline run faster than the steady ones).
-    first = ranks[0]
-    updates = sorted(e.end for e in events if e.rank == first and e.kind is Kind.UPDATE)
+    updates = _updates(events, ranks[0])
     step_time = statistics.median(b - a for a, b in zip(updates, updates[1:])) if len(updates) >= 2 else makespan
     peak: dict[int, int] = {}
     for r in ranks:
@@ -286,8 +293,11 @@ def _derive(events: list[Event]) -> Timeline:
     return Timeline(sorted(events, key=lambda e: (e.start, e.rank, e.end)), makespan, step_time, bubble, peak)
 
 
-def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | None = None) -> Timeline:
-    """Time one pipeline replica's lists (``generate``'s dict) under ``costs``.
+def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | None = None, *,
+             chunks: int = 1) -> Timeline:
+    """Time one pipeline replica's lists (``generate``'s dict) under ``costs``. With ``chunks`` >
+    1 (interleaved 1F1B) the lists are per lane: a lane's stages share its streams, and each
+    action takes its own stage's cost.
 
     Each rank's streams (:func:`fxpipe.schedule.lower_to_streams`) run their ops in order, an op
     once its local waits are done. A communication op is posted to :class:`fxpipe.deps.Rendezvous`
@@ -299,7 +309,8 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
     :class:`~fxpipe.deps.CommOrderError`) or a deadlock, as :func:`fxpipe.schedule.validate` would.
     """
     costs = costs or Costs()
-    ops = {s: lower_to_streams(actions_by_stage[s]) for s in actions_by_stage}
+    d = len(actions_by_stage) * chunks
+    ops = {s: lower_to_streams(actions_by_stage[s], d, chunks) for s in actions_by_stage}
     streams: dict[tuple[int, str], list] = defaultdict(list)
     for s, lst in ops.items():
         for op in lst:
@@ -317,8 +328,8 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
             return None
         return max([free[key], *times])
 
-    def duration(s: int, a: Action) -> float:
-        name = SPEC[a.kind].cost
+    def duration(lane: int, a: Action) -> float:
+        name, s = SPEC[a.kind].cost, a.stage
         if s == 0 and a.kind in (Kind.I, Kind.W):  # the first stage's W is its whole backward
             return 0.0 if a.kind is Kind.I else costs.per_stage("backward", s)
         if name == "p2p":  # both ends of a transfer take their boundary's time
@@ -336,6 +347,8 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
         """The engine matched these posts: they run together from the last one's ready time."""
         start = max(o.payload[1] for o in matched)
         for o in matched:
+            if o.held:  # a rank's earlier part of a collective: its stream went on when it was posted
+                continue
             key = o.payload[0]
             posted.discard(key)
             finish(key, start, start + duration(key[0], streams[key][head[key]].action))
@@ -350,7 +363,7 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
     def shares(key, a: Action) -> bool:
         return costs.cores is not None and key[1] == "compute" and duration(key[0], a) > 0
 
-    engine = Rendezvous(_groups(actions_by_stage), on_complete=complete, lane=lambda op: op.payload[0])
+    engine = Rendezvous(_groups(actions_by_stage, chunks), on_complete=complete, lane=lambda op: op.payload[0])
     while True:
         progress = True
         while progress:
@@ -368,10 +381,13 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
                     if SPEC[a.kind].comm is None:
                         finish(key, t, t + duration(key[0], a))
                         continue
-                    op = comm_op(a)
+                    op = comm_op(a, d, chunks)
                     op.payload = (key, t)
                     posted.add(key)
                     engine.post(op)  # completes it, and whatever it unblocks, when matched
+                    if op.held:  # an earlier part of the rank's sum: handed over, the stream goes on
+                        posted.discard(key)
+                        finish(key, t, t)
         if not running and not starting:
             break
         rate = min(1.0, costs.cores / len(running)) if running else 1.0
@@ -387,7 +403,7 @@ def simulate(actions_by_stage: Mapping[int, Sequence[Action]], costs: Costs | No
             running[key] = [starting.pop(key), duration(key[0], streams[key][head[key]].action)]
     stuck = [(k, streams[k][head[k]].action) for k in streams if head[k] < len(streams[k])]
     if stuck:
-        where = "; ".join(f"stage {k[0]} {k[1]} at {a}" for k, a in sorted(stuck))
+        where = "; ".join(f"{'stage' if chunks == 1 else 'lane'} {k[0]} {k[1]} at {a}" for k, a in sorted(stuck))
         raise ScheduleError(
             f"the simulated streams deadlock: {where}. Expected every op to become ready; "
             f"run fxpipe.schedule.validate on these lists to see the offending action"
