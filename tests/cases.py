@@ -49,6 +49,13 @@ class Case:
     # forwards every stage but the last runs ahead of 1F1B's order (None: the planner's: 1 under
     # 2bw with m > d, else 0); the numbers must not change
     lookahead: int | None = None
+    # stages per rank (interleaved 1F1B, 1f1b only): ``stages`` counts them all
+    chunks: int | None = None
+
+    @property
+    def lanes(self) -> int:
+        """Ranks per replica."""
+        return self.stages // (self.chunks or 1)
 
 
 def _groups_factory(named, lr=2e-2):
@@ -129,7 +136,7 @@ def single_process(case: Case, **extra):
     pipe = fxpipe.compile(
         model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches, schedule=case.schedule,
         stages=case.stages, max_grad_norm=case.max_grad_norm, recompute=case.recompute or None, verbose=False,
-        lookahead=case.lookahead, **extra,
+        lookahead=case.lookahead, chunks=case.chunks, **extra,
     )
     return [pipe.step(x, y) for x, y in batches], pipe.state_dict()
 
@@ -238,6 +245,17 @@ CASES = {
         Case("d3_dropout_1f1b", schedule="1f1b", stages=3, optimizer="sgd", dropout=0.3),
         # four stages: the tied weight spans stages 0 and 3, recomputation everywhere
         Case("d4_gpt2_2bw", model="gpt2", schedule="2bw", stages=4, optimizer="sgd", max_grad_norm=1.0, recompute=True),
+        # interleaved 1F1B: several stages per rank (Case.chunks), on stages / chunks ranks
+        Case("i2_gpt2_1f1b", model="gpt2", schedule="1f1b", stages=4, chunks=2, optimizer="sgd", max_grad_norm=1.0),
+        Case("i2_adamw_clip", schedule="1f1b", stages=4, chunks=2, optimizer="adamw", max_grad_norm=0.5),
+        Case("i2_llama_recompute", model="llama", schedule="1f1b", stages=4, chunks=2, optimizer="adamw",
+             recompute=True, dtype=torch.float64),
+        Case("i3_gpt2_1f1b", model="gpt2", schedule="1f1b", stages=6, chunks=3, optimizer="groups",
+             dtype=torch.float64),
+        Case("i2_d3_m6_1f1b", schedule="1f1b", stages=6, chunks=2, microbatches=6, optimizer="sgd", max_grad_norm=0.5),
+        Case("i2_w2_gpt2_1f1b", model="gpt2", schedule="1f1b", stages=4, width=2, chunks=2, optimizer="sgd",
+             max_grad_norm=1.0),
+        Case("i2_dropout_1f1b", model="gpt2", schedule="1f1b", stages=4, chunks=2, optimizer="adamw", dropout=0.2),
         # buffers a forward updates (BatchNorm statistics) or reads (BERT's position ids), with
         # recomputation: weights AND running statistics equal eager training
         Case("cnn_2bw_recompute", model="cnn", schedule="2bw", optimizer="sgd", recompute=True, steps=6),

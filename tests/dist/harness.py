@@ -42,7 +42,7 @@ def _rank_main(rank: int, world: int, store: str, out_dir: str, case_names: list
                 pipe = fxpipe.compile(
                     model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
                     schedule=case.schedule, stages=case.stages, max_grad_norm=case.max_grad_norm,
-                    recompute=case.recompute or None, verbose=False, lookahead=case.lookahead,
+                    recompute=case.recompute or None, verbose=False, lookahead=case.lookahead, chunks=case.chunks,
                 )
                 # every other step without a host sync: the loss comes back as a tensor
                 losses = [pipe.step(x, y, sync=i % 2 == 0) for i, (x, y) in enumerate(batches)]

@@ -31,7 +31,7 @@ def check_cases(world, names, timeout, backend="gloo"):
         if case.lookahead is not None:  # the case's own order, not the planner's
             ran = [res["lookahead"] for res in per_rank]
             assert ran == [case.lookahead] * world, (name, ran)
-        d = case.stages
+        d = case.lanes  # ranks per replica: the last stage is on each replica's last
         last_ranks = [r for r in range(world) if r % d == d - 1]
         others = [r for r in range(world) if r % d != d - 1]
         assert all(per_rank[r]["losses"] and None not in per_rank[r]["losses"] for r in last_ranks), name
@@ -98,6 +98,17 @@ def test_three_ranks():
 @pytest.mark.slow  # the default suite's time budget holds 2-rank worlds
 def test_four_ranks_two_replicas_or_four_stages():
     check_cases(4, ["w2_2bw_adamw", "w2_1f1b_sgd", "w2_gpt2_2bw", "w2_gpipe_recompute", "d4_gpt2_2bw"], 300)
+
+
+def test_interleaved_on_two_ranks():
+    # interleaved 1F1B, two stages per rank (three in i3): tied weights, clipping, recomputation, dropout
+    check_cases(2, ["i2_gpt2_1f1b", "i2_adamw_clip", "i2_llama_recompute", "i3_gpt2_1f1b", "i2_dropout_1f1b"], 300)
+
+
+@pytest.mark.slow  # time budget: these run by default in one process
+def test_interleaved_on_three_and_four_ranks():
+    check_cases(3, ["i2_d3_m6_1f1b"], 300)
+    check_cases(4, ["i2_w2_gpt2_1f1b"], 300)
 
 
 def test_random_combinations_on_two_ranks():

@@ -31,7 +31,7 @@ def _compile(case, **extra):
     pipe = fxpipe.compile(
         model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches,
         schedule=case.schedule, stages=case.stages, max_grad_norm=case.max_grad_norm,
-        recompute=case.recompute or None, verbose=False, **extra,
+        recompute=case.recompute or None, verbose=False, chunks=case.chunks, **extra,
     )
     return pipe, batches
 
