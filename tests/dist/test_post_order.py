@@ -25,19 +25,23 @@ from tests.dist.harness import run_function
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-# (model, schedule, stages, clip, recompute[, lookahead]); the width is world / stages, and a step
-# has stages + lookahead micro-batches (so 2bw's planner gives lookahead 0 where none is given)
+# (model, schedule, stages, clip, recompute[, lookahead[, chunks]]); the width is world / (stages /
+# chunks), and a step has stages + lookahead micro-batches (so 2bw's planner gives lookahead 0 where
+# none is given). With chunks > 1 (interleaved 1F1B) a rank holds several stages, whose channels to
+# the same peer share one queue
 # "branch": a leaf module whose backward reaches data-dependent weights (the reached flags in
 # each gradient message; with w = 2 the reached counts summed with the gradients)
 CONFIGS = {
     2: [("gpt2", s, 2, True, r) for s in ("2bw", "1f1b", "gpipe", "zb") for r in (False, True)]
     + [("rms", "2bw", 2, False, False), ("branch", "2bw", 2, True, False)]
-    + [("gpt2", "2bw", 2, True, False, 1), ("gpt2", "1f1b", 2, True, True, 1), ("rms", "2bw", 2, False, False, 2)],
+    + [("gpt2", "2bw", 2, True, False, 1), ("gpt2", "1f1b", 2, True, True, 1), ("rms", "2bw", 2, False, False, 2)]
+    + [("gpt2", "1f1b", 4, True, False, 0, 2), ("gpt2", "1f1b", 6, True, True, 0, 3)],
     3: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe", "zb")] + [("rms", "2bw", 3, True, False)]
-    + [("gpt2", "2bw", 3, True, True, 1)],
+    + [("gpt2", "2bw", 3, True, True, 1), ("gpt2", "1f1b", 6, True, False, 0, 2)],
     4: [("gpt2", s, d, True, True) for s in ("2bw", "1f1b", "gpipe", "zb") for d in (2, 4)]
     + [("rms", "2bw", 2, True, False)]
-    + [("branch", s, 2, True, False) for s in ("2bw", "1f1b", "zb")] + [("gpt2", "2bw", 2, True, True, 1)],
+    + [("branch", s, 2, True, False) for s in ("2bw", "1f1b", "zb")] + [("gpt2", "2bw", 2, True, True, 1)]
+    + [("gpt2", "1f1b", 4, True, False, 0, 2), ("gpt2", "1f1b", 8, True, True, 0, 2)],
     6: [("gpt2", s, 3, True, True) for s in ("2bw", "1f1b", "gpipe", "zb")],
 }
 
@@ -82,8 +86,9 @@ def record(rank: int, world: int) -> list:
     from tests.models import BranchNet, TwoBranches, gpt2_tiny, rmsnorm_residual
 
     out = []
-    for model_name, schedule, d, clip, recompute, *ahead in CONFIGS[world]:
-        w, lookahead = world // d, (ahead or [0])[0]
+    for model_name, schedule, d, clip, recompute, *more in CONFIGS[world]:
+        lookahead, chunks = (more + [0])[0], (more[1:] + [1])[0]
+        w = world // (d // chunks)
         m = d + lookahead
         leaves = ()
         if model_name == "branch":  # the first half of the batch takes b.down, the second b.up: with w = 2
@@ -106,8 +111,8 @@ def record(rank: int, world: int) -> list:
         pipe = fxpipe.compile(model, example, loss_fn=loss_fn, microbatches=m, schedule=schedule, stages=d,
                               max_grad_norm=1.0 if clip else None, recompute=recompute or None, verbose=False,
                               optimizer=functools.partial(torch.optim.SGD, lr=1e-3), leaf_modules=leaves,
-                              lookahead=lookahead)
-        assert pipe.plan.lookahead == lookahead
+                              lookahead=lookahead, chunks=chunks)
+        assert pipe.plan.lookahead == lookahead and pipe.plan.chunks == chunks
         log: list = []
         saved = {name: getattr(dist, name) for name in ("isend", "irecv") + _COLLECTIVES}
         _record_posts(log)
@@ -121,7 +126,7 @@ def record(rank: int, world: int) -> list:
         finally:
             for name, fn in saved.items():
                 setattr(dist, name, fn)
-        out.append(((model_name, schedule, d, w, clip, recompute, lookahead), log))
+        out.append(((model_name, schedule, d, w, clip, recompute, lookahead, chunks), log))
         dist.barrier()
     return out
 
