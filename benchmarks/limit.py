@@ -64,7 +64,7 @@ FXPIPE = ("2bw", "1f1b", "gpipe", "zb")
 PIPPY = ("pippy gpipe", "pippy 1f1b", "pippy interleaved zb", "pippy interleaved 1f1b")
 #: 2bw in 1F1B's own order beside the planner's (which runs one forward ahead: docs/design.md,
 #: "Lookahead"), measured side by side
-SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + ("fxpipe 2bw lookahead=0",) + PIPPY
+SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + ("fxpipe 2bw lookahead=0", "fxpipe 1f1b chunks=2") + PIPPY
 
 
 def _model():
@@ -170,7 +170,7 @@ def _gpt2():
 
 
 def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model: str = "gpt",
-            device_model=None, lookahead: int | None = None) -> dict:
+            device_model=None, lookahead: int | None = None, chunks: int = 1) -> dict:
     """Train with fxpipe on every rank as one pipeline (d = world size). Without ``device_model``
     the plan is ``cost_mode="calibrated"`` (this model timed on every rank at once, each run followed by one on rank 0 alone); with one,
     the plan prices this configuration with it (a check of a calibration made elsewhere)."""
@@ -188,8 +188,9 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     else:
         example, net, loss = (batches[0][0][:mb],), _model(), lm_loss
     mode = dict(cost_mode="calibrated") if device_model is None else dict(device_model=device_model)
-    pipe = fxpipe.compile(net, example, loss_fn=loss, microbatches=m, stages=dist.get_world_size(),
-                          schedule=schedule, optimizer=_optimizer, verbose=False, lookahead=lookahead, **mode)
+    pipe = fxpipe.compile(net, example, loss_fn=loss, microbatches=m, stages=dist.get_world_size() * chunks,
+                          schedule=schedule, optimizer=_optimizer, verbose=False, lookahead=lookahead,
+                          chunks=chunks, **mode)
     profile, cpu = Profile(), {}
     seconds, samples = _timed(pipe.step, batches, warmup, start=lambda: setattr(pipe, "profile", profile),
                               batch=m * mb, cpu=cpu)
@@ -197,7 +198,8 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
     pipe.flush()
     plan = pipe.plan
     costs = Costs.of_plan(plan)
-    actions = generate(schedule, plan.stages, plan.microbatches, STEPS_SIMULATED, lookahead=plan.lookahead)
+    actions = generate(schedule, plan.stages, plan.microbatches, STEPS_SIMULATED, lookahead=plan.lookahead,
+                       chunks=plan.chunks)
     times: list = [None] * dist.get_world_size()  # every rank's own stages' action times
     dist.all_gather_object(times, profile.action_times())
     by_stage: dict = {}  # one rank per stage here (width 1); replicas' times would be averaged
@@ -205,10 +207,10 @@ def _fxpipe(rank: int, schedule: str, batches, warmup: int, *, m: int = M, model
         for key, took in t.items():
             by_stage.setdefault(key, []).append(took)
     measured = {k: statistics.mean(v) for k, v in by_stage.items()}
-    replay = simulate(actions, costs.measured(measured))
+    replay = simulate(actions, costs.measured(measured), chunks=plan.chunks)
     replayed = replay.step_time
     idle = statistics.mean(map(replay.steady_idle, replay.ranks))  # the schedule's own bubble at these times
-    predicted = simulate(actions, costs)
+    predicted = simulate(actions, costs, chunks=plan.chunks)
     simulated = predicted.action_times()  # the simulator's, the cores' sharing included
     per_action = [(s, k.value, 1e3 * simulated[s, k], 1e3 * measured[s, k])
                   for s, k in sorted(measured) if (s, k) in simulated]
@@ -282,10 +284,11 @@ def _worker(rank: int, world: int, name: str, store: str, out: str, steps: int, 
             _, schedule, model, m = name.split()
             result = _fxpipe(rank, schedule, batches, warmup, m=int(m[2:]), model=model,
                              device_model=_calibrated_on_pinned(batches))
-        elif name.startswith("fxpipe"):  # "fxpipe <schedule>[ lookahead=<n>]"
-            _, schedule, *ahead = name.split()
-            result = _fxpipe(rank, schedule, batches, warmup,
-                             lookahead=int(ahead[0].split("=")[1]) if ahead else None)
+        elif name.startswith("fxpipe"):  # "fxpipe <schedule>[ lookahead=<n>][ chunks=<v>]"
+            _, schedule, *options = name.split()
+            given = dict(o.split("=") for o in options)
+            result = _fxpipe(rank, schedule, batches, warmup, lookahead=int(given["lookahead"]) if "lookahead" in given else None,
+                             chunks=int(given.get("chunks", 1)))
         else:
             result = _pippy(rank, name, batches, warmup)
         dist.barrier()
@@ -637,6 +640,7 @@ _LABELS = {
     "pippy interleaved 1f1b": "PiPPy ScheduleInterleaved1F1B (4 stages on 2 ranks)",
     "fxpipe zb": "fxpipe zb (ZB-H1)",
     "fxpipe 2bw lookahead=0": "fxpipe 2bw, lookahead=0 (1F1B's order)",
+    "fxpipe 1f1b chunks=2": "fxpipe 1f1b, chunks=2 (interleaved: 4 stages on 2 ranks)",
 }
 
 
