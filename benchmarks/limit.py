@@ -64,7 +64,7 @@ FXPIPE = ("2bw", "1f1b", "gpipe", "zb")
 PIPPY = ("pippy gpipe", "pippy 1f1b", "pippy interleaved zb", "pippy interleaved 1f1b")
 #: 2bw in 1F1B's own order beside the planner's (which runs one forward ahead: docs/design.md,
 #: "Lookahead"), measured side by side
-SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + ("fxpipe 2bw lookahead=0", "fxpipe 1f1b chunks=2") + PIPPY
+SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + ("fxpipe 2bw lookahead=0", "fxpipe 1f1b chunks=2", "fxpipe 1f1b chunks=3", "fxpipe 1f1b chunks=4") + PIPPY
 
 
 def _model():
@@ -641,6 +641,8 @@ _LABELS = {
     "fxpipe zb": "fxpipe zb (ZB-H1)",
     "fxpipe 2bw lookahead=0": "fxpipe 2bw, lookahead=0 (1F1B's order)",
     "fxpipe 1f1b chunks=2": "fxpipe 1f1b, chunks=2 (interleaved: 4 stages on 2 ranks)",
+    "fxpipe 1f1b chunks=3": "fxpipe 1f1b, chunks=3 (interleaved: 6 stages on 2 ranks)",
+    "fxpipe 1f1b chunks=4": "fxpipe 1f1b, chunks=4 (interleaved: 8 stages on 2 ranks)",
 }
 
 
