@@ -177,6 +177,8 @@ def _count(n: int, one: str, many: str) -> str:
 def _plan_words(plan) -> str:
     """``2bw (lookahead 1), 2 stages x 1 replica, 4 micro-batches of 8 per step``: a picture's title."""
     ahead = f" (lookahead {plan.lookahead})" if plan.lookahead else ""
+    if plan.chunks > 1:
+        ahead += f" ({plan.chunks} stages per rank)"
     return (f"{plan.schedule}{ahead}, {_count(plan.stages, 'stage', 'stages')} x "
             f"{_count(plan.width, 'replica', 'replicas')}, "
             f"{_count(plan.microbatches, 'micro-batch', 'micro-batches')} of {plan.microbatch_size} per step")
@@ -188,7 +190,8 @@ def _simulated_schedule(out_dir: str, lists, plan) -> list[str]:
 
     title = f"schedule simulated with the plan's {plan.cost_mode} costs (a prediction): {_plan_words(plan)}"
     return [str(p) for p in write_schedule_dumps(out_dir, lists, Costs.of_plan(plan), name="schedule", title=title,
-                                                 unit="s", microbatches=plan.microbatches).values()]
+                                                 unit="s", microbatches=plan.microbatches,
+                                                 chunks=plan.chunks).values()]
 
 
 def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
@@ -211,7 +214,8 @@ def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
         title = f"recorded timeline: {_plan_words(pipe.plan)}, {where}"
         tl = timeline_from_events(events, apart=pipe.distributed)  # under torchrun, each rank's own step()
         written = write_schedule_dumps(out_dir, lists, timeline=tl, name="timeline", title=title, unit="s",
-                                       microbatches=pipe.plan.microbatches, total_steps=pipe.steps)
+                                       microbatches=pipe.plan.microbatches, total_steps=pipe.steps,
+                                       chunks=pipe.plan.chunks)
         paths += [str(p) for p in written.values()]
     return _without_stale(out_dir, paths)
 

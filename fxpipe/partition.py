@@ -1531,7 +1531,7 @@ def plan(
     leaf_modules=(),
     lookahead: int | None = None,
     chunks: int = 1,
-    _share: int = 1,
+    _chunks: int = 1,
 ) -> Plan:
     """Trace (if needed), cost and partition a model; return the best :class:`Plan`.
 
@@ -1626,7 +1626,8 @@ def plan(
         clip = given_cluster
     if given_cluster:
         cluster.check_memory(device_memory)
-    limit = (float(device_memory) if device_memory is not None else device.memory_bytes) / _share
+    # an interleaved plan's stages (:func:`_interleaved_plan`): each in its share of a rank's memory
+    limit = (float(device_memory) if device_memory is not None else device.memory_bytes) / _chunks
     if costs is None:
         costs = annotate(gm, example_inputs, mode=cost_mode, device=device, torch_device=torch_device)
         if cost_mode == "measured" and global_batch is not None and gm is not model_or_gm:  # traced here
@@ -1661,30 +1662,28 @@ def plan(
         return c if lookahead is not None else _with_lookahead(c, source, cluster, device, schedule=schedule,
                                                                  limit=limit, clip=clip)
 
-    if shared or split:  # the closed form does not hold: choose by the simulator
-        found = _simulated(found, gm, device, cluster if given_cluster else None, schedule=schedule,
+    if shared or split or _chunks > 1:  # the closed form does not hold: choose by the simulator
+        found = _simulated(found, gm, device, cluster if given_cluster else None, schedule=schedule, chunks=_chunks,
                            precision=precision, ahead=ahead)
         fits = [c for c in found.candidates if c.fits]
     best = ahead(fits[0])
     plan = _plan_of(best, fits, found, gm, model_or_gm, example_inputs, costs, device, cluster, given_cluster,
                     schedule=schedule, precision=precision, limit=limit, top=top)
-    if shared or split:
-        plan = _simulated_cuts(plan, gm, best, cluster, limit, move=split)
+    if shared or split or _chunks > 1:
+        # an interleaved rank runs its stages in turn: its cuts move to balance the ranks' sums
+        plan = _simulated_cuts(plan, gm, best, cluster, limit, move=split or _chunks > 1, chunks=_chunks)
     return plan
 
 
 def _interleaved_plan(model_or_gm, example_inputs, *, stages, microbatches, world_size, chunks, cluster, lookahead,
                       schedule, global_batch, **options) -> Plan:
-    """:func:`plan` for interleaved 1F1B (``chunks`` stages per rank). The ``stages`` stages are
-    cut as for a pipeline of that depth, each given ``1 / chunks`` of a rank's memory (a rank
-    holds ``chunks`` of them; a stage that needs more does not fit, even where its rank's other
-    stages would leave room), over a world ``chunks`` times the real one; the step is then
-    priced by simulating the interleaved lists on the real ranks (:func:`fxpipe.simulate.simulate`
-    with the stages' costs), which is the plan's step time and throughput."""
+    """:func:`plan` for interleaved 1F1B (``chunks`` stages per rank): the ``stages`` stages of a
+    pipeline of that depth over a world ``chunks`` times the real one, each given ``1 / chunks``
+    of a rank's memory (a rank holds ``chunks`` of them; a stage that needs more does not fit,
+    even where its rank's other stages would leave room). The solver's cuts then move to the
+    shortest step of the interleaved lists simulated on the real ranks, each running its stages
+    in turn (:func:`_simulated_cuts`), which is the plan's step time and throughput."""
     import dataclasses
-
-    from .schedule import generate
-    from .simulate import Costs, simulate
 
     if stages is None:
         raise PlanError(f"chunks={chunks} needs stages= (every stage, {chunks} per rank): the planner does not search "
@@ -1704,13 +1703,8 @@ def _interleaved_plan(model_or_gm, example_inputs, *, stages, microbatches, worl
 
         world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else stages // chunks
     inner = plan(model_or_gm, example_inputs, stages=stages, microbatches=microbatches, schedule=schedule,
-                 world_size=world_size * chunks, lookahead=lookahead, _share=chunks, **options)
-    made = dataclasses.replace(inner, chunks=chunks, runner_up=None, configurations=())
-    lists = generate(schedule, made.stages, made.microbatches, _SIMULATED_STEPS, width=made.width,
-                     recompute=list(made.recompute), chunks=chunks)
-    pipe = simulate(lists, Costs.of_plan(made), chunks=chunks).step_time
-    step = step_time(schedule, pipe, made.allreduce_time)
-    return dataclasses.replace(made, step_time=step, throughput=made.global_batch / step)
+                 world_size=world_size * chunks, lookahead=lookahead, _chunks=chunks, **options)
+    return dataclasses.replace(inner, chunks=chunks, runner_up=None, configurations=())
 
 
 #: The lookahead the planner gives where it is free (:func:`_with_lookahead`), by schedule. 2bw
@@ -1752,7 +1746,7 @@ _SIMULATED, _SIMULATED_WITHIN, _SIMULATED_STEPS = 4, 1.5, 4
 
 
 def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster | None, *, schedule: str,
-               precision: str, ahead: Callable[[_Candidate], _Candidate] = lambda c: c):
+               precision: str, ahead: Callable[[_Candidate], _Candidate] = lambda c: c, chunks: int = 1):
     """``found`` with the step of its best fitting candidates (at most :data:`_SIMULATED`, within
     a factor :data:`_SIMULATED_WITHIN` of the best's throughput by the closed form) simulated at
     the solver's cuts (:class:`fxpipe.simulate.Costs` of their stage plans, as
@@ -1775,9 +1769,9 @@ def _simulated(found, gm: fx.GraphModule, device: DeviceModel, cluster: Cluster 
         key = (c.d, c.m, c.w, tuple(c.model.recompute), c.model.lookahead)
         if key not in schedules:
             schedules[key] = generate(schedule, c.d, c.m, _SIMULATED_STEPS, width=c.w, recompute=list(key[3]),
-                                      lookahead=key[4])
+                                      lookahead=key[4], chunks=chunks)
         pipe = simulate(schedules[key], Costs.of_stages(sps, device, schedule=schedule, precision=precision,
-                                                        width=c.w, links=links)).step_time
+                                                        width=c.w, links=links), chunks=chunks).step_time
         step = step_time(schedule, pipe, c.allreduce)
         simulated.append(dataclasses.replace(c, throughput=c.b * c.m * c.w / step, step_time=step, pipe=pipe))
     simulated.sort(key=_Candidate.key)
@@ -1883,7 +1877,7 @@ _REACH, _GAIN = 0.25, 1e-3
 
 
 def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: Cluster, limit: float, *,
-                    move: bool) -> Plan:
+                    move: bool, chunks: int = 1) -> Plan:
     """``plan`` with its step time simulated where the closed form (:func:`pipeline_time`: a
     device per rank, zb's I and W halves of a backward) does not hold: ranks that share fewer
     cores than there are ranks (CPU processes on one host, :attr:`DeviceModel.host_cores`)
@@ -1891,7 +1885,10 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
     With ``move`` (such a split), its cuts first move to lower that time: the exact solver's
     balanced stages may then not be the shortest step, since zb's first stage runs its whole
     backward as ``W`` and pays no split, so it may take more of the graph than the others (the
-    more backwards the later stages split, :func:`fxpipe.schedule.zb_split`, the more it gains).
+    more backwards the later stages split, :func:`fxpipe.schedule.zb_split`, the more it gains),
+    or for interleaved 1F1B (``chunks`` > 1, the lists simulated on ``d / chunks`` ranks): a rank
+    runs its stages in turn, so what balances the ranks is the sum of each one's stages, which
+    the solver's balanced stages leave to chance (the last stage's loss and head land on one).
     (Cores shared among the ranks slow every stage alike; on ``benchmarks/limit.py`` moving 2bw's
     cut for them made its step slower, so there the cuts stay.)
 
@@ -1905,7 +1902,7 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
 
     chain, model, d = best.chain, best.model, plan.stages
     lists = generate(plan.schedule, d, plan.microbatches, 8, width=plan.width, recompute=list(plan.recompute),
-                     lookahead=plan.lookahead)
+                     lookahead=plan.lookahead, chunks=chunks)
     stage_plans: dict[tuple, StagePlan] = {}
 
     def bounds_of(cuts: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
@@ -1925,7 +1922,7 @@ def _simulated_cuts(plan: Plan, gm: fx.GraphModule, best: _Candidate, cluster: C
         if any(sp.memory > limit * (1 + 1e-9) for sp in sps):
             return None
         ar = reduction_time(cluster, chain, bounds, plan.width, plan.layout)
-        pipe = simulate(lists, Costs.of_plan(dataclasses.replace(plan, stage_plans=tuple(sps)))).step_time
+        pipe = simulate(lists, Costs.of_plan(dataclasses.replace(plan, stage_plans=tuple(sps))), chunks=chunks).step_time
         return step_time(plan.schedule, pipe, ar), ar, tuple(sps), pipe
 
     allowed = np.flatnonzero(chain.valid)

@@ -596,17 +596,23 @@ def _within(a: Action, m: int | None) -> int:
     return a.index if t is None or a.kind in PER_BATCH else a.index - (t - 1) * m
 
 
-def _label(a: Action, m: int | None) -> list[tuple[str, ...]]:
+def _label(a: Action, m: int | None, staged: bool = False) -> list[tuple[str, ...]]:
     """A compute box's labels (lines each), the most complete first: ``F3v2`` (micro-batch 3 of
     its step, weight version 2), the same on two lines, ``F3``, ``F``; ``U5`` (the update with
-    step 5's gradients), ``U``."""
+    step 5's gradients), ``U``. ``staged`` (a rank of several stages): ``s1:F3v2``, ``s1:F3``,
+    ``s1:U5``, then the unstaged forms."""
     letter = _LOOK[a.kind].letter
     if a.kind is Kind.UPDATE:
-        return [(f"U{a.index}",), (letter,)]
-    k = _within(a, m)
-    if a.version is None:
-        return [(f"{letter}{k}",), (letter,)]
-    return [(f"{letter}{k}v{a.version}",), (f"{letter}{k}", f"v{a.version}"), (f"{letter}{k}",), (letter,)]
+        plain = [(f"U{a.index}",), (letter,)]
+    else:
+        k = _within(a, m)
+        plain = ([(f"{letter}{k}",), (letter,)] if a.version is None else
+                 [(f"{letter}{k}v{a.version}",), (f"{letter}{k}", f"v{a.version}"), (f"{letter}{k}",), (letter,)])
+    if not staged:
+        return plain
+    s = f"s{a.stage}:"
+    return [(s + plain[0][0],), (s + plain[0][0][:-len(f"v{a.version}")] if a.version is not None else s + letter,
+                                 *((f"v{a.version}",) if a.version is not None else ()))] + plain
 
 
 def _describe(a: Action, m: int | None) -> str:
@@ -696,7 +702,7 @@ def render_svg(
 
     One row per rank: its compute boxes (F, R, B, UPDATE, EVAL), labelled when wide enough
     (``F3v2``: forward of micro-batch 3 of its step on weight version 2; ``U5``: the update with
-    step 5's gradients), idle time hatched grey and summed at the row's label, and a thin row
+    step 5's gradients; ``s2:F3v2``, stage 2's, where a rank runs several), idle time hatched grey and summed at the row's label, and a thin row
     below for communication. Above the rows, one bracket per step over its micro-batches. The time axis
     starts at the window's start; the header says which steps and times the window holds, the
     makespan and the bubble (%); the legend lists exactly the kinds drawn (idle only where a rank
@@ -727,6 +733,8 @@ def render_svg(
     # Zero-length events are left out, but for an unpriced UPDATE (a tick: where the version changes).
     drawn = [(e, Action.parse(e.action)) for e in timeline.events
              if e.kind in _LOOK and (e.end > e.start or e.kind is Kind.UPDATE)]
+    held = {r: sorted({Action.parse(e.action).stage for e in timeline.events if e.rank == r}) for r in ranks}
+    staged = any(len(h) > 1 for h in held.values())  # an interleaved pipeline: say whose stage a box is
     body: list[str] = []
 
     # Header: title, the window and its numbers, the key to the labels.
@@ -741,7 +749,9 @@ def render_svg(
     if example is not None:
         of = f"micro-batch {_within(example, m)} (of {m}) of its step" if m else \
             f"micro-batch {example.index} (numbered across the run)"
-        key.append(f"{_label(example, m)[0][0]} = {_LOOK[example.kind].word} of {of} on weight version {example.version}")
+        whose = f"stage {example.stage}'s " if staged else ""
+        key.append(f"{_label(example, m, staged)[0][0]} = {whose}{_LOOK[example.kind].word} of {of} on weight version "
+                   f"{example.version}")
     elif (example := next((a for _, a in drawn if a.kind is Kind.EVAL), None)) is not None:  # an eval pass
         key.append(f"{_label(example, m)[0][0]} = {_LOOK[Kind.EVAL].word} of micro-batch {example.index} of the batch "
                    f"(newest weights)")
@@ -789,7 +799,7 @@ def render_svg(
     # One row per rank: idle gaps hatched, compute boxes, communication below.
     row_h, comm_h, gap = 28, 10, 10
     for r in ranks:
-        stage = next(Action.parse(e.action).stage for e in timeline.events if e.rank == r)
+        stage = f"stage {held[r][0]}" if len(held[r]) == 1 else f"stages {', '.join(map(str, held[r]))}"
         idle, gaps = idle_of[r]
         start, end = timeline.window(r)
         pct = 100 * idle / (end - start) if end > start else 0.0
@@ -800,7 +810,7 @@ def render_svg(
             if fits("not recorded", w, 9):
                 body.append(f'<text x="{left + w / 2:.1f}" y="{y + row_h / 2 + 3}" font-size="9" text-anchor="middle" '
                             f'fill="#888888">not recorded</text>')
-        body.append(f'<text x="6" y="{y + 11}">rank {r}, stage {stage}</text>')
+        body.append(f'<text x="6" y="{y + 11}">rank {r}, {stage}</text>')
         body.append(f'<text x="6" y="{y + 24}" fill="#555555">idle {_num(idle * factor)} {uname} ({pct:.1f}%)</text>')
         for s, e in gaps:
             x1, x2 = x_of(s), x_of(e)
@@ -819,7 +829,7 @@ def render_svg(
                    f"{uname} ({_num((e.end - e.start) * factor)} {uname})")
             body.append(f'<rect x="{x:.2f}" y="{yy}" width="{w:.2f}" height="{hh}" fill="{fill}" stroke="#ffffff" '
                         f'stroke-width="0.5"><title>{escape(tip)}</title></rect>')
-            lines = next((c for c in _label(a, m) if all(fits(t, w) for t in c)), ()) if box else ()
+            lines = next((c for c in _label(a, m, staged) if all(fits(t, w) for t in c)), ()) if box else ()
             ink = "#000000" if a.kind in (Kind.R, Kind.I) else "#ffffff"
             for i, text in enumerate(lines):
                 ty = yy + hh / 2 + 3.5 + (i - (len(lines) - 1) / 2) * 11
@@ -894,6 +904,7 @@ def write_schedule_dumps(
     unit: str | None = None,
     microbatches: int | None = None,
     total_steps: int | None = None,
+    chunks: int = 1,
 ) -> dict[str, Path]:
     """Write ``{name}.txt`` (action grid + time grid + summary), ``{name}.json`` (Chrome trace) and
     ``{name}.svg`` (picture) into ``out_dir``; return their paths keyed "txt", "json", "svg".
@@ -901,11 +912,12 @@ def write_schedule_dumps(
     ``actions_by_stage``: ``fxpipe.schedule.generate(...)``'s dict. ``timeline``: draw this one
     (e.g. :func:`timeline_from_events` of a real run) instead of simulating ``costs``. ``title``
     (default ``name``), ``unit`` (``"s"`` when the costs or the recording are seconds),
-    ``microbatches`` and ``total_steps`` go to :func:`render_svg`.
+    ``microbatches`` and ``total_steps`` go to :func:`render_svg`. ``chunks``: stages per rank (the
+    lists are per lane, :func:`fxpipe.schedule.generate`).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tl = timeline if timeline is not None else simulate(actions_by_stage, costs)
+    tl = timeline if timeline is not None else simulate(actions_by_stage, costs, chunks=chunks)
     paths = {"txt": out / f"{name}.txt", "json": out / f"{name}.json", "svg": out / f"{name}.svg"}
     text = [
         f"# {name}: action lists (row = position in each rank's list)",
