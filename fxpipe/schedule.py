@@ -1117,7 +1117,7 @@ def _send_order(lists: Mapping[int, Sequence[Action]], stages: int) -> dict[Acti
         a = lists[r][pos[r]]
         clock[r] = start + cost.get(a.kind, 0.0)
         if a.kind in SENDS:
-            when[a] = (clock[r], r)
+            when[a] = (clock[r], -r)
         pos[r] += 1
     if any(pos[r] < len(lst) for r, lst in lists.items()):
         raise ScheduleError(f"internal: interleaved 1F1B's compute deadlocks at {pos}")
