@@ -14,11 +14,12 @@ gloo ranks with one thread each. Every system below trains exactly this:
   bubble, no communication, the same optimizer, both cores busy): the summed throughput, over
   the window in which both are training, is the most any 2-rank pipeline can reach on this
   machine;
-* fxpipe ``2bw``, ``1f1b``, ``gpipe`` and ``zb`` (ZB-H1), the split the planner picks;
+* fxpipe ``2bw``, ``1f1b``, ``gpipe`` and ``zb`` (ZB-H1), the split the planner picks, and
+  ``1f1b chunks=2``: interleaved 1F1B, 4 stages on the 2 ranks, 1F1B's semantics with a smaller
+  bubble (``--only "fxpipe 1f1b chunks=3"`` or ``chunks=4``: 6 or 8 stages);
 * torch.distributed.pipelining (PiPPy) ``ScheduleGPipe`` and ``Schedule1F1B`` split at the same
   layer boundary, its ``ScheduleInterleavedZeroBubble``, which needs 2 stages per rank (4 stages
-  on 2 ranks, split every 2 layers), and its ``ScheduleInterleaved1F1B`` on the same 4 stages: 1F1B's
-  semantics with a smaller bubble, which no schedule with one stage per rank (fxpipe's) can match.
+  on 2 ranks, split every 2 layers), and its ``ScheduleInterleaved1F1B`` on the same 4 stages.
 
 Every run is a fresh pair of processes (so each one's peak memory is its own, counted from its
 first training step; each settles glibc's heap first, as fxpipe does on a CPU rank:
@@ -64,7 +65,9 @@ FXPIPE = ("2bw", "1f1b", "gpipe", "zb")
 PIPPY = ("pippy gpipe", "pippy 1f1b", "pippy interleaved zb", "pippy interleaved 1f1b")
 #: 2bw in 1F1B's own order beside the planner's (which runs one forward ahead: docs/design.md,
 #: "Lookahead"), measured side by side
-SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + ("fxpipe 2bw lookahead=0", "fxpipe 1f1b chunks=2", "fxpipe 1f1b chunks=3", "fxpipe 1f1b chunks=4") + PIPPY
+SYSTEMS = ("limit",) + tuple(f"fxpipe {s}" for s in FXPIPE) + ("fxpipe 2bw lookahead=0", "fxpipe 1f1b chunks=2") + PIPPY
+#: more stages per rank, measured on request (--only): more messages, a smaller bubble
+MORE = ("fxpipe 1f1b chunks=3", "fxpipe 1f1b chunks=4")
 
 
 def _model():
@@ -464,7 +467,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds (3; for --runtime, 20)")
     ap.add_argument("--steps", type=int, default=10, help="measured steps per run (after --warmup and one untimed step)")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--only", nargs="*", choices=SYSTEMS, default=SYSTEMS, help="run just these systems")
+    ap.add_argument("--only", nargs="*", choices=SYSTEMS + MORE, default=SYSTEMS,
+                    help=f"run just these systems (also: {', '.join(MORE)})")
     ap.add_argument("--no-brackets", action="store_true",
                     help="run the limit once per round, first (as before 2026-11-28), not also after every system")
     ap.add_argument("--check", action="store_true",
@@ -577,15 +581,18 @@ def report(results: dict[str, list[list[dict]]], brackets: dict[str, list[tuple[
               "share of the limit.")
         if "fxpipe 1f1b" in idle and limit and base:
             ceiling = 100 - idle["fxpipe 1f1b"]
-            print(f"So fxpipe 1f1b reaches at most about {ceiling:.1f}% of the limit here, and 1.10x PiPPy 1F1B "
-                  f"needs PiPPy's at or below {ceiling / 1.10:.1f}% (it read "
+            print(f"So fxpipe 1f1b with one stage per rank reaches at most about {ceiling:.1f}% of the limit here, "
+                  f"and 1.10x PiPPy 1F1B would need PiPPy's at or below {ceiling / 1.10:.1f}% (it read "
                   f"{100 * statistics.median(share['pippy 1f1b']):.1f}%).")
-            if "pippy interleaved 1f1b" in share:
-                print("PiPPy's ScheduleInterleaved1F1B has 1F1B's semantics (every micro-batch of a step on the "
-                      "same weights, one update after the flush) with 2 stages per rank, whose bubble is "
-                      f"(d - 1) / (2m + d - 1) = {100 / (2 * M + 1):.1f}% of a step against 1F1B's "
-                      f"{100 / (M + 1):.0f}%: it read {100 * statistics.median(share['pippy interleaved 1f1b']):.1f}% "
-                      "of the limit. fxpipe runs one stage per rank.")
+        interleaved = [n for n in idle if "chunks=" in n]
+        if interleaved and limit:
+            print("Interleaved 1F1B (fxpipe 1f1b with chunks=v, PiPPy's ScheduleInterleaved1F1B) keeps 1F1B's "
+                  "semantics (every micro-batch of a step on the same weights, one update after the flush) with v "
+                  f"stages per rank, whose bubble is (d - 1) / (vm + d - 1): {100 / (2 * M + 1):.1f}% of a step at "
+                  f"v = 2 against 1F1B's {100 / (M + 1):.0f}%, for v times the messages. In the replay: "
+                  + "; ".join(f"{_LABELS.get(n, n)} {idle[n]:.1f}%" for n in interleaved)
+                  + (f"; PiPPy's read {100 * statistics.median(share['pippy interleaved 1f1b']):.1f}% of the limit"
+                     if "pippy interleaved 1f1b" in share else "") + ".")
     if limit:
         print("\nthe limit, every run in order: summed rates while both trainers ran (the table's), and each "
               "trainer's rate over its own whole run, summed (the runs before 2026-11-27): "

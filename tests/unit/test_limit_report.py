@@ -101,10 +101,12 @@ def test_the_report_turns_1f1b_s_replayed_bubble_into_its_ceiling_and_what_pippy
         return ranks
 
     results = {"limit": [_limit_run(limit, 40.0)], "fxpipe 2bw": [fxpipe_run(38.0, 0.005)],
-               "fxpipe 1f1b": [fxpipe_run(31.0, 0.2)], "pippy 1f1b": [_system(limit, 30.0)]}
-    limit.report(results, {n: [(40.0, 40.0)] for n in ("fxpipe 2bw", "fxpipe 1f1b", "pippy 1f1b")})
+               "fxpipe 1f1b": [fxpipe_run(31.0, 0.2)], "fxpipe 1f1b chunks=2": [fxpipe_run(34.0, 0.12)],
+               "pippy 1f1b": [_system(limit, 30.0)]}
+    limit.report(results, {n: [(40.0, 40.0)] for n in results if n != "limit"})
     out = capsys.readouterr().out
-    assert "fxpipe 2bw 0.5%; fxpipe 1f1b 20.0%." in out
+    assert "fxpipe 2bw 0.5%; fxpipe 1f1b 20.0%; fxpipe 1f1b, chunks=2" in out
     # 1F1B's bubble leaves it 80% of the limit; 1.10x PiPPy's 75% would need 82.5%
-    assert "fxpipe 1f1b reaches at most about 80.0% of the limit here" in out
-    assert "needs PiPPy's at or below 72.7% (it read 75.0%)" in out
+    assert "fxpipe 1f1b with one stage per rank reaches at most about 80.0% of the limit here" in out
+    assert "would need PiPPy's at or below 72.7% (it read 75.0%)" in out
+    assert "In the replay: fxpipe 1f1b, chunks=2 (interleaved: 4 stages on 2 ranks) 12.0%." in out
