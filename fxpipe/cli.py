@@ -64,14 +64,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from .errors import FxpipeError
     from .inspect import inspect
 
-    if args.stages == 0 and (args.schedule is not None or args.microbatches is not None or args.lookahead is not None):
-        given = " and ".join(f"--{n}" for n in ("schedule", "microbatches", "lookahead") if getattr(args, n) is not None)
+    shaping = ("schedule", "microbatches", "lookahead", "chunks")
+    if args.stages == 0 and any(getattr(args, n) is not None for n in shaping):
+        given = " and ".join(f"--{n}" for n in shaping if getattr(args, n) is not None)
         raise SystemExit(f"fxpipe inspect: {given} shape the schedule, which --stages 0 does not make (it writes "
                          f"the trace's dumps alone); leave {given} out, or pass --stages N")
     model, example_inputs = _load_factory(args.factory)
     try:
         paths = inspect(model, example_inputs, args.out, stages=args.stages or None,
-                        microbatches=args.microbatches, schedule=args.schedule or "2bw", lookahead=args.lookahead)
+                        microbatches=args.microbatches, schedule=args.schedule or "2bw", lookahead=args.lookahead,
+                        chunks=args.chunks or 1)
     except FxpipeError as e:  # what the user can fix (--stages, the model): its message, no traceback
         raise SystemExit(f"fxpipe inspect: {e}") from None
     except OSError as e:  # --out not writable: one line, no traceback
@@ -279,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="micro-batches per step (default: max(2 x stages, 4))")
     i.add_argument("--lookahead", type=_non_negative_int, default=None,
                    help="2bw, 1f1b: forwards each stage but the last runs ahead (default: the planner's)")
+    i.add_argument("--chunks", type=_positive_int, default=None,
+                   help="1f1b: stages per rank, interleaved 1F1B (--stages counts them all; default 1)")
     i.set_defaults(fn=_cmd_inspect)
 
     from .cluster import PRESETS

@@ -124,13 +124,13 @@ def write_dot(gm: fx.GraphModule, out_dir: str, assignment: Mapping[str, int] | 
 
 
 def inspect(model, example_inputs, out_dir: str, *, stages: int | None = None, microbatches: int | None = None,
-            schedule: str = "2bw", leaf_modules=(), lookahead: int | None = None) -> list[str]:
+            schedule: str = "2bw", leaf_modules=(), lookahead: int | None = None, chunks: int = 1) -> list[str]:
     """Trace ``model`` and write the node table (text + JSON) and the DOT graph into
     ``out_dir``; with ``stages`` also plan, split and schedule it (see :func:`inspect_pipeline`).
     Returns the paths written."""
     if stages is not None:
         return inspect_pipeline(model, example_inputs, out_dir, stages=stages, microbatches=microbatches,
-                                schedule=schedule, leaf_modules=leaf_modules, lookahead=lookahead)
+                                schedule=schedule, leaf_modules=leaf_modules, lookahead=lookahead, chunks=chunks)
     os.makedirs(out_dir, exist_ok=True)
     gm = model if isinstance(model, fx.GraphModule) and "fxpipe" in model.meta else trace(
         model, example_inputs, leaf_modules=leaf_modules
@@ -221,11 +221,12 @@ def write_pipeline_dumps(pipe, out_dir: str, events=()) -> list[str]:
 
 
 def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, microbatches: int | None = None,
-                     schedule: str = "2bw", leaf_modules=(), lookahead: int | None = None) -> list[str]:
+                     schedule: str = "2bw", leaf_modules=(), lookahead: int | None = None, chunks: int = 1) -> list[str]:
     """Trace, plan (analytic costs), split and schedule ``model`` without training it, and write
     every dump: node table and DOT graph with stage columns/clusters, the plan, one Python file
     per stage, and the schedule's grid, Chrome-trace JSON and SVG picture. ``lookahead``: as
-    ``fxpipe.compile``'s (None: the planner's)."""
+    ``fxpipe.compile``'s (None: the planner's); ``chunks``: stages per rank (1f1b, interleaved:
+    ``stages`` counts them all, on ``stages / chunks`` ranks)."""
     from .codegen import from_plan, write_stage_code
     from .errors import ConfigError
     from .partition import plan as make_plan
@@ -240,8 +241,8 @@ def inspect_pipeline(model, example_inputs, out_dir: str, *, stages: int = 2, mi
     gm = trace(model, example_inputs, leaf_modules=leaf_modules)
     m = microbatches if microbatches is not None else max(2 * stages, 4)
     # What fxpipe.compile plans and runs at these stages and micro-batches: its per-step norm all-reduce (2bw: a second gradient buffer).
-    p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=stages,
-                  clip=norm_every_step(), lookahead=lookahead)
+    p = make_plan(gm, None, stages=stages, microbatches=m, schedule=schedule, world_size=max(stages // chunks, 1),
+                  clip=norm_every_step(), lookahead=lookahead, chunks=chunks)
     staged = from_plan(gm, p)
     tied = sorted({s for tp in staged.tied if len(tp.stages) > 1 for s in tp.stages})
     assignment = p.assignment

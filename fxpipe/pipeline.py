@@ -909,7 +909,7 @@ class Pipeline:
             )
         d, w = plan.stages, plan.width
         if self.distributed and plan.world_size != self.world_size:
-            per = "" if plan.chunks == 1 else f" / chunks"
+            per = "" if plan.chunks == 1 else " / chunks"
             by = "" if plan.chunks == 1 else f" / {plan.chunks}"
             raise RuntimeMismatchError(
                 f"the plan needs stages{per}*width = {d}{by}*{w} = {plan.world_size} ranks; the world has "
@@ -1183,10 +1183,10 @@ class Pipeline:
         return max(1, self.world_size // (self.config.stages // v)) if self.distributed else 1
 
     def _execute(self, segment: Callable[[int], list[Action]], what: str) -> None:
-        """Run every local rank's segment (``segment(stage)``) to its end, in list order: the
-        runtime never skips, reorders or adds an action. Under torchrun the one local rank runs
-        it straight through (a wait blocks); in one process the ranks are interleaved, each run
-        until its next action waits for an operation that has not completed."""
+        """Run every local rank's segment (``segment(lane)``, the rank's lane in its replica) to its
+        end, in list order: the runtime never skips, reorders or adds an action. Under torchrun
+        the one local rank runs it straight through (a wait blocks); in one process the ranks are
+        interleaved, each run until its next action waits for an operation that has not completed."""
         topo = self.topology
         ranks = [self.rank] if self.distributed else range(topo.world_size)
         lists = {r: segment(topo.lane_of_rank(r)) for r in ranks}

@@ -1,9 +1,11 @@
-"""Pipeline schedules as data: per-stage action lists for gpipe, 1f1b, 2bw and zb, checked and lowered.
+"""Pipeline schedules as data: per-rank action lists for gpipe, 1f1b, 2bw and zb, checked and lowered.
 
-A schedule is what one rank of each stage does, in order: a :class:`Program` hands out one
-*segment* per step (ending with ``END_STEP t``), a *drain* for a flush and an *eval* pass, all
-generated on demand and periodic, so nothing grows with the run. :func:`generate` concatenates
-the segments of a fixed number of steps and a flush into ``{stage: [Action, ...]}``. Nothing here
+A schedule is what each rank of a pipeline replica (its *lane*) does, in order: a
+:class:`Program` hands out one *segment* per step (ending with ``END_STEP t``), a *drain* for a
+flush and an *eval* pass, all generated on demand and periodic, so nothing grows with the run.
+:func:`generate` concatenates the segments of a fixed number of steps and a flush into
+``{lane: [Action, ...]}``. A lane runs one stage (lane ``s`` is stage ``s``), or under
+interleaved 1F1B (``chunks`` > 1) several: stage ``j`` on lane ``j mod (stages / chunks)``. Nothing here
 runs a model or touches a process group; the runtime executes the lists, the simulator
 (:mod:`fxpipe.simulate`) times them, and :func:`validate` proves the invariants. docs/design.md
 ("The schedule IR", "The NCCL contract") explains the design; this docstring is the reference.
@@ -90,6 +92,13 @@ Orders the generators produce (stage ``i`` of ``d``, ``m`` micro-batches per bat
   1f1b's 15: ``m(F+I+W) + (d-1)(F+I-W)`` against ``(m+d-1)(F+B)``, as with every backward
   split; a split that costs more than B is paid on fewer micro-batches (with I = W = 1.1,
   13.4 against 13.8).
+* 1f1b with ``chunks`` = v > 1 (interleaved 1F1B, :func:`_interleaved`): a lane runs its v
+  stages' forwards in rounds of d micro-batches (d = stages / v lanes) and their backwards in
+  the same rounds with the stages reversed, after ``2(d - r - 1) + (v - 1)d`` warm-up forwards
+  on lane r; a flush, as 1f1b. Each lane's list holds all its stages' actions; the channels
+  between two lanes share one queue, in the order of :func:`_send_order`
+  (:func:`_with_p2p_lanes`); a collective several of a lane's stages take part in is posted by
+  each of them before any waits for it, and the lane joins it once (:class:`fxpipe.deps.Rendezvous`).
 * 2bw: the 1f1b pattern over all micro-batches at once (no flush), with ``UPDATE t`` after the
   last backward of batch ``t``. The design's example, d=2, m=2::
 

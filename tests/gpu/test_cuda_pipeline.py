@@ -21,13 +21,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
 # zb: on CUDA autograd runs the backward on a device thread, where fxpipe's saved-tensor bookkeeping
 # for the split backward (fxpipe.backward.SavedTensors) must hold as on the CPU
 @pytest.mark.parametrize("name", ["2bw_adamw_clip", "2bw_sgd", "1f1b_adamw", "gpt2_2bw", "llama_2bw_adamw",
-                                  "zb_adamw_clip", "gpt2_zb"])
+                                  "zb_adamw_clip", "gpt2_zb", "i2_adamw_clip"])
 def test_cuda_pipeline_matches_the_reference_on_the_gpu(name):
     case = CASES[name]
     model, example, batches, loss_fn, opt = build(case)
     pipe = fxpipe.compile(
         model, example, loss_fn=loss_fn, optimizer=opt, microbatches=case.microbatches, schedule=case.schedule,
-        stages=case.stages, max_grad_norm=case.max_grad_norm, device="cuda", verbose=False,
+        stages=case.stages, max_grad_norm=case.max_grad_norm, device="cuda", verbose=False, chunks=case.chunks,
     )
     assert pipe.device.type == "cuda"
     # float32 cases take the fused Triton update; the float64 ones fall back to torch.optim
@@ -52,7 +52,9 @@ def test_nccl_ranks_match_the_reference():
     # One process per GPU, NCCL between them, exactly as under torchrun.
     from tests.dist.test_pipeline_dist import check_cases
 
-    check_cases(2, ["2bw_adamw_clip", "1f1b_adamw", "gpt2_2bw", "llama_2bw_adamw"], 500, backend="nccl")
+    # i2_*: interleaved 1F1B, every channel between the two GPUs on one NCCL stream (docs/design.md)
+    check_cases(2, ["2bw_adamw_clip", "1f1b_adamw", "gpt2_2bw", "llama_2bw_adamw", "i2_gpt2_1f1b", "i2_adamw_clip"], 500,
+                backend="nccl")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")

@@ -338,6 +338,22 @@ def test_inspect_draws_the_planners_lookahead_or_the_one_asked_for(tmp_path, cap
                                         "2bw and 1f1b follow; found schedule='zb'")
 
 
+def test_inspect_draws_an_interleaved_pipeline(tmp_path):
+    from fxpipe.cli import main
+
+    main(["inspect", "fxpipe.demo:demo_factory", "--stages", "4", "--schedule", "1f1b", "--chunks", "2",
+          "--microbatches", "4", "--out", str(tmp_path)])
+    svg = (tmp_path / "schedule.svg").read_text()
+    assert "1f1b (2 stages per rank), 4 stages" in svg and "rank 0, stages 0, 2" in svg and "rank 1, stages 1, 3" in svg
+    assert "Plan: 1f1b interleaved, 2 stages per rank on 2 ranks per replica" in (tmp_path / "plan.txt").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "fxpipe.demo:demo_factory", "--stages", "0", "--chunks", "2", "--out", str(tmp_path)])
+    assert str(e.value.code).startswith("fxpipe inspect: --chunks shape the schedule, which --stages 0 does not make")
+    with pytest.raises(SystemExit) as e:
+        main(["inspect", "fxpipe.demo:demo_factory", "--stages", "4", "--chunks", "2", "--out", str(tmp_path)])
+    assert "chunks=2 interleaves stages on each rank, which only schedule='1f1b' does" in str(e.value.code)
+
+
 def test_inspect_into_a_used_folder_leaves_only_this_runs_dumps(tmp_path):
     # a 3-stage run's stage_2.py stayed beside a 2-stage plan; a trace-only run kept the old plan
     from fxpipe.cli import main
