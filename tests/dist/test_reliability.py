@@ -26,9 +26,12 @@ SCHEDULES = ("2bw", "1f1b", "gpipe", "zb")
 DIR = "FXPIPE_TEST_CHECKPOINTS"  # where the ranks write (the spawned ranks inherit the environment)
 
 
-def _layouts(world: int) -> dict[str, tuple[int, int]]:
-    """(stages, microbatches) of the saving runs on ``world`` ranks, per schedule (w = 1)."""
-    return {s: (world, max(world, 2)) for s in SCHEDULES}
+def _layouts(world: int) -> dict[str, tuple[str, int, int, dict]]:
+    """(schedule, stages, microbatches, options) of the saving runs on ``world`` ranks, by name
+    (w = 1): every schedule, and 1f1b interleaved, two stages per rank."""
+    out = {s: (s, world, max(world, 2), {}) for s in SCHEDULES}
+    out["1f1b chunks=2"] = ("1f1b", 2 * world, world, {"chunks": 2})
+    return out
 
 
 def first_half(rank: int, world: int) -> dict:
@@ -36,9 +39,9 @@ def first_half(rank: int, world: int) -> dict:
     float64 dropout-free d = world run saved at step 3 for the resharding test."""
     root = os.environ[DIR]
     out = {}
-    for schedule, (d, m) in _layouts(world).items():
-        out[schedule] = resume.run(resume.compile(schedule, d, m, world=world), 0, 6)
-        resume.run(resume.compile(schedule, d, m, world=world), 0, 3, save=os.path.join(root, schedule))
+    for name, (schedule, d, m, options) in _layouts(world).items():
+        out[name] = resume.run(resume.compile(schedule, d, m, world=world, **options), 0, 6)
+        resume.run(resume.compile(schedule, d, m, world=world, **options), 0, 3, save=os.path.join(root, name))
     layout = dict(dropout=0.0, dtype=torch.float64, world=world)
     resume.run(resume.compile("2bw", world, 4, **layout), 0, 3, save=os.path.join(root, "reshard"))
     return out
@@ -49,9 +52,9 @@ def second_half(rank: int, world: int) -> dict:
     (d = 1, w = world, m halved) next to the uninterrupted run of that layout."""
     root = os.environ[DIR]
     out = {}
-    for schedule, (d, m) in _layouts(world).items():
-        pipe = resume.compile(schedule, d, m, world=world, lazy=True)
-        out[schedule] = resume.run(pipe, 3, 3, load=os.path.join(root, schedule))
+    for name, (schedule, d, m, options) in _layouts(world).items():
+        pipe = resume.compile(schedule, d, m, world=world, lazy=True, **options)
+        out[name] = resume.run(pipe, 3, 3, load=os.path.join(root, name))
     layout = dict(dropout=0.0, dtype=torch.float64, world=world, width=world)
     out["reshard_full"] = resume.run(resume.compile("2bw", 1, 2, **layout), 0, 5)
     pipe = resume.compile("2bw", 1, 2, **layout)
@@ -70,7 +73,7 @@ def _check_resume(world: int, tmp_path, monkeypatch) -> None:
     for rank in range(world):
         assert before[rank]["error"] is None, before[rank]["error"]
         assert after[rank]["error"] is None, after[rank]["error"]
-        for schedule in SCHEDULES:
+        for schedule in _layouts(world):
             full, resumed = before[rank]["value"][schedule], after[rank]["value"][schedule]
             assert resumed["steps"] == 6
             assert resumed["losses"] == full["losses"][3:], (rank, schedule)

@@ -89,9 +89,9 @@ def test_a_lane_posts_every_stages_part_of_a_collective_before_it_waits():
 def test_a_receive_out_of_its_pairs_queue_order_is_rejected():
     lanes = generate("1f1b", 4, 4, 1, chunks=2)
     lane = list(lanes[1])
-    recvs = [i for i, a in enumerate(lane) if a.kind is Kind.RECV_ACT]
-    i, j = recvs[0], recvs[1]
-    lane[i], lane[j] = lane[j], lane[i]  # 1RECV_ACT2 posted before 1RECV_ACT1
+    # two receives posted one after the other (3RECV_ACT1 3RECV_ACT2), swapped
+    i = next(i for i in range(len(lane) - 1) if lane[i].kind is lane[i + 1].kind is Kind.RECV_ACT)
+    lane[i], lane[i + 1] = lane[i + 1], lane[i]
     with pytest.raises(ScheduleError, match="order mismatch"):
         validate({0: lanes[0], 1: lane}, "1f1b", 4, 4, 1, chunks=2)
 
