@@ -186,6 +186,7 @@ __all__ = [
     "LOOKAHEAD_SCHEDULES",
     "check_lookahead",
     "check_chunks",
+    "eval_lanes",
     "interleaved_in_flight",
     "lane_of",
     "lanes_of",
