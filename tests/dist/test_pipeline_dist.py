@@ -101,12 +101,14 @@ def test_four_ranks_two_replicas_or_four_stages():
 
 
 def test_interleaved_on_two_ranks():
-    # interleaved 1F1B, two stages per rank (three in i3): tied weights, clipping, recomputation, dropout
-    check_cases(2, ["i2_gpt2_1f1b", "i2_adamw_clip", "i2_llama_recompute", "i3_gpt2_1f1b", "i2_dropout_1f1b"], 300)
+    # interleaved 1F1B, two stages per rank: tied weights and clipping; dropout, whose streams are
+    # per (seed, micro-batch, stage) however many stages a rank holds
+    check_cases(2, ["i2_gpt2_1f1b", "i2_dropout_1f1b"], 300)
 
 
 @pytest.mark.slow  # time budget: these run by default in one process
-def test_interleaved_on_three_and_four_ranks():
+def test_interleaved_more_cases_and_ranks():
+    check_cases(2, ["i2_adamw_clip", "i2_llama_recompute", "i3_gpt2_1f1b"], 300)
     check_cases(3, ["i2_d3_m6_1f1b"], 300)
     check_cases(4, ["i2_w2_gpt2_1f1b"], 300)
 
