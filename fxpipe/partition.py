@@ -97,8 +97,8 @@ from .precision import PRECISIONS, compute_dtype
 from .weights import weight_bytes
 from .plan import Configuration, Plan, RunnerUp, StagePlan, graph_fingerprint, megabytes
 from .trace import alias_base, as_leaf_modules, written_values
-from .schedule import (SCHEDULES, check_chunks, check_lookahead, gradient_buffers, min_microbatches, rank_of, warmup,
-                       zb_bounds)
+from .schedule import (SCHEDULES, check_chunks, check_lookahead, gradient_buffers, interleaved_holds, min_microbatches,
+                       rank_of, warmup, zb_bounds)
 
 __all__ = ["Chain", "StageModel", "Partition", "chain_from_graph", "partition_chain", "min_memory", "stage_time", "stage_memory", "plan",
            "reduction_time", "BlockCosting", "Capacity", "capacity"]
@@ -191,7 +191,8 @@ class Held:
 
 
 def _moments(schedule: str, stages: int, microbatches: int, s: int, recompute: bool,
-             split: bool = True, lookahead: int = 0) -> tuple[Held, ...]:
+             split: bool = True, lookahead: int = 0, chunks: int = 1,
+             recomputes: Sequence[bool] = ()) -> tuple[Held, ...]:
     """The moments of stage ``s`` whose maximum bounds what its rank holds over a step (of the
     runtime's lists, :func:`fxpipe.schedule.generate`). Each moment is the largest of each
     cut-sized count (inputs, sent, grads, model inputs) over the points of the list that hold
@@ -207,8 +208,16 @@ def _moments(schedule: str, stages: int, microbatches: int, s: int, recompute: b
     in the drain, the step's ``m`` model inputs. 2bw (``n = d - s``) posts at most two gradient
     receives ahead while ``n`` are whole and carries the previous batch's ``n - 1`` model
     inputs over; gpipe holds all ``m``. A ``lookahead`` (2bw, 1f1b) adds its forwards to ``d - s``
-    on every stage but the last (:func:`fxpipe.schedule.warmup`)."""
+    on every stage but the last (:func:`fxpipe.schedule.warmup`). Interleaved 1F1B (``chunks`` >
+    1): the stage's micro-batches in flight, boundary inputs and posted gradient receives as its
+    lane's list holds them at most (:func:`fxpipe.schedule.interleaved_holds`), with every
+    stage's recomputation (``recomputes``, which moves the receives; none given: this stage's
+    alone)."""
     d, m = stages, microbatches
+    if chunks > 1:
+        rc = tuple(recomputes) or tuple(recompute and i == s for i in range(d))
+        n, inputs, grads = interleaved_holds(s, d, chunks, m, rc)
+        return (Held(1, 0, n, inputs, 1, grads, m),) if recompute else (Held(n, 0, 0, inputs, 1, grads, m),)
     if schedule == "gpipe":
         return (Held(1, 0, m, m, 1, m, m),) if recompute else (Held(m, 0, 0, m, 0, m, m),)
     n = min(warmup(s, d, lookahead), m)
@@ -263,6 +272,8 @@ class StageModel:
     #: 2bw, 1f1b: forwards every stage but the last runs ahead of 1F1B's order
     #: (:func:`fxpipe.schedule.warmup`), counted in ``moments``
     lookahead: int = 0
+    #: 1f1b: stages per rank (interleaved 1F1B), whose lists ``moments`` counts
+    chunks: int = 1
 
     def forms(self, s: int, grad_in: bool = True) -> tuple[Held, ...]:
         """The moments of stage ``s`` (``grad_in``: whether its input cut carries a gradient)."""
@@ -280,22 +291,23 @@ class StageModel:
     def for_schedule(cls, schedule: str, stages: int, microbatches: int, recompute: bool | Sequence[bool],
                      device: DeviceModel, memory_limit: float | None = None,
                      links: Sequence[tuple[float, float]] = (), overlap: bool = False,
-                     lookahead: int = 0) -> "StageModel":
+                     lookahead: int = 0, chunks: int = 1) -> "StageModel":
         d, m, zb = stages, microbatches, schedule == "zb"
         # ZB-H1 holds min(d, m) micro-batches between F and W on every stage, min(d - s, m) of
         # them before their I (1f1b's count, whole activations), the rest deferred past it
-        alive = [zb_bounds(s, d, m)[0] if zb else m if schedule == "gpipe" else warmup(s, d, lookahead)
-                 for s in range(d)]
+        alive = [zb_bounds(s, d, m)[0] if zb else m if schedule == "gpipe" else
+                 interleaved_holds(s, d, chunks, m)[0] if chunks > 1 else warmup(s, d, lookahead) for s in range(d)]
         if isinstance(recompute, bool):
             # With one micro-batch alive (the last stage under 1f1b/2bw) recomputation saves
             # nothing and costs a forward: it stays off there.
             recompute = tuple(recompute and alive[s] > 1 for s in range(d))
         recompute = tuple(bool(x) for x in recompute)
-        moments = tuple(_moments(schedule, d, m, s, recompute[s], lookahead=lookahead) for s in range(d))
+        moments = tuple(_moments(schedule, d, m, s, recompute[s], lookahead=lookahead, chunks=chunks,
+                                 recomputes=recompute) for s in range(d))
         unsplit = tuple(_moments(schedule, d, m, s, recompute[s], split=False) for s in range(d)) if zb else ()
         return cls(d, recompute, moments, device.p2p_latency, device.p2p_bandwidth,
                    device.memory_bytes if memory_limit is None else float(memory_limit),
-                   tuple((float(a), float(b)) for a, b in links), bool(overlap), unsplit, lookahead)
+                   tuple((float(a), float(b)) for a, b in links), bool(overlap), unsplit, lookahead, chunks)
 
 
 @dataclass(frozen=True)
@@ -1247,7 +1259,7 @@ def _configs(world: int, depths: Sequence[int], global_batch: int | None, microb
 
 def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, world: int,
            d: int, w: int, b: int, m: int, rc: bool, device: DeviceModel, fit: bool = True,
-           layout: str = "replica", lookahead: int = 0) -> _Candidate:
+           layout: str = "replica", lookahead: int = 0, chunks: int = 1) -> _Candidate:
     """One configuration, partitioned under the memory limit (``fit``) or without one (to report
     what a configuration that does not fit would need and give). Raises :class:`_NoFit` when
     ``fit`` and nothing fits."""
@@ -1255,7 +1267,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
     chain = source.chain(b, grad_buffers)
     links = stage_links(cluster, d, w, layout)
     sm = StageModel.for_schedule(schedule, d, m, rc, device, limit if fit else math.inf, links, cluster.overlap_p2p,
-                                 lookahead)
+                                 lookahead, chunks)
     _check_depth(chain, d)
     part = _Solver(chain, sm).solve()
     if part is None:
@@ -1287,7 +1299,7 @@ def _price(source, cluster: Cluster, schedule: str, limit: float, clip: bool, wo
 
 def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, limit: float, worlds: Sequence[int],
             stages: int | None, microbatches: int | None, global_batch: int | None, recompute: bool | None,
-            clip: bool, lookahead: int = 0) -> _Search:
+            clip: bool, lookahead: int = 0, chunks: int = 1) -> _Search:
     """The paper's Algorithm 1 over every world size N of ``worlds``: every depth d dividing N
     (width w = N / d), every micro-batch size b filling the global batch, with and without
     recomputation; what fits ``limit`` competes on predicted throughput.
@@ -1323,11 +1335,13 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
         if bounds[world, d, w, bb, m] < best * (1 - 1e-9):
             break
         for rc in ([False, True] if recompute is None else [bool(recompute)]):
-            if rc and recompute is None and not any(StageModel.for_schedule(schedule, d, m, True, device).recompute):
+            if rc and recompute is None and not any(StageModel.for_schedule(schedule, d, m, True, device,
+                                                                           chunks=chunks).recompute):
                 continue  # d == 1 under 1f1b/2bw: recomputation is off everywhere, same as rc=False
             try:
                 c = max((_price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, layout=lay,
-                                lookahead=lookahead) for lay in _layouts(cluster, d, w)), key=lambda x: x.throughput)
+                                lookahead=lookahead, chunks=chunks) for lay in _layouts(cluster, d, w)),
+                        key=lambda x: x.throughput)
             except _NoFit:
                 missed.append((world, d, w, bb, m, rc))
                 continue
@@ -1341,7 +1355,7 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
     for world, d, w, bb, m, rc in missed:
         if (world, d, rc) not in fitting and (world, d, rc) not in shown:
             c = max((_price(source, cluster, schedule, limit, clip, world, d, w, bb, m, rc, device, fit=False,
-                            layout=lay, lookahead=lookahead) for lay in _layouts(cluster, d, w)),
+                            layout=lay, lookahead=lookahead, chunks=chunks) for lay in _layouts(cluster, d, w)),
                     key=lambda x: x.throughput)
             shown[world, d, rc] = dataclasses.replace(c, fits=False)
     return _Search(found + sorted(shown.values(), key=_Candidate.key), sorted({c[1] for c in configs}), missed)
@@ -1349,10 +1363,10 @@ def _search(source, cluster: Cluster, device: DeviceModel, *, schedule: str, lim
 
 def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Search, *, schedule: str, clip: bool,
                     limit: float, where: str, recompute: bool | None, global_batch: int | None,
-                    lookahead: int = 0) -> str:
+                    lookahead: int = 0, chunks: int = 1) -> str:
     """plan's error when nothing fits: the least memory that does (a number the search accepts
     when given as device_memory), with its configuration, and what else would help."""
-    need, cfg = _smallest_fit(source, cluster, device, schedule, clip, found.missed, lookahead)
+    need, cfg = _smallest_fit(source, cluster, device, schedule, clip, found.missed, lookahead, chunks)
     head = (f"no configuration fits in {megabytes(limit)} per device{where} (searched d in {found.depths}, "
             f"recompute {'on/off' if recompute is None else recompute})")
     if cfg is None:
@@ -1373,7 +1387,8 @@ def _no_fit_message(source, cluster: Cluster, device: DeviceModel, found: _Searc
 
 
 def _smallest_fit(source, cluster: Cluster, device: DeviceModel, schedule: str, clip: bool,
-                  missed: Sequence[tuple[int, int, int, int, int, bool]], lookahead: int = 0) -> tuple[int, tuple | None]:
+                  missed: Sequence[tuple[int, int, int, int, int, bool]], lookahead: int = 0,
+                  chunks: int = 1) -> tuple[int, tuple | None]:
     """The least whole number of bytes per device under which the search fits one of the
     ``missed`` configurations, and that configuration. Each has a lower bound, the least limit
     under which a partition of its chain fits (:func:`min_memory`); from the lowest up, the
@@ -1385,14 +1400,14 @@ def _smallest_fit(source, cluster: Cluster, device: DeviceModel, schedule: str, 
 
     def model(world, d, w, m, rc, limit):
         return StageModel.for_schedule(schedule, d, m, rc, device, limit, stage_links(cluster, d, w), cluster.overlap_p2p,
-                                       lookahead)
+                                       lookahead, chunks)
 
     def fits(cfg, limit: int) -> bool:
         world, d, w, b, m, rc = cfg
         for lay in _layouts(cluster, d, w):
             try:
                 if _price(source, cluster, schedule, float(limit), clip, world, d, w, b, m, rc, device, layout=lay,
-                          lookahead=lookahead).fits:
+                          lookahead=lookahead, chunks=chunks).fits:
                     return True
             except _NoFit:
                 pass
@@ -1650,12 +1665,12 @@ def plan(
             )
     found = _search(source, cluster, device, schedule=schedule, limit=limit, worlds=worlds, stages=stages,
                     microbatches=microbatches, global_batch=global_batch, recompute=recompute, clip=clip,
-                    lookahead=lookahead or 0)
+                    lookahead=lookahead or 0, chunks=_chunks)
     fits = [c for c in found.candidates if c.fits]
     if not fits:
         raise PlanError(_no_fit_message(source, cluster, device, found, schedule=schedule, clip=clip, limit=limit,
                                         where=f" of {cluster.name}" if given_cluster else "", recompute=recompute,
-                                        global_batch=global_batch, lookahead=lookahead or 0))
+                                        global_batch=global_batch, lookahead=lookahead or 0, chunks=_chunks))
     shared = device.host_cores is not None and device.host_cores < fits[0].d * fits[0].w
     split = schedule == "zb" and (device.backward_input_share, device.backward_weight_share) != (0.5, 0.5)
     def ahead(c: _Candidate) -> _Candidate:  # the planner's lookahead, where the caller gave none

@@ -148,6 +148,7 @@ Stream lowering: :func:`lower_to_streams` maps one rank's list onto the streams 
 from __future__ import annotations
 
 import enum
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -187,6 +188,7 @@ __all__ = [
     "check_lookahead",
     "check_chunks",
     "eval_lanes",
+    "interleaved_holds",
     "interleaved_in_flight",
     "lane_of",
     "lanes_of",
@@ -649,6 +651,34 @@ def _interleaved(first: int, m: int, lane: int, d: int, v: int) -> list[tuple[Ki
             order.append(at(warm + j, Kind.F))
         order.append(at(j, Kind.B))
     return order
+
+
+@functools.lru_cache(maxsize=256)
+def interleaved_holds(stage: int, stages: int, chunks: int, microbatches: int,
+                      recompute: tuple[bool, ...] = ()) -> tuple[int, int, int]:
+    """``(micro-batches, inputs, gradients)``: the most micro-batches stage ``stage`` holds
+    between their F and their B under interleaved 1F1B, the most boundary inputs it holds
+    (received or their receive posted, until the micro-batch's B) and the most gradient receives
+    it has posted and not yet consumed, read from one step of its lane's list (every step of a
+    flush is the same) with the stages' ``recompute`` (one bool each; none: off), which moves the
+    receives: what the planner's memory model counts for it."""
+    lst = _build("1f1b", stages, microbatches, 1, list(recompute) or [False] * stages, False, (), False, 0, chunks)[
+        lane_of(stage, stages, chunks)]
+    held, inputs, grads = set(), set(), set()
+    most = [0, 0, 0]
+    for a in (a for a in lst if a.stage == stage):
+        if a.kind is Kind.F:
+            held.add(a.index)
+        elif a.kind is Kind.RECV_ACT:
+            inputs.add(a.index)
+        elif a.kind is Kind.RECV_GRAD:
+            grads.add(a.index)
+        elif a.kind is Kind.B:
+            held.discard(a.index)
+            inputs.discard(a.index)
+            grads.discard(a.index)
+        most = [max(x, len(y)) for x, y in zip(most, (held, inputs, grads))]
+    return most[0], most[1], most[2]
 
 
 def interleaved_in_flight(lane: int, stages: int, chunks: int, microbatches: int) -> int:

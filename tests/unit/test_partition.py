@@ -673,13 +673,16 @@ def test_a_recomputing_last_stage_holds_no_model_output_and_zb_its_anchor_gradie
         assert peak[sp.index] <= sp.memory_activations + sp.memory_buffers + 4, (sp.index, peak[sp.index])
 
 
-def _replayed(schedule: str, d: int, m: int, recompute: list, split: bool = True, lookahead: int = 0) -> dict[int, set]:
+def _replayed(schedule: str, d: int, m: int, recompute: list, split: bool = True, lookahead: int = 0,
+              chunks: int = 1) -> dict[int, set]:
     """Per stage, what the runtime holds after each action of its generated lists (3 steps and
     a flush), as counts (whole, deferred, outputs, inputs, sent, grads, model inputs): the
-    runtime's rules (fxpipe/runtime.py, Pipeline._give) replayed on the lists alone."""
+    runtime's rules (fxpipe/runtime.py, Pipeline._give) replayed on the lists alone (a stage's
+    own actions, read out of its lane's list under interleaved 1F1B, ``chunks`` > 1)."""
     from fxpipe.schedule import Kind, generate
 
-    lists = generate(schedule, d, m, 3, recompute=recompute, lookahead=lookahead)
+    lanes = generate(schedule, d, m, 3, recompute=recompute, lookahead=lookahead, chunks=chunks)
+    lists = {s: [a for lst in lanes.values() for a in lst if a.stage == s] for s in range(d)}
     out = {}
     for s, actions in lists.items():
         redo = {a.index for a in actions if a.kind is Kind.R}
@@ -764,6 +767,39 @@ def test_the_moments_bound_what_every_point_of_the_lists_holds(schedule, lookahe
                                 if (s == 0 and i in (3, 4)) or (s == d - 1 and i in (2, 5)):
                                     continue  # no input cut / no output cut: the count prices nothing
                                 assert c <= max(v[i] for v in seen), (schedule, d, m, s, split, i, h)
+
+
+def test_the_moments_bound_what_every_point_of_the_interleaved_lists_hold():
+    """As above for interleaved 1F1B (``chunks`` stages per rank): each stage's moments are the
+    most its lists hold of each kind (fxpipe.schedule.interleaved_holds), neither more nor less;
+    from d = 3 ranks some stages hold a micro-batch more than a plain pipeline of that depth."""
+    from fxpipe.partition import Held, _moments
+    from fxpipe.schedule import interleaved_holds, warmup
+
+    def covered(v, h: Held) -> bool:
+        c = [a - b for a, b in zip((h.whole, h.deferred, h.outputs, h.inputs, h.sent, h.grads, h.model_inputs), v)]
+        return min(c[0], c[1], c[2], c[3], c[5], c[6]) >= 0 and c[3] + c[4] >= 0
+
+    more = 0
+    for lanes in (2, 3, 4):
+        for v in (2, 3):
+            d = lanes * v
+            for m in range(lanes, 13, lanes):
+                alive = [interleaved_holds(s, d, v, m)[0] for s in range(d)]
+                more += sum(n > min(warmup(s, d), m) for s, n in enumerate(alive))
+                for on in (False, True):
+                    recompute = [on and n > 1 for n in alive]
+                    for s, seen in _replayed("1f1b", d, m, recompute, chunks=v).items():
+                        moments = _moments("1f1b", d, m, s, recompute[s], chunks=v, recomputes=recompute)
+                        for point in seen:
+                            assert any(covered(point, h) for h in moments), (d, v, m, s, recompute[s], point, moments)
+                        for h in moments:
+                            counts = (h.whole, h.deferred, h.outputs, h.inputs, h.sent, h.grads, h.model_inputs)
+                            for i, c in enumerate(counts):
+                                if (s == 0 and i in (3, 4)) or (s == d - 1 and i in (2, 5)):
+                                    continue
+                                assert c <= max(p[i] for p in seen), (d, v, m, s, i, h)
+    assert more > 0  # the plain pipeline's counts would not do
 
 
 # --------------------------------------------------------------------------------------------
