@@ -929,15 +929,15 @@ class Pipeline:
 
         o = self.config
         d, w = plan.stages, plan.width
-        slots = [sl for r in ([self.rank] if self.distributed else range(d // plan.chunks * w))
-                 for sl in Topology(d, w, layout=plan.layout, chunks=plan.chunks).slots_of(r)]
-        build = sorted({stage_and_replica(sl, d, w, plan.layout)[0] for sl in slots})
+        placed = Topology(d, w, layout=plan.layout, chunks=plan.chunks)  # the tied weights come with the stages
+        slots = [sl for r in ([self.rank] if self.distributed else range(placed.world_size)) for sl in placed.slots_of(r)]
+        build = sorted({placed.locate(sl)[0] for sl in slots})
         precision = o.policy
         prepare(gm, precision, self.device)  # the graph under autocast; the dtypes crossing cuts
         self.staged = self._split_agreed(split, gm, plan.assignment, build)
         self.staged_graph = gm
-        self.topology = topo = Topology(d, w, tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
-                                                    if len(tp.stages) > 1), plan.layout, plan.chunks)
+        self.topology = topo = replace(placed, tied=tuple((tp.name, tuple(tp.stages)) for tp in self.staged.tied
+                                                          if len(tp.stages) > 1))
         # the stages that run opaque leaf modules: there and on every stage before them, which
         # weights a backward reaches may change from one micro-batch to the next
         leafy = [plan.assignment[n.name] for n in leaf_module_calls(gm)]
